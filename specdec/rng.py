@@ -1,0 +1,96 @@
+"""Counter-based random numbers keyed by (seed, absolute position, stream).
+
+Every random draw in specdec is a pure function of the request's seed, the absolute position of
+the token it decides, the stream it belongs to and (for per-vocabulary noise) the vocabulary
+index. Nothing depends on the batch, the slot or a global generator, so a seeded request gives
+the same tokens alone, in any batch, after a retry, or through a pipelined schedule
+(DESIGN.md, "Exactness" rule 4).
+
+The generator is Philox-4x32-10 (Salmon et al., SC'11). The same function is written here in
+torch (int64 arithmetic on values in [0, 2**32)) and in Triton (`philox_uint32` in
+`target_service.kernels`); tests check that the two agree bit for bit.
+
+Counter layout: c0 = vocabulary index (0 for per-position draws), c1 = position,
+c2 = stream, c3 = 0; key = (seed & 0xffffffff, seed >> 32).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+import torch
+
+MASK32 = 0xFFFFFFFF
+PHILOX_ROUND_A = 0xD2511F53
+PHILOX_ROUND_B = 0xCD9E8D57
+PHILOX_KEY_A = 0x9E3779B9
+PHILOX_KEY_B = 0xBB67AE85
+PHILOX_ROUNDS = 10
+MAX_SEED = 2**63 - 1
+MAX_POSITION = 2**31 - 1
+UNIFORM_SCALE = 1.0 / 16777216.0  # 2**-24: the top 24 bits of a draw fill a float32 mantissa
+
+
+class Stream(IntEnum):
+    """Independent random streams; one draw per (seed, position, stream[, vocabulary index])."""
+
+    ACCEPT = 0  # acceptance test u < p(x) / q(x)
+    RECOVER = 1  # exponential race over the residual max(0, p - q) after a rejection
+    BONUS = 2  # exponential race over p after all drafts were accepted
+    DRAFT = 3  # the draft model's own sampling
+
+
+def _mulhilo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """High and low 32 bits of a * b for a in [0, 2**32), without int64 overflow."""
+    a_hi, a_lo = a >> 16, a & 0xFFFF
+    lo_prod = a_lo * b  # < 2**48
+    hi_prod = a_hi * b  # < 2**48
+    hi = (hi_prod + (lo_prod >> 16)) >> 16
+    lo = (lo_prod + ((hi_prod & 0xFFFF) << 16)) & MASK32
+    return hi & MASK32, lo
+
+
+def philox(
+    seed: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor
+) -> torch.Tensor:
+    """First 32-bit word of Philox-4x32-10 as int64 in [0, 2**32); arguments broadcast.
+
+    seed: int64 in [0, 2**63); c0, c1, c2: int64 in [0, 2**32).
+    """
+    k0 = seed & MASK32
+    k1 = (seed >> 32) & MASK32
+    c0, c1, c2 = torch.broadcast_tensors(c0 & MASK32, c1 & MASK32, c2 & MASK32)
+    c3 = torch.zeros_like(c0)
+    k0, k1 = torch.broadcast_tensors(k0, k1)
+    for _ in range(PHILOX_ROUNDS):
+        hi_b, lo_b = _mulhilo(c2, PHILOX_ROUND_B)
+        hi_a, lo_a = _mulhilo(c0, PHILOX_ROUND_A)
+        c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
+        k0 = (k0 + PHILOX_KEY_A) & MASK32
+        k1 = (k1 + PHILOX_KEY_B) & MASK32
+    return c0
+
+
+def uniform(bits: torch.Tensor) -> torch.Tensor:
+    """float32 in [0, 1) from the top 24 of 32 random bits: exact in float32 on every device."""
+    return (bits >> 8).to(torch.float32) * UNIFORM_SCALE
+
+
+def exponential(bits: torch.Tensor) -> torch.Tensor:
+    """Exp(1) draws, -log(u) with u in (0, 1) (never 0 or 1, so never inf or 0)."""
+    return -torch.log(((bits >> 8).to(torch.float32) + 0.5) * UNIFORM_SCALE)
+
+
+def position_uniform(seed: torch.Tensor, position: torch.Tensor, stream: Stream) -> torch.Tensor:
+    """One uniform per (seed, position) for the given stream; seed and position broadcast."""
+    zero = torch.zeros((), dtype=torch.int64, device=position.device)
+    return uniform(philox(seed, zero, position, torch.full_like(zero, int(stream))))
+
+
+def vocab_exponential(
+    seed: torch.Tensor, position: torch.Tensor, stream: Stream, vocab_size: int
+) -> torch.Tensor:
+    """Exp(1) noise [..., vocab_size] for each (seed, position); used for exponential races."""
+    vocab = torch.arange(vocab_size, dtype=torch.int64, device=position.device)
+    stream_t = torch.full((), int(stream), dtype=torch.int64, device=position.device)
+    return exponential(philox(seed[..., None], vocab, position[..., None], stream_t))
