@@ -8,4 +8,5 @@ python -m pip install -q --disable-pip-version-check -e ".[dev]"
 ruff check .
 ruff format --check .
 mypy
+python -m specdec.pb.generate --check
 python -m pytest -q "$@"

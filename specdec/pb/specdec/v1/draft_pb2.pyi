@@ -1,0 +1,44 @@
+from specdec.pb.specdec.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ProposeEntry(_message.Message):
+    __slots__ = ("request_id", "step", "new_token_ids", "committed_length", "num_draft_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    step: int
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    committed_length: int
+    num_draft_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+
+class ProposeBlock(_message.Message):
+    __slots__ = ("entries",)
+    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    entries: _containers.RepeatedCompositeFieldContainer[ProposeEntry]
+    def __init__(self, entries: _Optional[_Iterable[_Union[ProposeEntry, _Mapping]]] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("block", "errors")
+    BLOCK_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    block: _common_pb2.DraftBlock
+    errors: _containers.RepeatedCompositeFieldContainer[ProposeError]
+    def __init__(self, block: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[ProposeError, _Mapping]]] = ...) -> None: ...
+
+class ProposeError(_message.Message):
+    __slots__ = ("request_id", "error")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    error: _common_pb2.RequestError
+    def __init__(self, request_id: _Optional[str] = ..., error: _Optional[_Union[_common_pb2.RequestError, _Mapping]] = ...) -> None: ...
