@@ -1,0 +1,1 @@
+"""Shared gRPC plumbing of the draft and target services: domain messages, server, status."""

@@ -1,0 +1,39 @@
+"""float32 / int32 arrays as packed little-endian bytes (the wire format of `specdec.v1`).
+
+A row of V = 128,256 float32 probabilities is 0.5 MB; as `bytes` it is one copy each way,
+where a `repeated float` field would box every element.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+_WIRE = {torch.float32: np.dtype("<f4"), torch.int32: np.dtype("<i4")}
+
+
+def pack(tensor: torch.Tensor) -> bytes:
+    """Row-major little-endian bytes of a float32 or int32 tensor (any shape, any device)."""
+    wire = _WIRE.get(tensor.dtype)
+    if wire is None:
+        raise ValueError(f"only float32 and int32 tensors are packed, got {tensor.dtype}.")
+    array = tensor.detach().cpu().contiguous().numpy()
+    return array.astype(wire, copy=False).tobytes()
+
+
+def unpack(data: bytes, dtype: torch.dtype, shape: tuple[int, ...], field: str) -> torch.Tensor:
+    """Tensor of `shape` from packed bytes; ValueError naming `field` if the size is wrong."""
+    wire = _WIRE.get(dtype)
+    if wire is None:
+        raise ValueError(f"only float32 and int32 tensors are unpacked, got {dtype}.")
+    expected = int(np.prod(shape, dtype=np.int64)) * wire.itemsize
+    if len(data) != expected:
+        dims = " x ".join(str(d) for d in shape) or "scalar"
+        raise ValueError(
+            f"{field} has {len(data)} bytes; expected {expected} "
+            f"({dims} little-endian {wire.name})."
+        )
+    if expected == 0:
+        return torch.empty(shape, dtype=dtype)
+    array = np.frombuffer(data, dtype=wire).astype(wire.newbyteorder("="), copy=True)
+    return torch.from_numpy(array).reshape(shape)

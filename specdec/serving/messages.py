@@ -1,0 +1,178 @@
+"""Domain objects of the `specdec.v1` protocol, each with `from_pb` / `to_pb`.
+
+`from_pb` checks shapes and sizes and raises `ValueError` with a sentence naming the field;
+value checks that need the model (ids inside the vocabulary, q normalised) are the engines'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+
+import grpc
+
+from specdec.pb import common_pb2
+from specdec.sampling_params import SamplingParams
+
+INT32_MAX = 2**31 - 1
+
+
+class ErrorReason(IntEnum):
+    """Mirror of `specdec.v1.ErrorReason` (a test checks the two agree)."""
+
+    UNSPECIFIED = 0
+    UNKNOWN_REQUEST = 1
+    STALE_STEP = 2
+    DUPLICATE_STEP = 3
+    FUTURE_STEP = 4
+    COMMITTED_LENGTH_MISMATCH = 5
+    DUPLICATE_ENTRY = 6
+    INVALID_ARGUMENT = 7
+    INVALID_DRAFT_PROBS = 8
+    DRAFT_PROBS_NOT_NORMALIZED = 9
+    DRAFT_TOKEN_OUT_OF_SUPPORT = 10
+    TOKEN_OUT_OF_VOCAB = 11
+    NONFINITE_LOGITS = 12
+    CAPACITY = 13
+
+
+@dataclass(frozen=True, slots=True)
+class RequestError:
+    """Why one request of a block was not served."""
+
+    reason: ErrorReason
+    code: grpc.StatusCode
+    message: str
+
+    def __post_init__(self) -> None:
+        assert self.reason != ErrorReason.UNSPECIFIED, "an error needs a reason"
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.RequestError) -> RequestError | None:
+        if pb.reason == 0:
+            return None
+        code = next((c for c in grpc.StatusCode if c.value[0] == pb.grpc_code), None)
+        return cls(ErrorReason(pb.reason), code or grpc.StatusCode.UNKNOWN, pb.message)
+
+    def to_pb(self) -> common_pb2.RequestError:
+        return common_pb2.RequestError(
+            reason=int(self.reason),  # type: ignore[arg-type]
+            grpc_code=self.code.value[0],
+            message=self.message,
+        )
+
+
+def sampling_from_pb(pb: common_pb2.SamplingParams) -> SamplingParams:
+    """SamplingParams; unset temperature / top_p mean 1. ValueError names the field."""
+    try:
+        return SamplingParams(
+            temperature=pb.temperature if pb.HasField("temperature") else 1.0,
+            top_k=pb.top_k,
+            top_p=pb.top_p if pb.HasField("top_p") else 1.0,
+            seed=pb.seed,
+        )
+    except ValueError as e:
+        raise ValueError(f"sampling.{e}") from e
+
+
+def sampling_to_pb(params: SamplingParams) -> common_pb2.SamplingParams:
+    return common_pb2.SamplingParams(
+        temperature=params.temperature, top_k=params.top_k, top_p=params.top_p, seed=params.seed
+    )
+
+
+def _check_token_ids(ids: tuple[int, ...], field_name: str, vocab_size: int) -> None:
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"{field_name} holds {bad[0]}, outside the vocabulary [0, {vocab_size}).")
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """A request to admit: prompt token ids, sampling parameters, first step number."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    first_step: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("request_id must be a non-empty string.")
+        if not self.prompt_token_ids:
+            raise ValueError("prompt_token_ids must hold at least one token id.")
+        if self.first_step < 0:
+            raise ValueError(f"first_step must be >= 0, got {self.first_step}.")
+
+    def check_vocab(self, vocab_size: int) -> None:
+        _check_token_ids(self.prompt_token_ids, "prompt_token_ids", vocab_size)
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.AdmitRequest) -> Admission:
+        sampling = sampling_from_pb(pb.sampling)
+        return cls(pb.request_id, tuple(pb.prompt_token_ids), sampling, pb.first_step)
+
+    def to_pb(self) -> common_pb2.AdmitRequest:
+        return common_pb2.AdmitRequest(
+            request_id=self.request_id,
+            prompt_token_ids=self.prompt_token_ids,
+            sampling=sampling_to_pb(self.sampling),
+            first_step=self.first_step,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What a service serves and its limits (see `specdec.v1.ModelInfo`)."""
+
+    architecture: str
+    vocab_size: int
+    tokenizer_vocab_size: int
+    tokenizer_hash: str
+    max_seq_len: int
+    max_requests: int
+    max_num_draft_tokens: int
+    max_message_bytes: int
+    dtype: str
+
+    def __post_init__(self) -> None:
+        if not 0 < self.tokenizer_vocab_size <= self.vocab_size:
+            raise ValueError(
+                f"tokenizer_vocab_size must be in [1, vocab_size={self.vocab_size}], "
+                f"got {self.tokenizer_vocab_size}."
+            )
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.ModelInfo) -> ModelInfo:
+        return cls(
+            pb.architecture, pb.vocab_size, pb.tokenizer_vocab_size, pb.tokenizer_hash,
+            pb.max_seq_len, pb.max_requests, pb.max_num_draft_tokens, pb.max_message_bytes,
+            pb.dtype,
+        )  # fmt: skip
+
+    def to_pb(self) -> common_pb2.ModelInfo:
+        return common_pb2.ModelInfo(
+            architecture=self.architecture,
+            vocab_size=self.vocab_size,
+            tokenizer_vocab_size=self.tokenizer_vocab_size,
+            tokenizer_hash=self.tokenizer_hash,
+            max_seq_len=self.max_seq_len,
+            max_requests=self.max_requests,
+            max_num_draft_tokens=self.max_num_draft_tokens,
+            max_message_bytes=self.max_message_bytes,
+            dtype=self.dtype,
+        )
+
+
+def check_compatible(target: ModelInfo, draft: ModelInfo) -> None:
+    """Raises ValueError unless draft and target share a tokenizer (padded sizes may differ)."""
+    if target.tokenizer_hash != draft.tokenizer_hash:
+        raise ValueError(
+            f"The draft's tokenizer (hash {draft.tokenizer_hash[:16]}) differs from the "
+            f"target's (hash {target.tokenizer_hash[:16]}); draft and target must share one."
+        )
+    if target.tokenizer_vocab_size != draft.tokenizer_vocab_size:
+        raise ValueError(
+            f"The draft's tokenizer has {draft.tokenizer_vocab_size} ids and the target's "
+            f"{target.tokenizer_vocab_size}; draft and target must share one tokenizer."
+        )
