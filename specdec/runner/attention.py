@@ -1,0 +1,115 @@
+"""Attention over the slot KV cache for a ragged batch, in plain torch (SDPA).
+
+A forward holds B requests with n_b new tokens each, flattened to T = Σ n_b tokens for every
+matmul. Only attention needs them per request: the queries are scattered into a padded
+[B, n_max] grid, each request's keys are gathered from its slot, and one SDPA call runs with a
+boolean mask built from absolute positions (key j is visible to the query at position p iff
+j <= p, and p - j < window for sliding layers). Grouped-query heads are folded into the query
+length ([B, kv_heads, group * n_max, D]) so no K/V is repeated.
+
+Example: requests a (3 cached, 2 new) and b (5 cached, 1 new): T = 3, n_max = 2,
+positions = [3, 4, 5], q_pad_index = [0, 1, 2] (b's padded slot 3 is unused and sees key 0
+only, so no row of the mask is empty and SDPA never returns NaN).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class AttnMeta:
+    token_slot: torch.Tensor  # [T] int64: cache slot of each new token
+    positions: torch.Tensor  # [T] int64: absolute position of each new token
+    slots: torch.Tensor  # [B] int64
+    q_pad_index: torch.Tensor | None  # [T] int64 into the flat [B * n_max] grid; None if T == B*n
+    query_pos: torch.Tensor  # [B, n_max] int64 (padding: 0)
+    n_max: int
+    kv_len: int  # keys gathered per request (>= every position + 1)
+    cos: torch.Tensor  # [T, 1, head_dim] float32
+    sin: torch.Tensor  # [T, 1, head_dim] float32
+    masks: dict[int | None, torch.Tensor]  # window -> [B, 1, group * n_max, kv_len] bool
+
+
+def build_meta(
+    slots: torch.Tensor,
+    starts: torch.Tensor,
+    counts: list[int],
+    kv_len: int,
+    group: int,
+    windows: set[int | None],
+    cos_table: torch.Tensor,
+    sin_table: torch.Tensor,
+    equal: bool,
+) -> AttnMeta:
+    """Metadata for B requests in `slots` [B] with cached lengths `starts` [B] and `counts` new
+    tokens each. With `equal` every count is the same and no host sync or scatter is needed
+    (the CUDA-graph path)."""
+    device = slots.device
+    n_max = max(counts) if counts else 0
+    local = torch.arange(n_max, device=device)
+    query_pos = starts[:, None] + local[None, :]  # [B, n_max]
+    if equal:
+        q_pad_index = None
+        positions = query_pos.reshape(-1)
+        token_slot = slots.repeat_interleave(n_max)
+    else:
+        count_t = torch.tensor(counts, device=device)
+        valid = local[None, :] < count_t[:, None]  # [B, n_max]
+        query_pos = torch.where(valid, query_pos, torch.zeros_like(query_pos))
+        q_pad_index = valid.reshape(-1).nonzero().squeeze(1)
+        positions = query_pos.reshape(-1)[q_pad_index]
+        token_slot = slots.repeat_interleave(count_t)
+    keys = torch.arange(kv_len, device=device)
+    masks = {}
+    for window in windows:
+        visible = keys[None, None, :] <= query_pos[:, :, None]  # [B, n_max, kv_len]
+        if window is not None:
+            visible &= query_pos[:, :, None] - keys[None, None, :] < window
+        b = visible.shape[0]
+        masks[window] = (
+            visible[:, None].expand(b, group, n_max, kv_len).reshape(b, 1, group * n_max, kv_len)
+        )
+    return AttnMeta(
+        token_slot=token_slot,
+        positions=positions,
+        slots=slots,
+        q_pad_index=q_pad_index,
+        query_pos=query_pos,
+        n_max=n_max,
+        kv_len=kv_len,
+        cos=cos_table[positions][:, None],
+        sin=sin_table[positions][:, None],
+        masks=masks,
+    )
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cache: torch.Tensor,
+    meta: AttnMeta,
+    window: int | None,
+) -> torch.Tensor:
+    """Writes k, v into `cache` and attends; returns [T, heads * head_dim].
+
+    q [T, heads, D]; k, v [T, kv_heads, D]; cache [slots, 2, kv_heads, max_seq_len, D].
+    """
+    t, heads, d = q.shape
+    kv_heads = k.shape[1]
+    group = heads // kv_heads
+    cache[meta.token_slot, :, :, meta.positions] = torch.stack((k, v), dim=1)
+    kv = cache[:, :, :, : meta.kv_len].index_select(0, meta.slots)  # [B, 2, kv_heads, L, D]
+    b, n = kv.shape[0], meta.n_max
+    if meta.q_pad_index is not None:
+        grid = q.new_zeros(b * n, heads, d)
+        grid[meta.q_pad_index] = q
+        q = grid
+    q = q.view(b, n, kv_heads, group, d).permute(0, 2, 3, 1, 4).reshape(b, kv_heads, group * n, d)
+    out = F.scaled_dot_product_attention(q, kv[:, 0], kv[:, 1], attn_mask=meta.masks[window])
+    out = out.view(b, kv_heads, group, n, d).permute(0, 3, 1, 2, 4).reshape(b * n, heads * d)
+    if meta.q_pad_index is not None:
+        out = out[meta.q_pad_index]
+    return out

@@ -1,0 +1,86 @@
+"""Configuration and plain data types of the model runner."""
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerConfig:
+    """What to load and how much KV memory to reserve.
+
+    `max_slots` requests of up to `max_seq_len` tokens each fit at once (see `kv_cache`).
+    `cuda_graph_batch_sizes` are the batch sizes `graph_step` captures on CUDA (lazily, once
+    per (batch size, tokens per request, head)); an empty tuple means always eager.
+    """
+
+    model_path: str
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_slots: int = 8
+    max_seq_len: int = 2048
+    prefill_chunk: int = 512
+    memory_limit_bytes: int | None = None
+    cuda_graph_batch_sizes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}.")
+        if not 1 <= self.max_slots <= 4096:
+            raise ValueError(f"max_slots must be in [1, 4096], got {self.max_slots}.")
+        if not 1 <= self.max_seq_len <= 1 << 20:
+            raise ValueError(f"max_seq_len must be in [1, 1048576], got {self.max_seq_len}.")
+        if not 1 <= self.prefill_chunk <= 1 << 20:
+            raise ValueError(f"prefill_chunk must be in [1, 1048576], got {self.prefill_chunk}.")
+        if self.memory_limit_bytes is not None and self.memory_limit_bytes <= 0:
+            raise ValueError(
+                f"memory_limit_bytes must be a positive number of bytes or None, "
+                f"got {self.memory_limit_bytes}."
+            )
+        for size in self.cuda_graph_batch_sizes:
+            if not 1 <= size <= self.max_slots:
+                raise ValueError(
+                    f"cuda_graph_batch_sizes entries must be in [1, max_slots={self.max_slots}], "
+                    f"got {size}."
+                )
+        try:
+            torch.device(self.device)
+        except RuntimeError as exc:
+            raise ValueError(f"device must be a torch device string, got {self.device!r}.") from exc
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class ForwardItem:
+    """New tokens for one request, appended after its cached length.
+
+    Logits come back for the last `num_logits` of `token_ids`: 1 for prefill or decode,
+    k + 1 to verify k draft tokens, 0 for a prefill chunk whose logits nobody reads.
+    """
+
+    request_id: str
+    token_ids: Sequence[int] | torch.Tensor  # [n]
+    num_logits: int
+
+
+@dataclass(frozen=True, slots=True)
+class ModelInfo:
+    """What the services compare at start-up (vocabulary) and report (fast path or not)."""
+
+    architecture: str
+    vocab_size: int  # rows of the output head, padding included
+    tokenizer_vocab_size: int
+    max_seq_len: int
+    dtype: str
+    fast_path: bool
+    tokenizer_hash: str  # sha256 of the tokenizer's vocabulary as sorted JSON; "" if none

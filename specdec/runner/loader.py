@@ -1,0 +1,160 @@
+"""Checks and opens a local Hugging Face checkpoint; nothing is ever downloaded.
+
+Every problem a user can cause (no directory, broken config or weights, an architecture
+transformers does not know, a dtype the device cannot multiply in, too little memory) becomes a
+CheckpointError whose message is a whole sentence naming the problem.
+"""
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.errors import CheckpointError
+from specdec.runner.config import RunnerConfig
+from specdec.runner.model import FAST_MODEL_TYPES, STATIC_ROPE_TYPES, rope_type
+
+
+@dataclass(frozen=True, slots=True)
+class Checkpoint:
+    path: Path
+    hf_config: Any  # transformers.PretrainedConfig
+    tokenizer: Any  # transformers.PreTrainedTokenizerBase
+    files: tuple[Path, ...]
+    num_params: int
+    architecture: str
+    fast_path: bool
+
+
+def tokenizer_hash(tokenizer: Any) -> str:
+    vocab = json.dumps(tokenizer.get_vocab(), sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(vocab.encode()).hexdigest()
+
+
+def _read_config(path: Path) -> Any:
+    from transformers import AutoConfig
+
+    if not path.is_dir():
+        raise CheckpointError(f"The model directory {str(path)!r} does not exist.")
+    cfg_file = path / "config.json"
+    if not cfg_file.is_file():
+        raise CheckpointError(f"The model directory {str(path)!r} has no config.json.")
+    try:
+        json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{str(cfg_file)!r} is not valid JSON ({exc}).") from exc
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, KeyError) as exc:
+        raise CheckpointError(
+            f"The checkpoint in {str(path)!r} has an architecture that transformers does not "
+            f"support ({exc})."
+        ) from exc
+
+
+def _count_params(files: tuple[Path, ...]) -> int:
+    from safetensors import safe_open
+
+    total = 0
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
+                    shape = handle.get_slice(name).get_shape()
+                    total += int(torch.Size(shape).numel())
+        except Exception as exc:  # safetensors raises its own SafetensorError, or OSError
+            raise CheckpointError(f"The weights file {str(f)!r} is corrupt ({exc}).") from exc
+    return total
+
+
+def _check_dtype(device: torch.device, dtype: torch.dtype, name: str) -> None:
+    if device.type == "cuda" and dtype == torch.bfloat16 and not torch.cuda.is_bf16_supported():
+        raise CheckpointError(f"The device {device} cannot run {name} matmuls.")
+    try:
+        a = torch.ones(8, 8, dtype=dtype, device=device)
+        ok = bool(torch.isfinite(a @ a).all())
+    except RuntimeError as exc:
+        raise CheckpointError(f"The device {device} cannot run {name} matmuls ({exc}).") from exc
+    if not ok:
+        raise CheckpointError(f"The device {device} gives wrong {name} matmul results.")
+
+
+def _memory_available(device: torch.device, limit: int | None) -> int:
+    if limit is not None:
+        return limit
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def _architecture(cfg: Any) -> tuple[str, bool]:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    arch = (getattr(cfg, "architectures", None) or [type(cfg).__name__])[0]
+    fast = (
+        cfg.model_type in FAST_MODEL_TYPES
+        and rope_type(cfg) in STATIC_ROPE_TYPES
+        and getattr(cfg, "hidden_act", "silu") == "silu"
+    )
+    if not fast and type(cfg) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise CheckpointError(
+            f"The architecture {arch} (model_type {cfg.model_type!r}) is not a causal language "
+            f"model that transformers can run."
+        )
+    return arch, fast
+
+
+def open_checkpoint(config: RunnerConfig, kv_bytes: Callable[[Any], int]) -> Checkpoint:
+    """Validates the directory, dtype and memory; `kv_bytes(hf_config)` sizes the KV cache."""
+    from transformers import AutoTokenizer
+
+    path = Path(config.model_path)
+    cfg = _read_config(path)
+    files = tuple(sorted(path.glob("*.safetensors")))
+    if not files:
+        raise CheckpointError(f"The model directory {str(path)!r} has no *.safetensors files.")
+    arch, fast = _architecture(cfg)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+    except (OSError, ValueError, TypeError) as exc:
+        raise CheckpointError(f"The tokenizer in {str(path)!r} cannot be loaded ({exc}).") from exc
+    device = torch.device(config.device)
+    _check_dtype(device, config.torch_dtype, config.dtype)
+    num_params = _count_params(files)
+    need = num_params * config.torch_dtype.itemsize + kv_bytes(cfg)
+    have = _memory_available(device, config.memory_limit_bytes)
+    if need > have:
+        raise CheckpointError(
+            f"The checkpoint in {str(path)!r} needs {need / 2**30:.2f} GiB in {config.dtype} "
+            f"(weights plus KV cache) but only {have / 2**30:.2f} GiB is available."
+        )
+    return Checkpoint(path, cfg, tokenizer, files, num_params, arch, fast)
+
+
+@contextmanager
+def tensor_reader(ckpt: Checkpoint, device: torch.device) -> Iterator[Callable[[str], Any]]:
+    """Yields get(name) -> tensor on `device`, or None for a name no file holds."""
+    from safetensors import safe_open
+
+    with ExitStack() as stack:
+        where: dict[str, Any] = {}
+        for f in ckpt.files:
+            handle = stack.enter_context(safe_open(str(f), framework="pt", device=str(device)))
+            where |= dict.fromkeys(handle.keys(), handle)
+
+        def get(name: str) -> torch.Tensor | None:
+            handle = where.get(name)
+            if handle is None:
+                return None
+            try:
+                return handle.get_tensor(name)
+            except Exception as exc:
+                raise CheckpointError(f"The tensor {name!r} cannot be read ({exc}).") from exc
+
+        yield get

@@ -1,0 +1,242 @@
+"""ModelRunner: a causal LM with per-request KV state that both services drive.
+
+`forward` runs one ragged pass over any mix of prefill chunks, decodes and verifies (k_i + 1
+tokens, k_i may be 0) and returns float32 logits only for the positions asked for.
+`graph_step` is the equal-length fast path (decode, verify, draft) that replays a CUDA graph.
+KV state lives in fixed slots (see `kv_cache`). Llama, Mistral, Qwen2 and Qwen3 run on the
+plain-torch `model.Transformer`; any other causal LM on transformers' own model (`fallback`).
+"""
+
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from specdec.errors import InvalidInputError
+from specdec.runner.attention import build_meta
+from specdec.runner.config import ForwardItem, ModelInfo, RunnerConfig
+from specdec.runner.fallback import HFBackend
+from specdec.runner.graphs import Head, StepGraphs
+from specdec.runner.kv_cache import SlotCache
+from specdec.runner.loader import Checkpoint, open_checkpoint, tensor_reader, tokenizer_hash
+from specdec.runner.model import ModelArgs, Transformer, rope_tables
+
+log = logging.getLogger(__name__)
+
+
+class FastBackend:
+    """model.Transformer over a SlotCache: the flat-token forward both entry points share."""
+
+    def __init__(self, model: Transformer, cache: SlotCache) -> None:
+        self.model, self.cache = model, cache
+        a = model.args
+        self.vocab_size = int(model.w["lm_head"].shape[0])
+        self._group = a.num_heads // a.num_kv_heads
+        self._windows = set(a.windows)
+
+    def run(self, slots: list[int], starts: list[int], tokens: list[torch.Tensor],
+            num_logits: list[int]) -> torch.Tensor:
+        """float32 logits [sum(num_logits), vocab]; tokens[i] [n_i] goes after starts[i]."""
+        dev = self.model.w["embed"].device
+        counts = [t.numel() for t in tokens]
+        kv_len = max(s + c for s, c in zip(starts, counts, strict=True))
+        meta = build_meta(torch.tensor(slots, device=dev), torch.tensor(starts, device=dev),
+                          counts, kv_len, self._group, self._windows, self.model.cos,
+                          self.model.sin, equal=False)
+        hidden = self.model.hidden(torch.cat(tokens), meta, self.cache.layers)
+        ends = torch.tensor(counts).cumsum(0).tolist()
+        keep = [torch.arange(e - k, e) for e, k in zip(ends, num_logits, strict=True)]
+        return self.model.logits(hidden[torch.cat(keep).to(dev)])
+
+    def step(self, tokens: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, kv_len: int,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """float32 logits [B, n, vocab] for tokens [B, n] after starts [B] in slots [B]."""
+        b, n = tokens.shape
+        meta = build_meta(slots, starts, [n] * b, kv_len, self._group, self._windows,
+                          self.model.cos, self.model.sin, equal=True)
+        hidden = self.model.hidden(tokens.reshape(-1), meta, self.cache.layers)
+        logits = torch.nn.functional.linear(hidden, self.model.w["lm_head"]).view(b, n, -1)
+        if out is None:
+            return logits.float()
+        return out.copy_(logits)
+
+
+class ModelRunner:
+    def __init__(self, config: RunnerConfig, backend: FastBackend | HFBackend, cache: SlotCache,
+                 info: ModelInfo, tokenizer: Any) -> None:
+        self.config, self.info, self.tokenizer = config, info, tokenizer
+        self.vocab_size = backend.vocab_size
+        self._backend, self._cache = backend, cache
+        self._device = torch.device(config.device)
+        self._graphs: StepGraphs | None = None
+        fast = isinstance(backend, FastBackend)
+        if fast and self._device.type == "cuda" and config.cuda_graph_batch_sizes:
+            self._graphs = StepGraphs(backend.step, config.cuda_graph_batch_sizes,
+                                      self.vocab_size, config.max_seq_len, cache.scratch_slot,
+                                      self._device)
+
+    @classmethod
+    def load(cls, config: RunnerConfig) -> "ModelRunner":
+        """Loads a local checkpoint; CheckpointError (a full sentence) on any problem with it."""
+
+        def kv_bytes(hf: Any) -> int:
+            a = ModelArgs.from_hf(hf)
+            return SlotCache.bytes_needed(a.num_layers, config.max_slots, config.max_seq_len,
+                                          a.num_kv_heads, a.head_dim, config.torch_dtype)
+
+        ckpt = open_checkpoint(config, kv_bytes)
+        info = ModelInfo(ckpt.architecture, 0, len(ckpt.tokenizer), config.max_seq_len,
+                         config.dtype, ckpt.fast_path, tokenizer_hash(ckpt.tokenizer))
+        if ckpt.fast_path:
+            return cls.from_hf_weights(config, ckpt.hf_config, ckpt, info, ckpt.tokenizer)
+        return cls._load_fallback(config, ckpt, info)
+
+    @classmethod
+    def from_hf_weights(cls, config: RunnerConfig, hf_config: Any,
+                        weights: Checkpoint | dict[str, torch.Tensor], info: ModelInfo | None = None,
+                        tokenizer: Any = None) -> "ModelRunner":
+        """Fast-path runner from a checkpoint or from HF-named tensors (benchmarks, tests)."""
+        from specdec.errors import CheckpointError
+
+        args = ModelArgs.from_hf(hf_config)
+        device, dtype = torch.device(config.device), config.torch_dtype
+        limit = getattr(hf_config, "max_position_embeddings", None) or config.max_seq_len
+        if config.max_seq_len > limit:
+            raise CheckpointError(f"max_seq_len={config.max_seq_len} exceeds the model's "
+                                  f"max_position_embeddings={limit}.")
+        cos, sin = rope_tables(hf_config, config.max_seq_len)
+        try:
+            if isinstance(weights, dict):
+                model = Transformer.from_hf_state(args, weights.get, cos, sin, device, dtype)
+            else:
+                with tensor_reader(weights, device) as get:
+                    model = Transformer.from_hf_state(args, get, cos, sin, device, dtype)
+        except KeyError as exc:
+            raise CheckpointError(f"The checkpoint has no tensor named {exc.args[0]!r}.") from exc
+        cache = SlotCache(args.num_layers, config.max_slots, config.max_seq_len,
+                          args.num_kv_heads, args.head_dim, dtype, device)
+        backend = FastBackend(model, cache)
+        info = info or ModelInfo(str(hf_config.architectures[0] if hf_config.architectures
+                                     else hf_config.model_type), 0, 0, config.max_seq_len,
+                                 config.dtype, True, "")
+        info = _with_vocab(info, backend.vocab_size)
+        return cls(config, backend, cache, info, tokenizer)
+
+    @classmethod
+    def _load_fallback(cls, config: RunnerConfig, ckpt: Checkpoint,
+                       info: ModelInfo) -> "ModelRunner":
+        from transformers import AutoModelForCausalLM
+
+        log.warning("No fast path for %s: running transformers' own model (correct, slower).",
+                    ckpt.architecture)
+        model = AutoModelForCausalLM.from_pretrained(
+            str(ckpt.path), local_files_only=True, dtype=config.torch_dtype
+        ).to(config.device).eval()
+        backend = HFBackend(model, config.max_slots)
+        cache = SlotCache(0, config.max_slots, config.max_seq_len, 1, 1, config.torch_dtype,
+                          torch.device(config.device))
+        return cls(config, backend, cache, _with_vocab(info, backend.vocab_size), ckpt.tokenizer)
+
+    def add_request(self, request_id: str) -> None:
+        """Reserves a KV slot; CacheFullError if none is free, ValueError on a duplicate id."""
+        self._cache.add(request_id)
+
+    def release(self, request_id: str) -> None:
+        self._cache.release(request_id)
+
+    def cached_length(self, request_id: str) -> int:
+        return self._cache.length(request_id)
+
+    def truncate(self, request_id: str, length: int) -> None:
+        """Rolls back to `length` tokens (0 <= length <= cached_length), e.g. after a rejection."""
+        self._cache.truncate(request_id, length)
+
+    @torch.inference_mode()
+    def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:
+        """One ragged pass; float32 logits [sum(num_logits), vocab] in item order.
+
+        Prompts longer than `prefill_chunk` go in several passes of at most that many tokens
+        per request. Nothing changes if any item is invalid or would overflow its slot.
+        """
+        slots, starts, tokens = self._check_items(items)
+        keep = [it.num_logits for it in items]
+        rows: list[list[torch.Tensor]] = [[] for _ in items]
+        chunk = self.config.prefill_chunk
+        rounds = max((t.numel() + chunk - 1) // chunk for t in tokens) if tokens else 0
+        for r in range(rounds):
+            idx = [i for i, t in enumerate(tokens) if t.numel() > r * chunk]
+            parts = [tokens[i][r * chunk:(r + 1) * chunk] for i in idx]
+            want = [max(0, min(p.numel(), keep[i] - (tokens[i].numel() - r * chunk - p.numel())))
+                    for i, p in zip(idx, parts, strict=True)]
+            logits = self._backend.run([slots[i] for i in idx],
+                                       [starts[i] + r * chunk for i in idx], parts, want)
+            for i, piece in zip(idx, logits.split(want), strict=True):
+                rows[i].append(piece)
+        for it, t in zip(items, tokens, strict=True):
+            self._cache.extend(it.request_id, t.numel())
+        flat = [x for r in rows for x in r]
+        return torch.cat(flat) if flat else torch.empty(0, self.vocab_size, device=self._device)
+
+    def _check_items(self, items: Sequence[ForwardItem],
+                     ) -> tuple[list[int], list[int], list[torch.Tensor]]:
+        if len({it.request_id for it in items}) != len(items):
+            raise InvalidInputError("Each request may appear at most once in a forward.")
+        slots, starts, tokens = [], [], []
+        for it in items:
+            ids = torch.as_tensor(it.token_ids, dtype=torch.long).reshape(-1)
+            self._check_tokens(ids, it.request_id)
+            if not 0 <= it.num_logits <= ids.numel():
+                raise InvalidInputError(
+                    f"num_logits must be in [0, {ids.numel()}] for request {it.request_id!r}, "
+                    f"got {it.num_logits}.")
+            self._cache.check_room(it.request_id, ids.numel())
+            slots.append(self._cache.slot(it.request_id))
+            starts.append(self._cache.length(it.request_id))
+            tokens.append(ids.to(self._device))
+        return slots, starts, tokens
+
+    def _check_tokens(self, ids: torch.Tensor, request_id: str) -> None:
+        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.vocab_size):
+            raise InvalidInputError(
+                f"token ids of request {request_id!r} must be in [0, {self.vocab_size}).")
+
+    @torch.inference_mode()
+    def graph_step(self, request_ids: Sequence[str], token_ids: torch.Tensor,
+                   head: Head | None = None, head_inputs: Sequence[torch.Tensor] = (),
+                   ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+        """Appends token_ids [B, n] (same n for all) and returns what the step produced.
+
+        Without `head`: float32 logits [B, n, V]. With `head`: the tuple
+        `head(logits [B, n, V] float32, *head_inputs)` returns, each tensor with batch dim first;
+        every head input is [B, ...] too. On CUDA with B <= a captured batch size the step, head
+        included, replays a CUDA graph and the results are views of static buffers, valid until
+        the next graph_step of the same shape; the head must then be capturable (no host syncs,
+        randomness only from its inputs). Otherwise the step runs eagerly.
+        """
+        b, n = token_ids.shape
+        for rid in request_ids:
+            self._cache.check_room(rid, n)
+        if token_ids.device.type == "cpu":  # on a GPU the check would cost a host sync per step
+            self._check_tokens(token_ids, ",".join(request_ids))
+        if len(set(request_ids)) != b:
+            raise InvalidInputError("graph_step needs one distinct request id per row of token_ids.")
+        lengths = [self._cache.length(r) for r in request_ids]
+        slots = torch.tensor([self._cache.slot(r) for r in request_ids], device=self._device)
+        starts = torch.tensor(lengths, device=self._device)
+        tokens = token_ids.to(self._device, torch.long)
+        bs = self._graphs.padded_size(b) if self._graphs is not None else None
+        if self._graphs is not None and bs is not None:
+            logits, outs = self._graphs.run(bs, tokens, starts, slots, head, head_inputs)
+        else:
+            logits = self._backend.step(tokens, starts, slots, max(lengths) + n)
+            outs = tuple(head(logits, *head_inputs)) if head is not None else ()
+        for rid in request_ids:
+            self._cache.extend(rid, n)
+        return outs if head is not None else logits
+
+
+def _with_vocab(info: ModelInfo, vocab: int) -> ModelInfo:
+    from dataclasses import replace
+
+    return replace(info, vocab_size=vocab)
