@@ -1,0 +1,127 @@
+"""A gRPC server with what both services need: the standard health service (NOT_SERVING until
+the model is loaded and warmed up), server reflection, max message sizes, optional TLS, the
+exception → status interceptor, and a graceful stop on SIGTERM (health flips first, then
+`stop(grace)`).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent import futures
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from specdec.serving.status import StatusInterceptor
+
+log = logging.getLogger(__name__)
+DEFAULT_MAX_MESSAGE_BYTES = 256 * 1024 * 1024  # dense q at batch 32, k = 4, V = 128,256: 66 MB
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Where and how a service listens."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 picks a free port; Server.start returns it
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    tls_cert: Path | None = None  # PEM certificate chain; with tls_key enables TLS
+    tls_key: Path | None = None
+    grace_s: float = 10.0  # in-flight calls get this long to finish on stop
+    drain_s: float = 0.0  # NOT_SERVING is visible this long before the port closes
+    max_workers: int = 16
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}.")
+        if self.max_message_bytes < 1024:
+            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}.")
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise ValueError("tls_cert and tls_key must be given together (or neither).")
+        if self.grace_s < 0 or self.drain_s < 0:
+            raise ValueError("grace_s and drain_s must be >= 0.")
+        if self.max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {self.max_workers}.")
+
+    def channel_options(self) -> list[tuple[str, int]]:
+        return [
+            ("grpc.max_send_message_length", self.max_message_bytes),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
+        ]
+
+
+Register = Callable[[grpc.Server], None]
+
+
+class Server:
+    """Owns a grpc.Server plus its health servicer; `service_names` are full proto names."""
+
+    def __init__(self, config: ServerConfig, service_names: Sequence[str], register: Register):
+        self.config = config
+        self.service_names = tuple(service_names)
+        self.health = health.HealthServicer()
+        self._server = grpc.server(
+            futures.ThreadPoolExecutor(max_workers=config.max_workers),
+            interceptors=[StatusInterceptor()],
+            options=config.channel_options(),
+        )
+        register(self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
+        reflection.enable_server_reflection(
+            (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
+        )
+        self.set_serving(False)
+        self.port = 0
+        self._stopped = threading.Event()
+
+    def start(self) -> int:
+        """Binds and starts; returns the port. Health stays NOT_SERVING until set_serving."""
+        address = f"{self.config.host}:{self.config.port}"
+        if self.config.tls_cert is not None and self.config.tls_key is not None:
+            pair = (self.config.tls_key.read_bytes(), self.config.tls_cert.read_bytes())
+            self.port = self._server.add_secure_port(address, grpc.ssl_server_credentials([pair]))
+        else:
+            self.port = self._server.add_insecure_port(address)
+        if self.port == 0:
+            raise OSError(f"could not bind {address}.")
+        self._server.start()
+        return self.port
+
+    def set_serving(self, serving: bool) -> None:
+        status = SERVING if serving else NOT_SERVING
+        for name in ("", *self.service_names):
+            self.health.set(name, status)
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Flips health to NOT_SERVING, waits drain_s, then stops with `grace_s` for calls."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        self.set_serving(False)
+        if self.config.drain_s:
+            time.sleep(self.config.drain_s)
+        grace = self.config.grace_s if grace_s is None else grace_s
+        self._server.stop(grace).wait()
+
+    def wait(self) -> None:
+        self._server.wait_for_termination()
+
+    def serve_until_signal(self) -> None:
+        """Blocks until SIGTERM or SIGINT, then stops gracefully (main thread only)."""
+
+        def on_signal(signum: int, _frame: object) -> None:
+            log.info("signal %d: stopping (grace %.1f s)", signum, self.config.grace_s)
+            threading.Thread(target=self.stop, daemon=True).start()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        self.wait()

@@ -1,0 +1,213 @@
+"""The shared server plumbing: health, reflection, status mapping, limits, TLS, SIGTERM."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
+    ProtoReflectionDescriptorDatabase,
+)
+
+from specdec.errors import CacheFullError, StaleProposalError
+from specdec.serving.client import LockstepStream, make_channel
+from specdec.serving.server import Server, ServerConfig
+
+SERVICE = "test.Echo"
+SERVING = health_pb2.HealthCheckResponse.SERVING
+
+
+def _call(request: bytes, context: grpc.ServicerContext) -> bytes:
+    errors: dict[bytes, Exception] = {
+        b"value": ValueError("field x must be > 0, got -1."),
+        b"full": CacheFullError("the KV cache is full."),
+        b"stale": StaleProposalError("step 3 is stale."),
+        b"bug": ZeroDivisionError("oops"),
+    }
+    if request in errors:
+        raise errors[request]
+    if request == b"abort":
+        context.abort(grpc.StatusCode.PERMISSION_DENIED, "no")
+    return request
+
+
+def _stream(requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+    for request in requests:
+        yield _call(request, context)
+
+
+def _register(server: grpc.Server) -> None:
+    handlers = {
+        "Call": grpc.unary_unary_rpc_method_handler(_call),
+        "Stream": grpc.stream_stream_rpc_method_handler(_stream),
+    }
+    server.add_generic_rpc_handlers([grpc.method_handlers_generic_handler(SERVICE, handlers)])
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    srv = Server(ServerConfig(max_message_bytes=64 * 1024), [SERVICE], _register)
+    srv.start()
+    yield srv
+    srv.stop(0)
+
+
+def _health(channel: grpc.Channel, service: str = "") -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    return stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+
+
+def test_health_not_serving_until_ready_then_serving(server: Server) -> None:
+    with make_channel(f"127.0.0.1:{server.port}") as channel:
+        not_serving, serving = health_pb2.HealthCheckResponse.NOT_SERVING, SERVING
+        assert _health(channel) == _health(channel, SERVICE) == not_serving
+        server.set_serving(True)
+        assert _health(channel) == _health(channel, SERVICE) == serving
+
+
+def test_reflection_lists_services(server: Server) -> None:
+    with make_channel(f"127.0.0.1:{server.port}") as channel:
+        names = set(ProtoReflectionDescriptorDatabase(channel).get_services())
+    assert {SERVICE, "grpc.health.v1.Health"} <= names
+
+
+@pytest.mark.parametrize(
+    ("payload", "code", "text"),
+    [
+        (b"value", grpc.StatusCode.INVALID_ARGUMENT, "field x must be > 0"),
+        (b"full", grpc.StatusCode.RESOURCE_EXHAUSTED, "KV cache is full"),
+        (b"stale", grpc.StatusCode.FAILED_PRECONDITION, "step 3 is stale"),
+        (b"bug", grpc.StatusCode.INTERNAL, "ZeroDivisionError"),
+        (b"abort", grpc.StatusCode.PERMISSION_DENIED, "no"),
+    ],
+)
+def test_exceptions_map_to_status_and_server_keeps_serving(
+    server: Server, payload: bytes, code: grpc.StatusCode, text: str
+) -> None:
+    with make_channel(f"127.0.0.1:{server.port}") as channel:
+        call = channel.unary_unary(f"/{SERVICE}/Call")
+        with pytest.raises(grpc.RpcError) as info:
+            call(payload, timeout=5)
+        assert info.value.code() == code and text in info.value.details()
+        assert call(b"fine", timeout=5) == b"fine"
+
+
+def test_stream_error_maps_to_status(server: Server) -> None:
+    with make_channel(f"127.0.0.1:{server.port}") as channel:
+        stream = LockstepStream(channel.stream_stream(f"/{SERVICE}/Stream"))
+        assert stream(b"one") == b"one"
+        with pytest.raises(grpc.RpcError) as info:
+            stream(b"value")
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        with LockstepStream(channel.stream_stream(f"/{SERVICE}/Stream")) as again:
+            assert again(b"two") == b"two"
+
+
+def test_oversized_message_is_resource_exhausted(server: Server) -> None:
+    with make_channel(f"127.0.0.1:{server.port}", max_message_bytes=1 << 20) as channel:
+        call = channel.unary_unary(f"/{SERVICE}/Call")
+        with pytest.raises(grpc.RpcError) as info:
+            call(b"x" * (65 * 1024), timeout=5)
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert call(b"x" * 1000, timeout=5) == b"x" * 1000
+
+
+def _self_signed(tmp: Path) -> tuple[Path, Path]:
+    x509 = pytest.importorskip("cryptography.x509")
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "specdec-test")])
+    now = datetime.datetime.now(datetime.UTC)
+    san = x509.SubjectAlternativeName(
+        [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+    )
+    cert = (
+        x509.CertificateBuilder().subject_name(name).issuer_name(name)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(san, critical=False)
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )  # fmt: skip
+    cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+def test_tls(tmp_path: Path) -> None:
+    cert, key = _self_signed(tmp_path)
+    srv = Server(ServerConfig(tls_cert=cert, tls_key=key), [SERVICE], _register)
+    port = srv.start()
+    try:
+        with make_channel(f"localhost:{port}", tls_root_cert=cert.read_bytes()) as channel:
+            assert channel.unary_unary(f"/{SERVICE}/Call")(b"secret", timeout=5) == b"secret"
+        with make_channel(f"127.0.0.1:{port}") as plain:
+            with pytest.raises(grpc.RpcError) as info:
+                plain.unary_unary(f"/{SERVICE}/Call")(b"secret", timeout=5)
+            assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        srv.stop(0)
+
+
+def test_config_validation() -> None:
+    with pytest.raises(ValueError, match="tls_cert and tls_key"):
+        ServerConfig(tls_cert=Path("c.pem"))
+    with pytest.raises(ValueError, match="port must be"):
+        ServerConfig(port=70000)
+
+
+SCRIPT = textwrap.dedent(
+    """
+    import sys
+    from specdec.serving.server import Server, ServerConfig
+    srv = Server(ServerConfig(drain_s=1.5, grace_s=5.0), ["test.Echo"], lambda s: None)
+    print(srv.start(), flush=True)
+    srv.set_serving(True)
+    srv.serve_until_signal()
+    print("stopped", flush=True)
+    """
+)
+
+
+def test_sigterm_flips_health_then_stops(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", SCRIPT], stdout=subprocess.PIPE, text=True, env=env
+    )
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        with make_channel(f"127.0.0.1:{port}") as channel:
+            assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+            proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 1.0
+            status = health_pb2.HealthCheckResponse.SERVING
+            while status == health_pb2.HealthCheckResponse.SERVING and time.monotonic() < deadline:
+                status = _health(channel)
+            assert status == health_pb2.HealthCheckResponse.NOT_SERVING
+        assert proc.wait(timeout=20) == 0
+        assert proc.stdout.read().strip() == "stopped"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
