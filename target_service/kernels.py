@@ -1,0 +1,591 @@
+"""Triton rejection-sampling kernels and their pure-torch reference.
+
+Speculative sampling (Leviathan et al. 2022, arXiv:2211.17192; Chen et al. 2023). For request b
+with k draft tokens x_0..x_{k-1}, q the draft distribution each was sampled from and p the
+target distribution (after temperature, top-k, top-p) at each of the k + 1 scored positions:
+
+- **accepted** token: x_j is kept with probability min(1, p_j(x_j) / q_j(x_j)), tested as
+  u * q < p with u ~ U[0, 1) from stream ACCEPT at the token's absolute position;
+- **recovered** token: at the first rejection f, one token from max(0, p_f - q_f) (normalised),
+  drawn by an exponential race argmax_j r_j / E_j with E_j ~ Exp(1) from stream RECOVER;
+- **bonus** token: if all k are accepted, one token from p_k, argmax_j p_j / E_j, stream BONUS;
+- **placeholder** (-1): fills the output row after the committed tokens.
+
+Greedy requests (temperature 0) accept while x_j == argmax p_j and emit argmax p_f. With no q
+(n-gram or greedy drafts) q is one-hot at x_j. Every random number is Philox keyed by (seed,
+absolute position, stream[, vocabulary index]) (`specdec.rng`), never the batch slot.
+
+Three launches, so a big vocabulary is split across many programs:
+1. `_row_stats_kernel` [rows, splits]: per vocabulary split of each scored row, the online
+   softmax max/sum of the tempered, thresholded logits, the raw argmax, non-finite counts and,
+   for dense q, the q row's sum and invalid entries (the only full read of logits and q).
+2. `_decide_sample_kernel` [requests, splits]: combines the row partials, runs the acceptance
+   tests up to k, finds the first rejection f, and races over its split of row f.
+3. `_finalize_kernel` [requests]: combines the race partials and writes the outputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from specdec import rng
+
+PLACEHOLDER = -1
+Q_NONE, Q_DENSE, Q_SPARSE = 0, 1, 2
+Q_SUM_TOLERANCE = 1e-4
+SPARSE_PAD_ID = 2**31 - 1  # padding id after sorting a sparse support (sorts last)
+
+# Status codes; target_service.rejection_sampler.SampleStatus names them.
+OK, NONFINITE_LOGITS, INVALID_DRAFT_PROBS, DRAFT_PROBS_NOT_NORMALIZED = 0, 1, 2, 3
+DRAFT_TOKEN_OUT_OF_SUPPORT, TOKEN_OUT_OF_VOCAB = 4, 5
+
+
+@dataclass(slots=True)
+class KernelInputs:
+    """The sampler's inputs after validation and preparation (see rejection_sampler.py).
+
+    Rows: request b owns rows row_start[b] .. row_start[b] + k[b] of `logits` (k drafts + 1).
+    """
+
+    logits: torch.Tensor  # [R, >= vocab] float32 | bf16 | fp16
+    thresholds: torch.Tensor  # [R] float32, -inf = keep all
+    row_req: torch.Tensor  # [R] int32, owning request
+    row_draft: torch.Tensor  # [R] int32, draft-token index of the row, -1 for the last row
+    num_draft: torch.Tensor  # [B] int32, k_b
+    row_start: torch.Tensor  # [B] int32
+    draft_start: torch.Tensor  # [B] int32
+    draft_ids: torch.Tensor  # [T] int32
+    inv_temperature: torch.Tensor  # [B] float32, 1/T (1 for greedy)
+    greedy: torch.Tensor  # [B] int32, 1 if temperature == 0
+    seed: torch.Tensor  # [B] int64
+    position: torch.Tensor  # [B] int64, absolute position of the first draft token
+    status_in: torch.Tensor  # [B] int32, errors found before the kernels (sparse q checks)
+    q_mode: int  # Q_NONE | Q_DENSE | Q_SPARSE
+    q_probs: torch.Tensor | None  # dense [T, Vq] or sparse [T, S] float32, sparse sorted by id
+    q_ids: torch.Tensor | None  # sparse [T, S] int32 sorted, padding SPARSE_PAD_ID
+    synthetic_rates: torch.Tensor | None  # [max_k] float32 conditional acceptance rates
+    vocab_size: int  # ids >= vocab_size are padding: probability 0, never emitted
+    max_k: int
+
+    @property
+    def q_vocab(self) -> int:
+        return self.q_probs.shape[1] if self.q_mode == Q_DENSE and self.q_probs is not None else 0
+
+
+@dataclass(slots=True)
+class KernelOutputs:
+    token_ids: torch.Tensor  # [B, max_k + 1] int32, PLACEHOLDER padded
+    num_committed: torch.Tensor  # [B] int32, 0 on error
+    accepted: torch.Tensor  # [B, max_k] bool, position j accepted (j < first rejection)
+    status: torch.Tensor  # [B] int32
+
+
+@triton.jit
+def _philox(seed, c0, c1, c2):
+    """First word of Philox-4x32-10; seed int64, counters uint32 (`specdec.rng.philox`)."""
+    k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
+    k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
+    c3 = tl.zeros_like(c0)
+    for _ in tl.static_range(10):
+        a, b = c0, c2
+        c0 = tl.umulhi(b, 0xCD9E8D57) ^ c1 ^ k0
+        c2 = tl.umulhi(a, 0xD2511F53) ^ c3 ^ k1
+        c1 = b * 0xCD9E8D57
+        c3 = a * 0xD2511F53
+        k0 = k0 + 0x9E3779B9
+        k1 = k1 + 0xBB67AE85
+    return c0
+
+
+@triton.jit
+def _uniform(bits):
+    return (bits >> 8).to(tl.float32) * (1.0 / 16777216.0)
+
+
+@triton.jit
+def _row_stats_kernel(
+    logits_ptr,  # [R, >= V] float32 | bf16 | fp16
+    logits_stride,
+    thr_ptr,  # [R] float32
+    row_req_ptr,  # [R] int32
+    row_draft_ptr,  # [R] int32
+    inv_temp_ptr,  # [B] float32
+    q_ptr,  # [T, Vq] float32 (DENSE_Q only)
+    q_stride,
+    part_max_ptr,  # [R, NUM_SPLITS] float32
+    part_sum_ptr,  # [R, NUM_SPLITS] float32
+    part_amax_val_ptr,  # [R, NUM_SPLITS] float32
+    part_amax_idx_ptr,  # [R, NUM_SPLITS] int32
+    part_bad_ptr,  # [R, NUM_SPLITS] int32: non-finite logits + 65536 * invalid q entries
+    part_qsum_ptr,  # [R, NUM_SPLITS] float32
+    V,
+    Vq,
+    split_size,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    DENSE_Q: tl.constexpr,
+):
+    row = tl.program_id(0)
+    split = tl.program_id(1)
+    start = split * split_size
+    end = tl.minimum(start + split_size, tl.maximum(V, Vq))
+    thr = tl.load(thr_ptr + row)
+    inv_t = tl.load(inv_temp_ptr + tl.load(row_req_ptr + row))
+    draft = tl.load(row_draft_ptr + row)
+    row_ptr = logits_ptr + row.to(tl.int64) * logits_stride
+    q_row_ptr = q_ptr + tl.maximum(draft, 0).to(tl.int64) * q_stride
+    run_max = tl.full((), float("-inf"), tl.float32)
+    run_sum = tl.zeros((), tl.float32)
+    best = tl.full((), float("-inf"), tl.float32)
+    best_idx = tl.zeros((), tl.int32)
+    bad = tl.zeros((), tl.int32)
+    qsum = tl.zeros((), tl.float32)
+    for off in range(start, end, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        mask = offs < tl.minimum(end, V)
+        logit = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        bad += tl.sum((mask & ((logit != logit) | (tl.abs(logit) == float("inf")))).to(tl.int32))
+        raw = tl.where(mask, logit, float("-inf"))
+        block_best = tl.max(raw, 0)
+        block_idx = tl.argmax(raw, 0).to(tl.int32) + off
+        best_idx = tl.where(block_best > best, block_idx, best_idx)
+        best = tl.maximum(best, block_best)
+        scaled = tl.where(mask & (logit >= thr), logit * inv_t, float("-inf"))
+        new_max = tl.maximum(run_max, tl.max(scaled, 0))
+        safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+        run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.exp(scaled - safe), 0)
+        run_max = new_max
+        if DENSE_Q:
+            # scalar conditions folded into the bound: the interpreter rejects block & scalar
+            qmask = offs < tl.where(draft >= 0, tl.minimum(end, Vq), 0)
+            q = tl.load(q_row_ptr + offs, mask=qmask, other=0.0)
+            qsum += tl.sum(q, 0)
+            invalid = qmask & ((q != q) | (q < 0.0) | (q == float("inf")))
+            bad += 65536 * tl.sum(invalid.to(tl.int32))
+    out = row * NUM_SPLITS + split
+    tl.store(part_max_ptr + out, run_max)
+    tl.store(part_sum_ptr + out, run_sum)
+    tl.store(part_amax_val_ptr + out, best)
+    tl.store(part_amax_idx_ptr + out, best_idx)
+    tl.store(part_bad_ptr + out, bad)
+    tl.store(part_qsum_ptr + out, qsum)
+
+
+@triton.jit
+def _row_softmax(part_max_ptr, part_sum_ptr, row, NUM_SPLITS: tl.constexpr):
+    """Combine a row's split partials into (max, sum of exp(x - max))."""
+    splits = row * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    pmax = tl.load(part_max_ptr + splits)
+    psum = tl.load(part_sum_ptr + splits)
+    row_max = tl.max(pmax, 0)
+    safe = tl.where(row_max == float("-inf"), 0.0, row_max)
+    return safe, tl.sum(psum * tl.exp(pmax - safe), 0)
+
+
+@triton.jit
+def _row_argmax(part_amax_val_ptr, part_amax_idx_ptr, row, NUM_SPLITS: tl.constexpr):
+    """First index of the row's largest raw logit (ties go to the lowest id, as torch.argmax)."""
+    splits = row * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
+    vals = tl.load(part_amax_val_ptr + splits)
+    idx = tl.load(part_amax_idx_ptr + splits)
+    return tl.min(tl.where(vals == tl.max(vals, 0), idx, 2147483647), 0)
+
+
+@triton.jit
+def _draft_prob(q_ptr, q_stride, q_ids_ptr, t, x, Vq, S, S_P2: tl.constexpr, Q_MODE: tl.constexpr):
+    """q_t(x): the probability the draft gave its own token x (1 with no q)."""
+    if Q_MODE == 1:
+        q_x = tl.load(q_ptr + t.to(tl.int64) * q_stride + tl.minimum(x, Vq - 1))
+        return tl.where(x < Vq, q_x, 0.0)
+    elif Q_MODE == 2:
+        cols = tl.arange(0, S_P2)
+        ids = tl.load(q_ids_ptr + t * S + cols, mask=cols < S, other=-1)
+        probs = tl.load(q_ptr + t * S + cols, mask=cols < S, other=0.0)
+        return tl.sum(tl.where(ids == x, probs, 0.0), 0)
+    else:
+        return tl.full((), 1.0, tl.float32)
+
+
+@triton.jit
+def _decide_sample_kernel(
+    logits_ptr,  # [R, >= V]
+    logits_stride,
+    thr_ptr,  # [R] float32
+    num_draft_ptr,  # [B] int32
+    row_start_ptr,  # [B] int32
+    draft_start_ptr,  # [B] int32
+    draft_ids_ptr,  # [T] int32
+    inv_temp_ptr,  # [B] float32
+    greedy_ptr,  # [B] int32
+    seed_ptr,  # [B] int64
+    position_ptr,  # [B] int64
+    status_in_ptr,  # [B] int32
+    rates_ptr,  # [max_k] float32 (SYNTHETIC only)
+    q_ptr,  # dense [T, Vq] | sparse [T, S] float32
+    q_stride,
+    q_ids_ptr,  # sparse [T, S] int32, sorted ascending
+    part_max_ptr,  # [R, NUM_SPLITS] (from _row_stats_kernel)
+    part_sum_ptr,
+    part_amax_val_ptr,
+    part_amax_idx_ptr,
+    part_bad_ptr,
+    part_qsum_ptr,
+    first_reject_ptr,  # [B] int32 out
+    status_ptr,  # [B] int32 out
+    race_ptr,  # [B, NUM_SPLITS, 4] float32 out: (best r/E, its id, best p/E, its id)
+    V,
+    Vq,
+    S,
+    split_size,
+    NUM_SPLITS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    S_P2: tl.constexpr,
+    Q_MODE: tl.constexpr,
+    SYNTHETIC: tl.constexpr,
+):
+    b = tl.program_id(0)
+    split = tl.program_id(1)
+    k = tl.load(num_draft_ptr + b)
+    row0 = tl.load(row_start_ptr + b)
+    d0 = tl.load(draft_start_ptr + b)
+    inv_t = tl.load(inv_temp_ptr + b)
+    greedy = tl.load(greedy_ptr + b)
+    seed = tl.load(seed_ptr + b)
+    pos = tl.load(position_ptr + b)
+    splits = tl.arange(0, NUM_SPLITS)
+    first_reject = k
+    bad = tl.zeros((), tl.int32)
+    not_normalized = tl.zeros((), tl.int32)
+    out_of_vocab = tl.zeros((), tl.int32)
+    out_of_support = tl.zeros((), tl.int32)
+    for j in range(0, k + 1):
+        row = row0 + j
+        bad += tl.sum(tl.load(part_bad_ptr + row * NUM_SPLITS + splits), 0)
+        if j < k:
+            x = tl.load(draft_ids_ptr + d0 + j)
+            out_of_vocab += ((x < 0) | (x >= V)).to(tl.int32)
+            x = tl.minimum(tl.maximum(x, 0), V - 1)
+            if Q_MODE == 1:
+                qsum = tl.sum(tl.load(part_qsum_ptr + row * NUM_SPLITS + splits), 0)
+                not_normalized += (tl.abs(qsum - 1.0) > 1e-4).to(tl.int32)
+            q_x = _draft_prob(q_ptr, q_stride, q_ids_ptr, d0 + j, x, Vq, S, S_P2, Q_MODE)
+            out_of_support += (q_x <= 0.0).to(tl.int32)
+            row_max, row_sum = _row_softmax(part_max_ptr, part_sum_ptr, row, NUM_SPLITS)
+            logit = tl.load(logits_ptr + row.to(tl.int64) * logits_stride + x).to(tl.float32)
+            keep = logit >= tl.load(thr_ptr + row)
+            p_x = tl.where(keep, tl.exp(logit * inv_t - row_max) / row_sum, 0.0)
+            zero = tl.zeros((), tl.uint32)
+            u = _uniform(_philox(seed, zero, (pos + j).to(tl.uint32), zero))
+            if SYNTHETIC:
+                accept = u < tl.load(rates_ptr + j)
+            else:
+                argmax = _row_argmax(part_amax_val_ptr, part_amax_idx_ptr, row, NUM_SPLITS)
+                accept = tl.where(greedy != 0, x == argmax, u * q_x < p_x)
+            first_reject = tl.minimum(first_reject, tl.where(accept, k, j))
+    status = tl.load(status_in_ptr + b)
+    status = tl.where((status == 0) & (out_of_vocab > 0), 5, status)
+    status = tl.where((status == 0) & ((bad & 65535) > 0), 1, status)
+    status = tl.where((status == 0) & (bad >= 65536), 2, status)
+    status = tl.where((status == 0) & (not_normalized > 0), 3, status)
+    status = tl.where((status == 0) & (out_of_support > 0), 4, status)
+    if split == 0:
+        tl.store(first_reject_ptr + b, first_reject)
+        tl.store(status_ptr + b, status)
+    if (status == 0) & (greedy == 0):
+        _race(logits_ptr, logits_stride, thr_ptr, draft_ids_ptr, q_ptr, q_stride, q_ids_ptr,
+              part_max_ptr, part_sum_ptr, race_ptr, b, split, row0 + first_reject,
+              d0 + first_reject, first_reject < k, inv_t, seed, pos + first_reject,
+              V, Vq, S, split_size, NUM_SPLITS, BLOCK, S_P2, Q_MODE)  # fmt: skip
+
+
+@triton.jit
+def _race(
+    logits_ptr, logits_stride, thr_ptr, draft_ids_ptr, q_ptr, q_stride, q_ids_ptr,
+    part_max_ptr, part_sum_ptr, race_ptr, b, split, row, t, has_draft, inv_t, seed, pos,
+    V, Vq, S, split_size,
+    NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, S_P2: tl.constexpr, Q_MODE: tl.constexpr,
+):  # fmt: skip
+    """Exponential race over this split of row `row`: best max(0, p - q)/E (p/E for a bonus)
+    and best p/E (the fallback if rounding left the residual empty)."""
+    row_max, row_sum = _row_softmax(part_max_ptr, part_sum_ptr, row, NUM_SPLITS)
+    thr = tl.load(thr_ptr + row)
+    stream = tl.where(has_draft, 1, 2).to(tl.uint32)
+    t = tl.where(has_draft, t, 0)
+    x = tl.where(has_draft, tl.load(draft_ids_ptr + t), -1)
+    start = split * split_size
+    end = tl.minimum(start + split_size, V)
+    cols = tl.arange(0, S_P2)
+    sparse_ids = tl.load(q_ids_ptr + t * S + cols, mask=cols < tl.where(has_draft, S, 0), other=V)
+    best = tl.full((), -1.0, tl.float32)
+    best_idx = tl.zeros((), tl.int32)
+    best_p = tl.full((), -1.0, tl.float32)
+    best_p_idx = tl.zeros((), tl.int32)
+    for off in range(start, end, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        mask = offs < end
+        logit = tl.load(logits_ptr + row.to(tl.int64) * logits_stride + offs, mask=mask)
+        logit = logit.to(tl.float32)
+        p = tl.where(mask & (logit >= thr), tl.exp(logit * inv_t - row_max) / row_sum, 0.0)
+        if Q_MODE == 1:
+            qmask = offs < tl.where(has_draft, tl.minimum(end, Vq), 0)
+            q = tl.load(q_ptr + t.to(tl.int64) * q_stride + offs, mask=qmask, other=0.0)
+        elif Q_MODE == 2:
+            q = tl.zeros((BLOCK,), tl.float32)
+            lo = tl.sum((sparse_ids < off).to(tl.int32), 0)
+            hi = tl.sum((sparse_ids < off + BLOCK).to(tl.int32), 0)
+            for i in range(lo, hi):
+                q = tl.where(offs == tl.load(q_ids_ptr + t * S + i), tl.load(q_ptr + t * S + i), q)
+        else:
+            q = tl.where(offs == x, 1.0, 0.0)
+        bits = _philox(seed, offs.to(tl.uint32), pos.to(tl.uint32), stream)
+        expo = -tl.log(((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0))
+        residual = tl.where(has_draft, tl.maximum(p - q, 0.0), p)
+        score = tl.where(mask, residual / expo, -1.0)
+        score_p = tl.where(mask, p / expo, -1.0)
+        block_best = tl.max(score, 0)
+        best_idx = tl.where(block_best > best, tl.argmax(score, 0).to(tl.int32) + off, best_idx)
+        best = tl.maximum(best, block_best)
+        block_best_p = tl.max(score_p, 0)
+        best_p_idx = tl.where(
+            block_best_p > best_p, tl.argmax(score_p, 0).to(tl.int32) + off, best_p_idx
+        )
+        best_p = tl.maximum(best_p, block_best_p)
+    out = race_ptr + (b * NUM_SPLITS + split) * 4
+    tl.store(out, best)
+    tl.store(out + 1, best_idx.to(tl.float32))
+    tl.store(out + 2, best_p)
+    tl.store(out + 3, best_p_idx.to(tl.float32))
+
+
+@triton.jit
+def _finalize_kernel(
+    num_draft_ptr,  # [B] int32
+    row_start_ptr,  # [B] int32
+    draft_start_ptr,  # [B] int32
+    draft_ids_ptr,  # [T] int32
+    greedy_ptr,  # [B] int32
+    first_reject_ptr,  # [B] int32
+    status_ptr,  # [B] int32
+    race_ptr,  # [B, NUM_SPLITS, 4] float32
+    part_amax_val_ptr,  # [R, NUM_SPLITS]
+    part_amax_idx_ptr,  # [R, NUM_SPLITS]
+    token_ids_ptr,  # [B, max_k + 1] int32 out
+    num_committed_ptr,  # [B] int32 out
+    accepted_ptr,  # [B, max_k] int8 out
+    max_k,
+    NUM_SPLITS: tl.constexpr,
+    COLS: tl.constexpr,  # power of two >= max_k + 1
+):
+    b = tl.program_id(0)
+    k = tl.load(num_draft_ptr + b)
+    first_reject = tl.load(first_reject_ptr + b)
+    ok = tl.load(status_ptr + b) == 0
+    greedy_token = _row_argmax(
+        part_amax_val_ptr, part_amax_idx_ptr, tl.load(row_start_ptr + b) + first_reject, NUM_SPLITS
+    )
+    race = race_ptr + (b * NUM_SPLITS + tl.arange(0, NUM_SPLITS)) * 4
+    score, score_id = tl.load(race), tl.load(race + 1).to(tl.int32)
+    score_p, score_p_id = tl.load(race + 2), tl.load(race + 3).to(tl.int32)
+    best = tl.max(score, 0)
+    token = tl.min(tl.where(score == best, score_id, 2147483647), 0)
+    token_p = tl.min(tl.where(score_p == tl.max(score_p, 0), score_p_id, 2147483647), 0)
+    token = tl.where(best > 0.0, token, token_p)
+    token = tl.where(tl.load(greedy_ptr + b) != 0, greedy_token, token)
+    cols = tl.arange(0, COLS)
+    drafts = tl.load(draft_ids_ptr + tl.load(draft_start_ptr + b) + cols, mask=cols < first_reject)
+    out = tl.where(cols < first_reject, drafts, tl.where(cols == first_reject, token, -1))
+    out = tl.where(ok, out, -1)
+    tl.store(token_ids_ptr + b * (max_k + 1) + cols, out, mask=cols <= max_k)
+    tl.store(num_committed_ptr + b, tl.where(ok, first_reject + 1, 0))
+    accepted = ok & (cols < first_reject) & (cols < k)
+    tl.store(accepted_ptr + b * max_k + cols, accepted.to(tl.int8), mask=cols < max_k)
+
+
+def _launch_shape(rows: int, width: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK, split_size): on a GPU enough vocabulary splits to give ~4 programs per SM;
+    under the CPU interpreter one wide split per row (each program costs ~1 ms there)."""
+    if device.type != "cuda":
+        block = min(triton.next_power_of_2(width), 16384)
+        return block, triton.cdiv(width, block) * block
+    block = 1024
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    splits = max(1, min(triton.cdiv(4 * sms, rows), triton.cdiv(width, block), 64))
+    return block, triton.cdiv(triton.cdiv(width, splits), block) * block
+
+
+def rejection_sample_triton(
+    inputs: KernelInputs, block: int | None = None, split_size: int | None = None
+) -> KernelOutputs:
+    """Run the three kernels; `block` / `split_size` override the launch shape (tests)."""
+    x = inputs
+    device = x.logits.device
+    rows, batch = x.row_req.shape[0], x.num_draft.shape[0]
+    width = max(x.vocab_size, x.q_vocab)
+    auto_block, auto_split = _launch_shape(rows, width, device)
+    block = block or auto_block
+    split_size = split_size or max(auto_split, block)
+    n_splits = triton.cdiv(width, split_size)
+    num_splits = triton.next_power_of_2(n_splits)
+
+    def partial(fill: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.full((rows, num_splits), fill, dtype=dtype, device=device)
+
+    pmax, psum, pval = partial(float("-inf")), partial(0.0), partial(float("-inf"))
+    pidx, pbad, pqsum = partial(0, torch.int32), partial(0, torch.int32), partial(0.0)
+    dummy_f = torch.zeros(1, dtype=torch.float32, device=device)
+    dummy_i = torch.zeros(1, dtype=torch.int32, device=device)
+    q = x.q_probs if x.q_probs is not None else dummy_f
+    q_ids = x.q_ids if x.q_ids is not None else dummy_i
+    sparse_width = q.shape[1] if x.q_mode == Q_SPARSE else 1
+    _row_stats_kernel[(rows, n_splits)](
+        x.logits, x.logits.stride(0), x.thresholds, x.row_req, x.row_draft, x.inv_temperature,
+        q, q.stride(0), pmax, psum, pval, pidx, pbad, pqsum, x.vocab_size, x.q_vocab,
+        split_size, NUM_SPLITS=num_splits, BLOCK=block, DENSE_Q=x.q_mode == Q_DENSE,
+    )  # fmt: skip
+    first_reject = torch.empty(batch, dtype=torch.int32, device=device)
+    status = torch.empty(batch, dtype=torch.int32, device=device)
+    race = torch.full((batch, num_splits, 4), -1.0, device=device)
+    rates = x.synthetic_rates if x.synthetic_rates is not None else dummy_f
+    _decide_sample_kernel[(batch, n_splits)](
+        x.logits, x.logits.stride(0), x.thresholds, x.num_draft, x.row_start, x.draft_start,
+        x.draft_ids, x.inv_temperature, x.greedy, x.seed, x.position, x.status_in, rates,
+        q, q.stride(0), q_ids, pmax, psum, pval, pidx, pbad, pqsum, first_reject, status, race,
+        x.vocab_size, x.q_vocab, sparse_width, split_size, NUM_SPLITS=num_splits, BLOCK=block,
+        S_P2=triton.next_power_of_2(sparse_width), Q_MODE=x.q_mode,
+        SYNTHETIC=x.synthetic_rates is not None,
+    )  # fmt: skip
+    token_ids = torch.empty((batch, x.max_k + 1), dtype=torch.int32, device=device)
+    num_committed = torch.empty(batch, dtype=torch.int32, device=device)
+    accepted = torch.empty((batch, max(x.max_k, 1)), dtype=torch.int8, device=device)
+    _finalize_kernel[(batch,)](
+        x.num_draft, x.row_start, x.draft_start, x.draft_ids, x.greedy, first_reject, status,
+        race, pval, pidx, token_ids, num_committed, accepted, x.max_k,
+        NUM_SPLITS=num_splits, COLS=triton.next_power_of_2(x.max_k + 1),
+    )  # fmt: skip
+    return KernelOutputs(token_ids, num_committed, accepted[:, : x.max_k].bool(), status)
+
+
+def rejection_sample_torch(inputs: KernelInputs) -> KernelOutputs:
+    """Pure-torch reference of the three kernels above: the same function, the same random
+    numbers, vectorised over requests (used on CPU services and to test the kernels)."""
+    x = inputs
+    device, vocab = x.logits.device, x.vocab_size
+    req, k = x.row_req.long(), x.num_draft.long()
+    logits = x.logits[:, :vocab].float()
+    keep = logits >= x.thresholds[:, None]
+    scaled = torch.where(keep, logits * x.inv_temperature[req, None], float("-inf"))
+    row_max = scaled.max(dim=1).values
+    row_max = torch.where(row_max == float("-inf"), 0.0, row_max)
+    probs = torch.exp(scaled - row_max[:, None])
+    probs = probs / probs.sum(dim=1, keepdim=True)
+    argmax = logits.argmax(dim=1)
+    bad_rows = ~torch.isfinite(logits).all(dim=1)
+
+    draft_rows = (x.row_draft >= 0).nonzero().flatten()  # row of draft token t, in order
+    tok_req = req[draft_rows]
+    j = torch.arange(draft_rows.numel(), device=device) - x.draft_start.long()[tok_req]
+    draft = x.draft_ids.long()
+    out_of_vocab = (draft < 0) | (draft >= vocab)
+    draft = draft.clamp(0, vocab - 1)
+    q_x, q_bad, q_unnormalized = _reference_draft_prob(x, draft)
+    p_x = probs[draft_rows, draft]
+    pos = x.position[tok_req] + j
+    u = rng.position_uniform(x.seed[tok_req], pos, rng.Stream.ACCEPT)
+    if x.synthetic_rates is not None:
+        accept = u < x.synthetic_rates[j]
+    else:
+        accept = torch.where(x.greedy[tok_req] != 0, draft == argmax[draft_rows], u * q_x < p_x)
+    first_reject = k.clone()
+    rejected_at = torch.where(accept, k[tok_req], j)
+    first_reject.scatter_reduce_(0, tok_req, rejected_at, reduce="amin")
+
+    def any_per_request(flags: torch.Tensor, owner: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(k).index_add_(0, owner, flags.long()) > 0
+
+    status = x.status_in.clone()
+    for code, flags, owner in (
+        (TOKEN_OUT_OF_VOCAB, out_of_vocab, tok_req),
+        (NONFINITE_LOGITS, bad_rows, req),
+        (INVALID_DRAFT_PROBS, q_bad, tok_req),
+        (DRAFT_PROBS_NOT_NORMALIZED, q_unnormalized, tok_req),
+        (DRAFT_TOKEN_OUT_OF_SUPPORT, q_x <= 0, tok_req),
+    ):
+        status = torch.where((status == 0) & any_per_request(flags, owner), code, status)
+
+    target_row = x.row_start.long() + first_reject
+    token = _reference_race(x, probs[target_row], first_reject)
+    token = torch.where(x.greedy != 0, argmax[target_row], token)
+    return _assemble(x, first_reject, token, status)
+
+
+def _reference_draft_prob(
+    x: KernelInputs, draft: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q_t(x_t), invalid-q flag, not-normalised flag) per draft token [T]."""
+    none = torch.zeros_like(draft, dtype=torch.bool)
+    if x.q_mode == Q_DENSE:
+        assert x.q_probs is not None
+        q = x.q_probs
+        in_q = draft < q.shape[1]
+        q_x = torch.where(in_q, q.gather(1, draft.clamp(max=q.shape[1] - 1)[:, None])[:, 0], 0.0)
+        invalid = (~torch.isfinite(q) | (q < 0)).any(dim=1)
+        return q_x, invalid, (q.sum(dim=1) - 1.0).abs() > Q_SUM_TOLERANCE
+    if x.q_mode == Q_SPARSE:
+        assert x.q_probs is not None and x.q_ids is not None
+        q_x = torch.where(x.q_ids.long() == draft[:, None], x.q_probs, 0.0).sum(dim=1)
+        return q_x, none, none
+    return torch.ones_like(draft, dtype=torch.float32), none, none
+
+
+def _reference_race(x: KernelInputs, p: torch.Tensor, first_reject: torch.Tensor) -> torch.Tensor:
+    """Token per request from the exponential race over row first_reject: the residual
+    max(0, p - q) after a rejection, p itself for a bonus."""
+    vocab = p.shape[1]
+    k = x.num_draft.long()
+    has_draft = first_reject < k
+    t = (x.draft_start.long() + first_reject).clamp(max=max(x.draft_ids.numel() - 1, 0))
+    q = torch.zeros_like(p)
+    if x.q_mode == Q_DENSE and x.q_probs is not None and x.draft_ids.numel():
+        width = min(vocab, x.q_probs.shape[1])
+        q[:, :width] = x.q_probs[t, :width]
+    elif (
+        x.q_mode == Q_SPARSE
+        and x.q_probs is not None
+        and x.q_ids is not None
+        and x.draft_ids.numel()
+    ):
+        ids = x.q_ids[t].long()
+        inside = ids < vocab
+        q.scatter_add_(1, torch.where(inside, ids, 0), torch.where(inside, x.q_probs[t], 0.0))
+    elif x.draft_ids.numel():
+        q.scatter_(1, x.draft_ids.long()[t].clamp(0, vocab - 1)[:, None], 1.0)
+    stream = torch.where(has_draft, int(rng.Stream.RECOVER), int(rng.Stream.BONUS))
+    vocab_ids = torch.arange(vocab, device=p.device)
+    bits = rng.philox(
+        x.seed[:, None], vocab_ids, (x.position + first_reject)[:, None], stream[:, None]
+    )
+    expo = rng.exponential(bits)
+    residual = torch.where(has_draft[:, None], (p - q).clamp(min=0.0), p)
+    score = residual / expo
+    token = score.argmax(dim=1)
+    return torch.where(score.max(dim=1).values > 0, token, (p / expo).argmax(dim=1))
+
+
+def _assemble(
+    x: KernelInputs, first_reject: torch.Tensor, token: torch.Tensor, status: torch.Tensor
+) -> KernelOutputs:
+    cols = x.max_k + 1
+    col = torch.arange(cols, device=token.device)[None, :]
+    gather = (x.draft_start.long()[:, None] + col).clamp(max=max(x.draft_ids.numel() - 1, 0))
+    drafts = x.draft_ids.long()[gather] if x.draft_ids.numel() else torch.zeros_like(gather)
+    f = first_reject[:, None]
+    out = torch.where(col < f, drafts, torch.where(col == f, token[:, None], PLACEHOLDER))
+    ok = (status == 0)[:, None]
+    out = torch.where(ok, out, PLACEHOLDER).to(torch.int32)
+    accepted = ok & (col[:, : x.max_k] < f) & (col[:, : x.max_k] < x.num_draft.long()[:, None])
+    num_committed = torch.where(status == 0, first_reject + 1, 0).to(torch.int32)
+    return KernelOutputs(out, num_committed, accepted, status.to(torch.int32))
