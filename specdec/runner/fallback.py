@@ -24,7 +24,7 @@ class HFBackend:
         for slot, start, ids, keep in zip(slots, starts, tokens, num_logits, strict=True):
             cache = self._caches[slot] if start > 0 else None
             if cache is not None and cache.get_seq_length() > start:
-                cache.crop(start)
+                cache.crop(start - cache.get_seq_length())  # negative: tokens to drop (4.x and 5.x)
             assert (cache.get_seq_length() if cache is not None else 0) == start
             positions = torch.arange(start, start + ids.numel(), device=ids.device)[None]
             with torch.no_grad():

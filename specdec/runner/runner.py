@@ -81,9 +81,15 @@ class ModelRunner:
         """Loads a local checkpoint; CheckpointError (a full sentence) on any problem with it."""
 
         def kv_bytes(hf: Any) -> int:
-            a = ModelArgs.from_hf(hf)
-            return SlotCache.bytes_needed(a.num_layers, config.max_slots, config.max_seq_len,
-                                          a.num_kv_heads, a.head_dim, config.torch_dtype)
+            try:  # every transformers config maps its own names onto these
+                heads = int(hf.num_attention_heads)
+                kv_heads = int(getattr(hf, "num_key_value_heads", None) or heads)
+                head_dim = int(getattr(hf, "head_dim", None) or hf.hidden_size // heads)
+                layers = int(hf.num_hidden_layers)
+            except (AttributeError, TypeError):
+                return 0
+            return SlotCache.bytes_needed(layers, config.max_slots, config.max_seq_len,
+                                          kv_heads, head_dim, config.torch_dtype)
 
         ckpt = open_checkpoint(config, kv_bytes)
         info = ModelInfo(ckpt.architecture, 0, len(ckpt.tokenizer), config.max_seq_len,
