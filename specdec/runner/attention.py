@@ -97,7 +97,7 @@ def attention(
 
     q [T, heads, D]; k, v [T, kv_heads, D]; cache [slots, 2, kv_heads, max_seq_len, D].
     """
-    t, heads, d = q.shape
+    _, heads, d = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
     cache[meta.token_slot, :, :, meta.positions] = torch.stack((k, v), dim=1)

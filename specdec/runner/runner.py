@@ -35,26 +35,50 @@ class FastBackend:
         self._group = a.num_heads // a.num_kv_heads
         self._windows = set(a.windows)
 
-    def run(self, slots: list[int], starts: list[int], tokens: list[torch.Tensor],
-            num_logits: list[int]) -> torch.Tensor:
+    def run(
+        self, slots: list[int], starts: list[int], tokens: list[torch.Tensor], num_logits: list[int]
+    ) -> torch.Tensor:
         """float32 logits [sum(num_logits), vocab]; tokens[i] [n_i] goes after starts[i]."""
         dev = self.model.w["embed"].device
         counts = [t.numel() for t in tokens]
         kv_len = max(s + c for s, c in zip(starts, counts, strict=True))
-        meta = build_meta(torch.tensor(slots, device=dev), torch.tensor(starts, device=dev),
-                          counts, kv_len, self._group, self._windows, self.model.cos,
-                          self.model.sin, equal=False)
+        meta = build_meta(
+            torch.tensor(slots, device=dev),
+            torch.tensor(starts, device=dev),
+            counts,
+            kv_len,
+            self._group,
+            self._windows,
+            self.model.cos,
+            self.model.sin,
+            equal=False,
+        )
         hidden = self.model.hidden(torch.cat(tokens), meta, self.cache.layers)
         ends = torch.tensor(counts).cumsum(0).tolist()
         keep = [torch.arange(e - k, e) for e, k in zip(ends, num_logits, strict=True)]
         return self.model.logits(hidden[torch.cat(keep).to(dev)])
 
-    def step(self, tokens: torch.Tensor, starts: torch.Tensor, slots: torch.Tensor, kv_len: int,
-             out: torch.Tensor | None = None) -> torch.Tensor:
+    def step(
+        self,
+        tokens: torch.Tensor,
+        starts: torch.Tensor,
+        slots: torch.Tensor,
+        kv_len: int,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """float32 logits [B, n, vocab] for tokens [B, n] after starts [B] in slots [B]."""
         b, n = tokens.shape
-        meta = build_meta(slots, starts, [n] * b, kv_len, self._group, self._windows,
-                          self.model.cos, self.model.sin, equal=True)
+        meta = build_meta(
+            slots,
+            starts,
+            [n] * b,
+            kv_len,
+            self._group,
+            self._windows,
+            self.model.cos,
+            self.model.sin,
+            equal=True,
+        )
         hidden = self.model.hidden(tokens.reshape(-1), meta, self.cache.layers)
         logits = torch.nn.functional.linear(hidden, self.model.w["lm_head"]).view(b, n, -1)
         if out is None:
@@ -63,8 +87,14 @@ class FastBackend:
 
 
 class ModelRunner:
-    def __init__(self, config: RunnerConfig, backend: FastBackend | HFBackend, cache: SlotCache,
-                 info: ModelInfo, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        config: RunnerConfig,
+        backend: FastBackend | HFBackend,
+        cache: SlotCache,
+        info: ModelInfo,
+        tokenizer: Any,
+    ) -> None:
         self.config, self.info, self.tokenizer = config, info, tokenizer
         self.vocab_size = backend.vocab_size
         self._backend, self._cache = backend, cache
@@ -72,9 +102,14 @@ class ModelRunner:
         self._graphs: StepGraphs | None = None
         fast = isinstance(backend, FastBackend)
         if fast and self._device.type == "cuda" and config.cuda_graph_batch_sizes:
-            self._graphs = StepGraphs(backend.step, config.cuda_graph_batch_sizes,
-                                      self.vocab_size, config.max_seq_len, cache.scratch_slot,
-                                      self._device)
+            self._graphs = StepGraphs(
+                backend.step,
+                config.cuda_graph_batch_sizes,
+                self.vocab_size,
+                config.max_seq_len,
+                cache.scratch_slot,
+                self._device,
+            )
 
     @classmethod
     def load(cls, config: RunnerConfig) -> "ModelRunner":
@@ -88,20 +123,33 @@ class ModelRunner:
                 layers = int(hf.num_hidden_layers)
             except (AttributeError, TypeError):
                 return 0
-            return SlotCache.bytes_needed(layers, config.max_slots, config.max_seq_len,
-                                          kv_heads, head_dim, config.torch_dtype)
+            return SlotCache.bytes_needed(
+                layers, config.max_slots, config.max_seq_len, kv_heads, head_dim, config.torch_dtype
+            )
 
         ckpt = open_checkpoint(config, kv_bytes)
-        info = ModelInfo(ckpt.architecture, 0, len(ckpt.tokenizer), config.max_seq_len,
-                         config.dtype, ckpt.fast_path, tokenizer_hash(ckpt.tokenizer))
+        info = ModelInfo(
+            ckpt.architecture,
+            0,
+            len(ckpt.tokenizer),
+            config.max_seq_len,
+            config.dtype,
+            ckpt.fast_path,
+            tokenizer_hash(ckpt.tokenizer),
+        )
         if ckpt.fast_path:
             return cls.from_hf_weights(config, ckpt.hf_config, ckpt, info, ckpt.tokenizer)
         return cls._load_fallback(config, ckpt, info)
 
     @classmethod
-    def from_hf_weights(cls, config: RunnerConfig, hf_config: Any,
-                        weights: Checkpoint | dict[str, torch.Tensor], info: ModelInfo | None = None,
-                        tokenizer: Any = None) -> "ModelRunner":
+    def from_hf_weights(
+        cls,
+        config: RunnerConfig,
+        hf_config: Any,
+        weights: Checkpoint | dict[str, torch.Tensor],
+        info: ModelInfo | None = None,
+        tokenizer: Any = None,
+    ) -> "ModelRunner":
         """Fast-path runner from a checkpoint or from HF-named tensors (benchmarks, tests)."""
         from specdec.errors import CheckpointError
 
@@ -109,8 +157,10 @@ class ModelRunner:
         device, dtype = torch.device(config.device), config.torch_dtype
         limit = getattr(hf_config, "max_position_embeddings", None) or config.max_seq_len
         if config.max_seq_len > limit:
-            raise CheckpointError(f"max_seq_len={config.max_seq_len} exceeds the model's "
-                                  f"max_position_embeddings={limit}.")
+            raise CheckpointError(
+                f"max_seq_len={config.max_seq_len} exceeds the model's "
+                f"max_position_embeddings={limit}."
+            )
         cos, sin = rope_tables(hf_config, config.max_seq_len)
         try:
             if isinstance(weights, dict):
@@ -120,28 +170,52 @@ class ModelRunner:
                     model = Transformer.from_hf_state(args, get, cos, sin, device, dtype)
         except KeyError as exc:
             raise CheckpointError(f"The checkpoint has no tensor named {exc.args[0]!r}.") from exc
-        cache = SlotCache(args.num_layers, config.max_slots, config.max_seq_len,
-                          args.num_kv_heads, args.head_dim, dtype, device)
+        cache = SlotCache(
+            args.num_layers,
+            config.max_slots,
+            config.max_seq_len,
+            args.num_kv_heads,
+            args.head_dim,
+            dtype,
+            device,
+        )
         backend = FastBackend(model, cache)
-        info = info or ModelInfo(str(hf_config.architectures[0] if hf_config.architectures
-                                     else hf_config.model_type), 0, 0, config.max_seq_len,
-                                 config.dtype, True, "")
+        info = info or ModelInfo(
+            str(hf_config.architectures[0] if hf_config.architectures else hf_config.model_type),
+            0,
+            0,
+            config.max_seq_len,
+            config.dtype,
+            True,
+            "",
+        )
         info = _with_vocab(info, backend.vocab_size)
         return cls(config, backend, cache, info, tokenizer)
 
     @classmethod
-    def _load_fallback(cls, config: RunnerConfig, ckpt: Checkpoint,
-                       info: ModelInfo) -> "ModelRunner":
+    def _load_fallback(
+        cls, config: RunnerConfig, ckpt: Checkpoint, info: ModelInfo
+    ) -> "ModelRunner":
         from transformers import AutoModelForCausalLM
 
-        log.warning("No fast path for %s: running transformers' own model (correct, slower).",
-                    ckpt.architecture)
-        model = AutoModelForCausalLM.from_pretrained(
+        log.warning(
+            "No fast path for %s: running transformers' own model (correct, slower).",
+            ckpt.architecture,
+        )
+        model: Any = AutoModelForCausalLM.from_pretrained(
             str(ckpt.path), local_files_only=True, dtype=config.torch_dtype
-        ).to(config.device).eval()
+        )
+        model = model.to(torch.device(config.device)).eval()
         backend = HFBackend(model, config.max_slots)
-        cache = SlotCache(0, config.max_slots, config.max_seq_len, 1, 1, config.torch_dtype,
-                          torch.device(config.device))
+        cache = SlotCache(
+            0,
+            config.max_slots,
+            config.max_seq_len,
+            1,
+            1,
+            config.torch_dtype,
+            torch.device(config.device),
+        )
         return cls(config, backend, cache, _with_vocab(info, backend.vocab_size), ckpt.tokenizer)
 
     def add_request(self, request_id: str) -> None:
@@ -172,11 +246,14 @@ class ModelRunner:
         rounds = max((t.numel() + chunk - 1) // chunk for t in tokens) if tokens else 0
         for r in range(rounds):
             idx = [i for i, t in enumerate(tokens) if t.numel() > r * chunk]
-            parts = [tokens[i][r * chunk:(r + 1) * chunk] for i in idx]
-            want = [max(0, min(p.numel(), keep[i] - (tokens[i].numel() - r * chunk - p.numel())))
-                    for i, p in zip(idx, parts, strict=True)]
-            logits = self._backend.run([slots[i] for i in idx],
-                                       [starts[i] + r * chunk for i in idx], parts, want)
+            parts = [tokens[i][r * chunk : (r + 1) * chunk] for i in idx]
+            want = [
+                max(0, min(p.numel(), keep[i] - (tokens[i].numel() - r * chunk - p.numel())))
+                for i, p in zip(idx, parts, strict=True)
+            ]
+            logits = self._backend.run(
+                [slots[i] for i in idx], [starts[i] + r * chunk for i in idx], parts, want
+            )
             for i, piece in zip(idx, logits.split(want), strict=True):
                 rows[i].append(piece)
         for it, t in zip(items, tokens, strict=True):
@@ -184,8 +261,10 @@ class ModelRunner:
         flat = [x for r in rows for x in r]
         return torch.cat(flat) if flat else torch.empty(0, self.vocab_size, device=self._device)
 
-    def _check_items(self, items: Sequence[ForwardItem],
-                     ) -> tuple[list[int], list[int], list[torch.Tensor]]:
+    def _check_items(
+        self,
+        items: Sequence[ForwardItem],
+    ) -> tuple[list[int], list[int], list[torch.Tensor]]:
         if len({it.request_id for it in items}) != len(items):
             raise InvalidInputError("Each request may appear at most once in a forward.")
         slots, starts, tokens = [], [], []
@@ -195,7 +274,8 @@ class ModelRunner:
             if not 0 <= it.num_logits <= ids.numel():
                 raise InvalidInputError(
                     f"num_logits must be in [0, {ids.numel()}] for request {it.request_id!r}, "
-                    f"got {it.num_logits}.")
+                    f"got {it.num_logits}."
+                )
             self._cache.check_room(it.request_id, ids.numel())
             slots.append(self._cache.slot(it.request_id))
             starts.append(self._cache.length(it.request_id))
@@ -203,14 +283,19 @@ class ModelRunner:
         return slots, starts, tokens
 
     def _check_tokens(self, ids: torch.Tensor, request_id: str) -> None:
-        if ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.vocab_size):
+        if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < self.vocab_size):
             raise InvalidInputError(
-                f"token ids of request {request_id!r} must be in [0, {self.vocab_size}).")
+                f"token ids of request {request_id!r} must be in [0, {self.vocab_size})."
+            )
 
     @torch.inference_mode()
-    def graph_step(self, request_ids: Sequence[str], token_ids: torch.Tensor,
-                   head: Head | None = None, head_inputs: Sequence[torch.Tensor] = (),
-                   ) -> torch.Tensor | tuple[torch.Tensor, ...]:
+    def graph_step(
+        self,
+        request_ids: Sequence[str],
+        token_ids: torch.Tensor,
+        head: Head | None = None,
+        head_inputs: Sequence[torch.Tensor] = (),
+    ) -> torch.Tensor | tuple[torch.Tensor, ...]:
         """Appends token_ids [B, n] (same n for all) and returns what the step produced.
 
         Without `head`: float32 logits [B, n, V]. With `head`: the tuple
@@ -226,7 +311,9 @@ class ModelRunner:
         if token_ids.device.type == "cpu":  # on a GPU the check would cost a host sync per step
             self._check_tokens(token_ids, ",".join(request_ids))
         if len(set(request_ids)) != b:
-            raise InvalidInputError("graph_step needs one distinct request id per row of token_ids.")
+            raise InvalidInputError(
+                "graph_step needs one distinct request id per row of token_ids."
+            )
         lengths = [self._cache.length(r) for r in request_ids]
         slots = torch.tensor([self._cache.slot(r) for r in request_ids], device=self._device)
         starts = torch.tensor(lengths, device=self._device)

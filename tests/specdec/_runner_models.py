@@ -7,20 +7,46 @@ import torch
 
 TOKENIZER_VOCAB = 250  # the models' embeddings have 300 rows: a padded vocabulary
 
-BASE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-            max_position_embeddings=256, num_attention_heads=4)
+BASE = dict(
+    vocab_size=300,
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    max_position_embeddings=256,
+    num_attention_heads=4,
+)
 
 FAMILIES: dict[str, tuple[str, dict[str, Any]]] = {
     # llama 3: GQA, llama3 rope scaling, untied
-    "llama3": ("LlamaConfig", dict(num_key_value_heads=2, tie_word_embeddings=False, rope_scaling={
-        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 16}, rope_theta=500000.0)),
+    "llama3": (
+        "LlamaConfig",
+        dict(
+            num_key_value_heads=2,
+            tie_word_embeddings=False,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 16,
+            },
+            rope_theta=500000.0,
+        ),
+    ),
     # llama 2: multi-head, tied embeddings, linear rope scaling
-    "llama2": ("LlamaConfig", dict(num_key_value_heads=4, tie_word_embeddings=True,
-                                   rope_scaling={"rope_type": "linear", "factor": 2.0})),
+    "llama2": (
+        "LlamaConfig",
+        dict(
+            num_key_value_heads=4,
+            tie_word_embeddings=True,
+            rope_scaling={"rope_type": "linear", "factor": 2.0},
+        ),
+    ),
     # mistral: GQA and a sliding window shorter than the test sequences
-    "mistral": ("MistralConfig", dict(num_key_value_heads=1, sliding_window=6,
-                                      tie_word_embeddings=False)),
+    "mistral": (
+        "MistralConfig",
+        dict(num_key_value_heads=1, sliding_window=6, tie_word_embeddings=False),
+    ),
     # qwen2: q/k/v bias, GQA, tied
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True)),
     # qwen3: q/k norm, head_dim 32 != hidden / heads, untied

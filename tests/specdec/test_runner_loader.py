@@ -58,19 +58,22 @@ def test_tokenizer_hash_depends_on_the_vocabulary(qwen3_dir: Path, tmp_path: Pat
     vocab = {"[UNK]": 0} | {f"v{i}": i for i in range(1, TOKENIZER_VOCAB)}
     other = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]")),
-        unk_token="[UNK]")
+        unk_token="[UNK]",
+    )
     hf_model("qwen3").save_pretrained(str(tmp_path))
     other.save_pretrained(str(tmp_path))
     assert load(tmp_path).info.tokenizer_hash != model_hash
 
 
-def test_other_architectures_fall_back_to_transformers(tmp_path: Path,
-                                                       caplog: pytest.LogCaptureFixture) -> None:
+def test_other_architectures_fall_back_to_transformers(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
     torch.manual_seed(0)
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4,
-                                       n_positions=128)).eval()
+    model = GPT2LMHeadModel(
+        GPT2Config(vocab_size=300, n_embd=64, n_layer=2, n_head=4, n_positions=128)
+    ).eval()
     randomize(model)
     save_checkpoint(model, tmp_path)
     with caplog.at_level(logging.WARNING):
@@ -123,8 +126,9 @@ BAD_DIRS = {
 
 
 @pytest.mark.parametrize("message", sorted(BAD_DIRS))
-def test_bad_directories_raise_checkpoint_error(message: str, qwen3_dir: Path,
-                                                tmp_path: Path) -> None:
+def test_bad_directories_raise_checkpoint_error(
+    message: str, qwen3_dir: Path, tmp_path: Path
+) -> None:
     d = _copy(qwen3_dir, tmp_path / "ckpt")
     BAD_DIRS[message](d)
     with pytest.raises(CheckpointError, match=message):
@@ -147,7 +151,7 @@ def test_dtype_the_device_cannot_run(qwen3_dir: Path, monkeypatch: pytest.Monkey
 
     def no_half(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
         if a.dtype == torch.float16:
-            raise RuntimeError('"addmm_impl_cpu_" not implemented for \'Half\'')
+            raise RuntimeError("\"addmm_impl_cpu_\" not implemented for 'Half'")
         return real(a, b)
 
     monkeypatch.setattr(torch.Tensor, "__matmul__", no_half)

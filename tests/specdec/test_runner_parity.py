@@ -35,8 +35,9 @@ def test_prefill_decode_and_ragged_verify_match_transformers(family: str) -> Non
     out = runner.forward([ForwardItem("a", a[10:11], 1), ForwardItem("b", b[5:6], 1)])
     torch.testing.assert_close(out, torch.cat([ref[0][10:11], ref[1][5:6]]), atol=TOL, rtol=0)
     # ragged verify k = [1, 0, 3 + a prefill]: a scores 2, b decodes 1, c prefills and scores 4
-    out = runner.forward([ForwardItem("a", a[11:13], 2), ForwardItem("b", b[6:7], 1),
-                          ForwardItem("c", c, 4)])
+    out = runner.forward(
+        [ForwardItem("a", a[11:13], 2), ForwardItem("b", b[6:7], 1), ForwardItem("c", c, 4)]
+    )
     want = torch.cat([ref[0][11:13], ref[1][6:7], ref[2][13:17]])
     torch.testing.assert_close(out, want, atol=TOL, rtol=0)
     assert [runner.cached_length(r) for r in "abc"] == [13, 7, 17]
@@ -88,7 +89,7 @@ def test_release_and_reuse_leaks_nothing() -> None:
     runner = make_runner(model, max_slots=2)
     a, b, _ = seqs(4)
     fresh = reference_logits(model, b)
-    for round_ in range(3):
+    for _ in range(3):
         runner.add_request("x")
         runner.add_request("y")
         with pytest.raises(CacheFullError):
@@ -136,8 +137,12 @@ def test_graph_step_eager_matches_forward_and_runs_head() -> None:
         probs = torch.softmax(lg / temperature[:, None, None], dim=-1)  # [B, n, V]
         return probs.argmax(-1), probs
 
-    ids, probs = runner.graph_step(["a", "b"], torch.tensor([[a[10]], [b[6]]]), head=head,
-                                   head_inputs=(torch.tensor([1.0, 0.5]),))
+    ids, probs = runner.graph_step(
+        ["a", "b"],
+        torch.tensor([[a[10]], [b[6]]]),
+        head=head,
+        head_inputs=(torch.tensor([1.0, 0.5]),),
+    )
     ref = reference_logits(model, b[:7])[6]
     torch.testing.assert_close(probs[1, 0], torch.softmax(ref / 0.5, -1), atol=1e-5, rtol=0)
     assert ids.shape == (2, 1) and runner.cached_length("a") == 11
