@@ -53,7 +53,7 @@ def build_meta(
     if equal:
         q_pad_index = None
         positions = query_pos.reshape(-1)
-        token_slot = slots.repeat_interleave(n_max)
+        token_slot = slots[:, None].expand(-1, n_max).reshape(-1)
     else:
         count_t = torch.tensor(counts, device=device)
         valid = local[None, :] < count_t[:, None]  # [B, n_max]

@@ -1,0 +1,326 @@
+"""Step time of the model runner against the memory floor and transformers' own model.
+
+Random bf16 weights at real sizes (Llama-3.1-8B, Llama-3.2-1B), built on the device. For batch
+1, 8, 32, 64 with 512 tokens of KV per request: decode (1 token) and verify (k + 1 = 5 tokens),
+with and without CUDA graphs, against
+  (a) the memory floor: bytes of weights + KV read once / measured device copy bandwidth;
+  (b) transformers eager (DynamicCache), and static cache + torch.compile where it runs.
+
+    PYTHONPATH=. python bench/runner_bench.py --out $OUT          # GPU, real sizes
+    PYTHONPATH=. python bench/runner_bench.py --smoke --out /tmp  # CPU, tiny config
+"""
+
+import argparse
+import gc
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from specdec.runner import ForwardItem, ModelRunner, RunnerConfig
+
+LLAMA3_ROPE = {
+    "rope_type": "llama3",
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192,
+}
+MODELS: dict[str, dict[str, Any]] = {
+    "Llama-3.1-8B": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA3_ROPE | {"factor": 8.0},
+        tie_word_embeddings=False,
+    ),
+    "Llama-3.2-1B": dict(
+        vocab_size=128256,
+        hidden_size=2048,
+        intermediate_size=8192,
+        num_hidden_layers=16,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        head_dim=64,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        rope_theta=500000.0,
+        rope_scaling=LLAMA3_ROPE | {"factor": 32.0},
+        tie_word_embeddings=True,
+    ),
+}
+SMOKE = dict(
+    vocab_size=1024,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=1024,
+    rope_scaling=LLAMA3_ROPE | {"factor": 8.0, "original_max_position_embeddings": 64},
+)
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
+
+
+def timed(fn: Callable[[], object], dev: torch.device, warmup: int, iters: int) -> float:
+    """Mean milliseconds per call, host overhead included (it is part of a real step)."""
+    for _ in range(warmup):
+        fn()
+    sync(dev)
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    sync(dev)
+    return (time.perf_counter() - t0) * 1e3 / iters
+
+
+def copy_bandwidth(dev: torch.device, nbytes: int) -> float:
+    """Bytes read + written per second by a large device-to-device copy."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
+    dst = torch.empty_like(src)
+    ms = timed(lambda: dst.copy_(src), dev, warmup=3, iters=10)
+    return 2 * nbytes / (ms / 1e3)
+
+
+def build(
+    name: str, spec: dict[str, Any], dev: torch.device, ctx: int, slots: int, sizes: tuple[int, ...]
+) -> tuple[Any, ModelRunner]:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(**spec)
+    config.architectures = ["LlamaForCausalLM"]
+    with torch.device(dev):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    rc = RunnerConfig(
+        model_path=f"<random {name}>",
+        device=str(dev),
+        dtype="bfloat16",
+        max_slots=slots,
+        max_seq_len=ctx + 64,
+        cuda_graph_batch_sizes=sizes,
+    )
+    runner = ModelRunner.from_hf_weights(rc, config, dict(hf.state_dict()))
+    return hf, runner
+
+
+def prefill(runner: ModelRunner, slots: int, ctx: int, dev: torch.device) -> list[str]:
+    ids = [f"r{i}" for i in range(slots)]
+    g = torch.Generator(device="cpu").manual_seed(0)
+    for start in range(0, slots, 8):
+        group = ids[start : start + 8]
+        for rid in group:
+            runner.add_request(rid)
+        runner.forward(
+            [ForwardItem(r, torch.randint(0, 1000, (ctx,), generator=g), 0) for r in group]
+        )
+    return ids
+
+
+def runner_step_ms(
+    runner: ModelRunner,
+    ids: list[str],
+    n: int,
+    ctx: int,
+    graphs: bool,
+    dev: torch.device,
+    iters: int,
+) -> float:
+    tokens = torch.randint(0, 1000, (len(ids), n), device=dev)
+    saved = runner._graphs  # benchmark-only switch between the graph and the eager path
+    if not graphs:
+        runner._graphs = None
+
+    def step() -> None:
+        runner.graph_step(ids, tokens)
+        for rid in ids:
+            runner.truncate(rid, ctx)
+
+    try:
+        return timed(step, dev, warmup=3, iters=iters)
+    finally:
+        runner._graphs = saved
+
+
+def hf_eager_ms(hf: Any, b: int, n: int, ctx: int, dev: torch.device, iters: int) -> float:
+    from transformers import DynamicCache
+
+    c = hf.config
+    kv_shape = (b, c.num_key_value_heads, ctx, c.head_dim or c.hidden_size // c.num_attention_heads)
+    cache = DynamicCache()
+    for layer in range(c.num_hidden_layers):
+        cache.update(
+            torch.zeros(kv_shape, dtype=torch.bfloat16, device=dev),
+            torch.zeros(kv_shape, dtype=torch.bfloat16, device=dev),
+            layer,
+        )
+    tokens = torch.randint(0, 1000, (b, n), device=dev)
+
+    def step() -> None:
+        with torch.inference_mode():
+            hf(input_ids=tokens, past_key_values=cache, logits_to_keep=n)
+        cache.crop(-n)
+
+    return timed(step, dev, warmup=2, iters=iters)
+
+
+def hf_compiled_ms(hf: Any, n: int, ctx: int, dev: torch.device, iters: int) -> float | str:
+    """Batch 1: StaticCache + torch.compile(mode="reduce-overhead"); the error text if it fails."""
+    from transformers import StaticCache
+
+    try:
+        cache = StaticCache(config=hf.config, max_cache_len=ctx + 16)
+        with torch.inference_mode():
+            hf(
+                input_ids=torch.zeros(1, ctx, dtype=torch.long, device=dev),
+                past_key_values=cache,
+                cache_position=torch.arange(ctx, device=dev),
+                logits_to_keep=1,
+            )
+        fwd = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+        tokens = torch.randint(0, 1000, (1, n), device=dev)
+        pos = torch.arange(ctx, ctx + n, device=dev)
+
+        def step() -> None:
+            with torch.inference_mode():
+                fwd(
+                    input_ids=tokens,
+                    past_key_values=cache,
+                    cache_position=pos,
+                    position_ids=pos[None],
+                    logits_to_keep=n,
+                )
+
+        return timed(step, dev, warmup=3, iters=iters)
+    except Exception as exc:  # any failure to compile is reported, not fatal
+        return f"skipped: {type(exc).__name__}: {str(exc)[:120]}"
+
+
+def floor_ms(runner: ModelRunner, b: int, n: int, ctx: int, bandwidth: float) -> float:
+    model = runner._backend.model  # type: ignore[union-attr]
+    a = model.args
+    weights = model.weight_bytes()
+    if not a.tie_word_embeddings:  # the embedding table is looked up, not read whole
+        weights -= model.w["embed"].numel() * model.w["embed"].element_size()
+    kv = b * (ctx + n) * a.num_layers * 2 * a.num_kv_heads * a.head_dim * 2
+    return (weights + kv) / bandwidth * 1e3
+
+
+def bench_model(
+    name: str,
+    spec: dict[str, Any],
+    args: argparse.Namespace,
+    dev: torch.device,
+    bandwidth: float,
+    t_start: float,
+) -> list[dict[str, Any]]:
+    sizes, ctx, rows = tuple(args.batches), args.ctx, []
+    hf, runner = build(name, spec, dev, ctx, max(sizes), sizes if dev.type == "cuda" else ())
+    ids = prefill(runner, max(sizes), ctx, dev)
+    for b in sizes:
+        for n in (1, 5):
+            row: dict[str, Any] = dict(
+                model=name, batch=b, tokens=n, floor_ms=floor_ms(runner, b, n, ctx, bandwidth)
+            )
+            row["graph_ms"] = runner_step_ms(runner, ids[:b], n, ctx, True, dev, args.iters)
+            row["eager_ms"] = runner_step_ms(runner, ids[:b], n, ctx, False, dev, args.iters)
+            row["hf_eager_ms"] = hf_eager_ms(hf, b, n, ctx, dev, args.iters)
+            compile_ok = args.hf_compile and b == 1 and n == 1 and dev.type == "cuda"
+            if (
+                compile_ok
+                and name in args.hf_compile_models
+                and time.perf_counter() - t_start < args.compile_deadline_s
+            ):
+                row["hf_compile_ms"] = hf_compiled_ms(hf, n, ctx, dev, args.iters)
+            rows.append(row)
+            print(f"[{time.perf_counter() - t_start:6.1f}s] {json.dumps(row)}", flush=True)
+    del hf, runner
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def fmt(x: object) -> str:
+    return f"{x:.3f}" if isinstance(x, float) else "—" if x is None else str(x)[:30]
+
+
+def markdown(gpu: str, bandwidth: float, ctx: int, rows: list[dict[str, Any]]) -> str:
+    head = (
+        f"GPU: {gpu}; measured copy bandwidth {bandwidth / 1e9:.0f} GB/s (read + write); "
+        f"bf16 weights, {ctx} tokens of KV per request; times in ms per step.\n\n"
+        "| model | batch | tokens | floor | graphs | eager | HF eager | HF compile "
+        "| graphs / floor | HF eager / graphs |\n" + "|---" * 10 + "|\n"
+    )
+    lines = [
+        f"| {r['model']} | {r['batch']} | {r['tokens']} | {fmt(r['floor_ms'])} "
+        f"| {fmt(r['graph_ms'])} | {fmt(r['eager_ms'])} | {fmt(r['hf_eager_ms'])} "
+        f"| {fmt(r.get('hf_compile_ms'))} | {r['graph_ms'] / r['floor_ms']:.2f} "
+        f"| {r['hf_eager_ms'] / r['graph_ms']:.1f} |"
+        for r in rows
+    ]
+    return head + "\n".join(lines) + "\n\n" + goals_text(rows) + "\n"
+
+
+def goals_text(rows: list[dict[str, Any]]) -> str:
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        by = {(r["batch"], r["tokens"]): r for r in rows if r["model"] == model}
+        if (1, 1) not in by or (1, 5) not in by:
+            continue
+        d, v = by[(1, 1)], by[(1, 5)]
+        speedup = min(r["hf_eager_ms"] / r["graph_ms"] for r in by.values())
+        out.append(
+            f"- {model}: decode b1 = {d['graph_ms'] / d['floor_ms']:.2f}x floor (goal <= 1.3); "
+            f"verify-5 / decode at b1 = {v['graph_ms'] / d['graph_ms']:.2f} (goal <= 1.15); "
+            f"min speed-up over HF eager = {speedup:.1f}x (goal >= 5)"
+        )
+    return "Goals:\n" + "\n".join(out)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--smoke", action="store_true", help="tiny config, CPU, quick")
+    p.add_argument("--out", type=Path, default=Path("."))
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    p.add_argument("--ctx", type=int, default=512)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--models", nargs="+", default=list(MODELS))
+    p.add_argument("--no-hf-compile", dest="hf_compile", action="store_false")
+    p.add_argument("--hf-compile-models", nargs="+", default=["Llama-3.2-1B"])
+    p.add_argument("--compile-deadline-s", type=float, default=240.0)
+    args = p.parse_args()
+    if args.smoke:
+        args.batches, args.ctx, args.iters = [1, 2], 32, 2
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    gpu = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu"
+    bandwidth = copy_bandwidth(dev, (2 << 30) if dev.type == "cuda" else (64 << 20))
+    print(f"{gpu}: copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
+    models = {"smoke": SMOKE} if args.smoke else {m: MODELS[m] for m in args.models}
+    t_start, rows = time.perf_counter(), []
+    for name, spec in models.items():
+        rows += bench_model(name, spec, args, dev, bandwidth, t_start)
+    tag = gpu.replace(" ", "_")
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / f"runner_{tag}.json").write_text(
+        json.dumps(
+            dict(gpu=gpu, bandwidth_bytes_per_s=bandwidth, ctx=args.ctx, rows=rows), indent=1
+        )
+    )
+    (args.out / f"runner_{tag}.md").write_text(markdown(gpu, bandwidth, args.ctx, rows))
+    print(markdown(gpu, bandwidth, args.ctx, rows))
+
+
+if __name__ == "__main__":
+    main()
