@@ -29,6 +29,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
 
 
 def _abort(context: grpc.ServicerContext, exc: Exception, method: str) -> None:
+    if isinstance(exc, grpc.RpcError) and not context.is_active():
+        return  # the client went away (cancelled, or the server is stopping): nobody to tell
     if context.code() not in (None, grpc.StatusCode.OK):
         raise exc  # the servicer aborted with its own status already
     code, message = status_for(exc)

@@ -1,0 +1,52 @@
+"""Configuration of the draft service."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from draft_service.ngram import NgramConfig
+from specdec.runner import RunnerConfig
+from specdec.serving.server import ServerConfig
+
+MAX_NUM_DRAFT_TOKENS = 64
+
+
+@dataclass(frozen=True, slots=True)
+class DraftConfig:
+    """The proposer (a draft model or n-gram prompt lookup), q's form, and limits.
+
+    proposer "model" needs `runner`; "ngram" needs `tokenizer_path` (a local directory with the
+    tokenizer that target and draft share) and sends no q. q_form "sparse" sends the draft's top
+    `support_size` tokens (intersected with the request's top-k / top-p, renormalised): the
+    exact q it sampled from; "dense" sends q over the whole vocabulary.
+    """
+
+    proposer: Literal["model", "ngram"] = "model"
+    runner: RunnerConfig | None = None
+    tokenizer_path: str | None = None
+    ngram: NgramConfig = field(default_factory=NgramConfig)
+    q_form: Literal["dense", "sparse"] = "sparse"
+    support_size: int = 32
+    max_num_draft_tokens: int = 16
+    max_requests: int = 256  # n-gram only; a model holds runner.max_slots
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    def __post_init__(self) -> None:
+        if self.proposer not in ("model", "ngram"):
+            raise ValueError(f"proposer must be 'model' or 'ngram', got {self.proposer!r}.")
+        if self.proposer == "model" and self.runner is None:
+            raise ValueError("proposer 'model' needs a runner config (the draft checkpoint).")
+        if self.proposer == "ngram" and self.tokenizer_path is None:
+            raise ValueError("proposer 'ngram' needs tokenizer_path (the shared tokenizer).")
+        if self.q_form not in ("dense", "sparse"):
+            raise ValueError(f"q_form must be 'dense' or 'sparse', got {self.q_form!r}.")
+        if self.support_size < 1:
+            raise ValueError(f"support_size must be >= 1, got {self.support_size}.")
+        if not 1 <= self.max_num_draft_tokens <= MAX_NUM_DRAFT_TOKENS:
+            raise ValueError(
+                f"max_num_draft_tokens must be in [1, {MAX_NUM_DRAFT_TOKENS}], "
+                f"got {self.max_num_draft_tokens}."
+            )
+        if self.max_requests < 1:
+            raise ValueError(f"max_requests must be >= 1, got {self.max_requests}.")

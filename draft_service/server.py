@@ -1,0 +1,79 @@
+"""The draft's gRPC server: load, warm up, serve; NOT_SERVING until warm (see
+`specdec.serving.server`)."""
+
+from __future__ import annotations
+
+import logging
+
+from draft_service.config import DraftConfig
+from draft_service.engine import DraftEngine
+from draft_service.servicer import DraftServicer
+from specdec.pb import draft_pb2, draft_pb2_grpc
+from specdec.runner import ModelRunner
+from specdec.serving.blocks import ProposeAsk
+from specdec.serving.messages import Admission, ModelInfo
+from specdec.serving.server import Server
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+WARMUP_ID = "__warmup__"
+NGRAM_MAX_SEQ_LEN = 1 << 20
+
+
+def model_info(config: DraftConfig, runner: ModelRunner | None) -> ModelInfo:
+    """The draft model's info, or the shared tokenizer's for prompt lookup."""
+    limits = dict(
+        max_num_draft_tokens=config.max_num_draft_tokens,
+        max_message_bytes=config.server.max_message_bytes,
+    )
+    if runner is not None:
+        i = runner.info
+        return ModelInfo(
+            architecture=i.architecture, vocab_size=runner.vocab_size,
+            tokenizer_vocab_size=i.tokenizer_vocab_size or runner.vocab_size,
+            tokenizer_hash=i.tokenizer_hash, max_seq_len=runner.config.max_seq_len,
+            max_requests=runner.config.max_slots, dtype=i.dtype, **limits,
+        )  # fmt: skip
+    from transformers import AutoTokenizer
+
+    from specdec.runner.loader import tokenizer_hash
+
+    tok = AutoTokenizer.from_pretrained(config.tokenizer_path, local_files_only=True)
+    return ModelInfo(
+        architecture="ngram", vocab_size=len(tok), tokenizer_vocab_size=len(tok),
+        tokenizer_hash=tokenizer_hash(tok), max_seq_len=NGRAM_MAX_SEQ_LEN,
+        max_requests=config.max_requests, dtype="none", **limits,
+    )  # fmt: skip
+
+
+def warm_up(engine: DraftEngine) -> None:
+    """One admit → propose → release, so the first real block pays no allocation."""
+    engine.admit(Admission(WARMUP_ID, (0, 1, 0)))
+    try:
+        k = min(2, engine.info.max_num_draft_tokens)
+        engine.propose([ProposeAsk(WARMUP_ID, 0, (), 3, k)])
+    finally:
+        engine.release([WARMUP_ID])
+
+
+def start(config: DraftConfig, runner: ModelRunner | None = None) -> tuple[Server, DraftEngine]:
+    """Loads (unless given a runner), binds, warms up, then SERVING."""
+    if runner is None and config.proposer == "model":
+        assert config.runner is not None
+        runner = ModelRunner.load(config.runner)
+    engine = DraftEngine(config, runner, model_info(config, runner))
+    servicer = DraftServicer(engine)
+    server = Server(
+        config.server,
+        [SERVICE_NAME],
+        lambda s: draft_pb2_grpc.add_DraftServiceServicer_to_server(servicer, s),
+    )
+    server.start()
+    try:
+        warm_up(engine)
+    except BaseException:
+        server.stop(0)
+        raise
+    server.set_serving(True)
+    log.info("draft service (%s) serving on port %d", config.proposer, server.port)
+    return server, engine

@@ -1,0 +1,71 @@
+"""The target's gRPC server: load, warm up, serve; NOT_SERVING until warm (see
+`specdec.serving.server`). Refuses a draft with an incompatible tokenizer at start-up."""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from specdec.errors import CheckpointError
+from specdec.pb import common_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
+from specdec.runner import ModelRunner
+from specdec.serving.blocks import DraftProposal
+from specdec.serving.client import make_channel
+from specdec.serving.messages import Admission, ModelInfo, check_compatible
+from specdec.serving.server import Server
+from target_service.config import TargetConfig
+from target_service.engine import TargetEngine
+from target_service.servicer import TargetServicer
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+WARMUP_ID = "__warmup__"
+
+
+def warm_up(engine: TargetEngine) -> None:
+    """One admit → verify → release, so the first real step pays no compile or allocation."""
+    engine.admit(Admission(WARMUP_ID, (0, 1)))
+    try:
+        engine.verify([DraftProposal(WARMUP_ID, 0, 2, (1,))])
+    finally:
+        engine.release([WARMUP_ID])
+
+
+def check_draft(engine: TargetEngine, config: TargetConfig) -> None:
+    """Fetches the draft's ModelInfo and raises CheckpointError if its tokenizer differs."""
+    assert config.draft_address is not None
+    with make_channel(config.draft_address, config.server.max_message_bytes) as channel:
+        grpc.channel_ready_future(channel).result(timeout=config.draft_wait_s)
+        stub = draft_pb2_grpc.DraftServiceStub(channel)
+        pb = stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=config.draft_wait_s)
+    try:
+        check_compatible(engine.info, ModelInfo.from_pb(pb))
+    except ValueError as e:
+        raise CheckpointError(f"Refusing the draft at {config.draft_address}: {e}") from e
+
+
+def build_server(engine: TargetEngine, config: TargetConfig) -> Server:
+    servicer = TargetServicer(engine)
+    return Server(
+        config.server,
+        [SERVICE_NAME],
+        lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(servicer, s),
+    )
+
+
+def start(config: TargetConfig, runner: ModelRunner | None = None) -> tuple[Server, TargetEngine]:
+    """Loads (unless given a runner), binds, warms up, checks the draft, then SERVING."""
+    engine = TargetEngine(runner or ModelRunner.load(config.runner), config)
+    server = build_server(engine, config)
+    server.start()
+    try:
+        warm_up(engine)
+        if config.draft_address is not None:
+            check_draft(engine, config)
+    except BaseException:
+        server.stop(0)
+        raise
+    server.set_serving(True)
+    log.info("target service serving on port %d", server.port)
+    return server, engine

@@ -1,0 +1,96 @@
+"""Tiny local checkpoints and running services for the service tests (nothing is downloaded).
+
+The draft is the target's weights plus noise, with a differently padded vocabulary (256 vs 300
+rows; the tokenizer has 250 ids), so drafts are accepted often but not always.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from draft_service.config import DraftConfig
+from draft_service.server import start as start_draft
+from specdec.runner import ForwardItem, ModelRunner, RunnerConfig
+from specdec.serving.client import make_channel
+from specdec.serving.pipeline import Pipeline
+from specdec.serving.server import Server, ServerConfig
+from target_service.config import TargetConfig
+from target_service.server import start as start_target
+from tests.specdec._runner_models import TOKENIZER_VOCAB, hf_model, save_checkpoint
+
+DRAFT_VOCAB = 256
+
+
+def build_checkpoints(root: Path, noise: float = 0.05) -> tuple[Path, Path]:
+    """(target_dir, draft_dir) of a tiny Llama pair sharing one tokenizer."""
+    target = hf_model("llama3", seed=0)
+    save_checkpoint(target, root / "target")
+    draft = hf_model("llama3", seed=0)
+    gen = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(noise * torch.randn(p.shape, generator=gen) * p.abs().mean())
+    draft.resize_token_embeddings(DRAFT_VOCAB)
+    draft.config.vocab_size = DRAFT_VOCAB
+    save_checkpoint(draft, root / "draft")
+    return root / "target", root / "draft"
+
+
+def runner_config(path: Path, max_slots: int = 16) -> RunnerConfig:
+    return RunnerConfig(str(path), max_slots=max_slots, max_seq_len=128)
+
+
+@dataclass
+class Services:
+    target: Server
+    draft: Server
+    target_address: str
+    draft_address: str
+
+    def pipeline(self) -> Pipeline:
+        return Pipeline(make_channel(self.draft_address), make_channel(self.target_address))
+
+
+@contextmanager
+def services(
+    target_dir: Path, draft: DraftConfig, server: ServerConfig | None = None
+) -> Iterator[Services]:
+    server = server or ServerConfig()
+    d_srv, _ = start_draft(draft)
+    t_cfg = TargetConfig(runner_config(target_dir), server, draft_address=f"127.0.0.1:{d_srv.port}")
+    try:
+        t_srv, _ = start_target(t_cfg)
+    except BaseException:
+        d_srv.stop(0)
+        raise
+    try:
+        yield Services(t_srv, d_srv, f"127.0.0.1:{t_srv.port}", f"127.0.0.1:{d_srv.port}")
+    finally:
+        t_srv.stop(0)
+        d_srv.stop(0)
+
+
+def model_draft(draft_dir: Path, q_form: str = "sparse", support: int = 8) -> DraftConfig:
+    return DraftConfig(
+        runner=runner_config(draft_dir),
+        q_form=q_form,
+        support_size=support,  # type: ignore[arg-type]
+    )
+
+
+def greedy_reference(target_dir: Path, prompt: list[int], n: int) -> list[int]:
+    """Target-only greedy decoding over the tokenizer's ids (padding ids excluded)."""
+    runner = ModelRunner.load(runner_config(target_dir, max_slots=1))
+    runner.add_request("r")
+    logits = runner.forward([ForwardItem("r", prompt, 1)])
+    out: list[int] = []
+    for _ in range(n):
+        token = int(logits[0, :TOKENIZER_VOCAB].argmax())
+        out.append(token)
+        logits = runner.forward([ForwardItem("r", [token], 1)])
+    return out
