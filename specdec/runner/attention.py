@@ -27,8 +27,8 @@ class AttnMeta:
     query_pos: torch.Tensor  # [B, n_max] int64 (padding: 0)
     n_max: int
     kv_len: int  # keys gathered per request (>= every position + 1)
-    cos: torch.Tensor  # [T, 1, head_dim] float32
-    sin: torch.Tensor  # [T, 1, head_dim] float32
+    cos: torch.Tensor  # [T, 1, head_dim] in the model dtype
+    sin: torch.Tensor  # [T, 1, head_dim]
     masks: dict[int | None, torch.Tensor]  # window -> [B, 1, group * n_max, kv_len] bool
 
 

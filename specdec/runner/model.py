@@ -90,7 +90,7 @@ class Transformer:
     ) -> None:
         self.args = args
         self.w = weights
-        self.cos = cos  # [max_seq_len, head_dim] float32
+        self.cos = cos  # [max_seq_len, head_dim] in the model dtype, as transformers casts it
         self.sin = sin
 
     @classmethod
@@ -145,7 +145,7 @@ class Transformer:
             for k, t in opt.items():
                 if t is not None:
                     w[f"{i}.{k}"] = t.to(device=device, dtype=dtype)
-        return cls(args, w, cos.to(device), sin.to(device))
+        return cls(args, w, cos.to(device, dtype), sin.to(device, dtype))
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.args.rms_norm_eps)
@@ -164,13 +164,20 @@ class Transformer:
         h = self._norm(x, w[f"{i}.in_norm"])
         qkv = F.linear(h, w[f"{i}.qkv_w"], w.get(f"{i}.qkv_b"))
         nq, nkv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        q = qkv[:, :nq].view(-1, a.num_heads, a.head_dim)
-        k = qkv[:, nq : nq + nkv].view(-1, a.num_kv_heads, a.head_dim)
         v = qkv[:, nq + nkv :].view(-1, a.num_kv_heads, a.head_dim)
         if f"{i}.q_norm" in w:
-            q, k = self._norm(q, w[f"{i}.q_norm"]), self._norm(k, w[f"{i}.k_norm"])
-        cos, sin = meta.cos.to(x.dtype), meta.sin.to(x.dtype)
-        q, k = self._rope(q, cos, sin), self._rope(k, cos, sin)
+            q = self._norm(qkv[:, :nq].view(-1, a.num_heads, a.head_dim), w[f"{i}.q_norm"])
+            k = self._norm(
+                qkv[:, nq : nq + nkv].view(-1, a.num_kv_heads, a.head_dim), w[f"{i}.k_norm"]
+            )
+            q, k = self._rope(q, meta.cos, meta.sin), self._rope(k, meta.cos, meta.sin)
+        else:  # one rope over q and k together: half the kernels
+            qk = self._rope(
+                qkv[:, : nq + nkv].view(-1, a.num_heads + a.num_kv_heads, a.head_dim),
+                meta.cos,
+                meta.sin,
+            )
+            q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
         out = attention(q, k, v, cache, meta, a.windows[i])  # [T, heads * head_dim]
         if f"{i}.o_b" in w:
             return x + F.linear(out, w[f"{i}.o_w"], w[f"{i}.o_b"])
