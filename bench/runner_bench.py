@@ -13,6 +13,8 @@ with and without CUDA graphs, against
 import argparse
 import gc
 import json
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -175,36 +177,74 @@ def hf_eager_ms(hf: Any, b: int, n: int, ctx: int, dev: torch.device, iters: int
     return timed(step, dev, warmup=2, iters=iters)
 
 
-def hf_compiled_ms(hf: Any, n: int, ctx: int, dev: torch.device, iters: int) -> float | str:
-    """Batch 1: StaticCache + torch.compile(mode="reduce-overhead"); the error text if it fails."""
-    from transformers import StaticCache
-
+def hf_compiled_ms(name: str, n: int, ctx: int, iters: int, timeout_s: float) -> float | str:
+    """Batch 1: StaticCache + torch.compile, in a child process: a device-side assert inside a
+    compiled graph poisons the whole CUDA context, and must not take the runner rows with it."""
+    cmd = [
+        sys.executable,
+        __file__,
+        "--hf-compile-child",
+        name,
+        "--ctx",
+        str(ctx),
+        "--iters",
+        str(iters),
+        "--child-tokens",
+        str(n),
+    ]
     try:
-        cache = StaticCache(config=hf.config, max_cache_len=ctx + 16)
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        return f"skipped: compile took over {timeout_s:.0f} s"
+    last = done.stdout.strip().splitlines()[-1:] or [""]
+    if done.returncode == 0 and last[0].startswith("MS "):
+        return float(last[0].split()[1])
+    tail = (done.stderr.strip().splitlines() or ["?"])[-1]
+    return f"skipped: rc={done.returncode}: {tail[:100]}"
+
+
+def hf_compile_child(name: str, n: int, ctx: int, iters: int) -> None:
+    from transformers import AutoModelForCausalLM, LlamaConfig, StaticCache
+
+    dev = torch.device("cuda")
+    config = LlamaConfig(**MODELS[name])
+    with torch.device(dev):
+        hf = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
+    cache = StaticCache(config=hf.config, max_cache_len=ctx + 16)
+    with torch.inference_mode():
+        hf(
+            input_ids=torch.zeros(1, ctx, dtype=torch.long, device=dev),
+            past_key_values=cache,
+            cache_position=torch.arange(ctx, device=dev),
+            logits_to_keep=1,
+        )
+    fwd = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
+    tokens = torch.randint(0, 1000, (1, n), device=dev)
+    pos = torch.arange(ctx, ctx + n, device=dev)
+
+    def step() -> None:
         with torch.inference_mode():
-            hf(
-                input_ids=torch.zeros(1, ctx, dtype=torch.long, device=dev),
-                past_key_values=cache,
-                cache_position=torch.arange(ctx, device=dev),
-                logits_to_keep=1,
-            )
-        fwd = torch.compile(hf.forward, mode="reduce-overhead", fullgraph=True)
-        tokens = torch.randint(0, 1000, (1, n), device=dev)
-        pos = torch.arange(ctx, ctx + n, device=dev)
+            fwd(input_ids=tokens, past_key_values=cache, cache_position=pos, logits_to_keep=n)
 
-        def step() -> None:
-            with torch.inference_mode():
-                fwd(
-                    input_ids=tokens,
-                    past_key_values=cache,
-                    cache_position=pos,
-                    position_ids=pos[None],
-                    logits_to_keep=n,
-                )
+    print(f"MS {timed(step, dev, warmup=3, iters=iters)}", flush=True)
 
-        return timed(step, dev, warmup=3, iters=iters)
-    except Exception as exc:  # any failure to compile is reported, not fatal
-        return f"skipped: {type(exc).__name__}: {str(exc)[:120]}"
+
+def profile_decode(runner: ModelRunner, ids: list[str], ctx: int, out: Path) -> None:
+    """Top CUDA kernels of one eager batch-1 decode step: where the time over the floor goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    dev = torch.device(runner.config.device)
+    saved, runner._graphs = runner._graphs, None
+    tokens = torch.zeros(1, 1, dtype=torch.long, device=dev)
+    with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+        for _ in range(3):
+            runner.graph_step(ids[:1], tokens)
+            runner.truncate(ids[0], ctx)
+        sync(dev)
+    runner._graphs = saved
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
+    out.write_text(table)
+    print(table, flush=True)
 
 
 def floor_ms(runner: ModelRunner, b: int, n: int, ctx: int, bandwidth: float) -> float:
@@ -245,9 +285,11 @@ def bench_model(
                 and name in args.hf_compile_models
                 and time.perf_counter() - t_start < args.compile_deadline_s
             ):
-                row["hf_compile_ms"] = hf_compiled_ms(hf, n, ctx, dev, args.iters)
+                row["hf_compile_ms"] = hf_compiled_ms(name, n, ctx, args.iters, 150.0)
             rows.append(row)
             print(f"[{time.perf_counter() - t_start:6.1f}s] {json.dumps(row)}", flush=True)
+    if args.profile and dev.type == "cuda":
+        profile_decode(runner, ids, ctx, args.out / f"runner_profile_{name}.txt")
     del hf, runner
     gc.collect()
     if dev.type == "cuda":
@@ -314,7 +356,12 @@ def main() -> None:
     p.add_argument("--no-hf-compile", dest="hf_compile", action="store_false")
     p.add_argument("--hf-compile-models", nargs="+", default=["Llama-3.2-1B"])
     p.add_argument("--compile-deadline-s", type=float, default=240.0)
+    p.add_argument("--no-profile", dest="profile", action="store_false")
+    p.add_argument("--hf-compile-child", help=argparse.SUPPRESS)
+    p.add_argument("--child-tokens", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.hf_compile_child:
+        return hf_compile_child(args.hf_compile_child, args.child_tokens, args.ctx, args.iters)
     if args.smoke:
         args.batches, args.ctx, args.iters = [1, 2], 32, 2
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -323,16 +370,13 @@ def main() -> None:
     print(f"{gpu}: copy bandwidth {bandwidth / 1e9:.0f} GB/s", flush=True)
     models = {"smoke": SMOKE} if args.smoke else {m: MODELS[m] for m in args.models}
     t_start, rows = time.perf_counter(), []
-    for name, spec in models.items():
-        rows += bench_model(name, spec, args, dev, bandwidth, t_start)
     tag = gpu.replace(" ", "_")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / f"runner_{tag}.json").write_text(
-        json.dumps(
-            dict(gpu=gpu, bandwidth_bytes_per_s=bandwidth, ctx=args.ctx, rows=rows), indent=1
-        )
-    )
-    (args.out / f"runner_{tag}.md").write_text(markdown(gpu, bandwidth, args.ctx, rows))
+    for name, spec in models.items():
+        rows += bench_model(name, spec, args, dev, bandwidth, t_start)
+        report = dict(gpu=gpu, bandwidth_bytes_per_s=bandwidth, ctx=args.ctx, rows=rows)
+        (args.out / f"runner_{tag}.json").write_text(json.dumps(report, indent=1))
+        (args.out / f"runner_{tag}.md").write_text(markdown(gpu, bandwidth, args.ctx, rows))
     print(markdown(gpu, bandwidth, args.ctx, rows))
 
 

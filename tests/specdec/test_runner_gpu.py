@@ -36,10 +36,11 @@ def test_graph_buffers_change_on_replay_and_match_eager() -> None:
     _, graphed, eager = runners("qwen3", (2, 4))
     g = torch.Generator().manual_seed(0)
     ids = ["a", "b", "c"]  # batch 3 pads to the captured size 4
+    prompts = [torch.randint(0, 300, (5 + i,), generator=g) for i in range(len(ids))]
     for r in (graphed, eager):
-        for i, rid in enumerate(ids):
+        for rid, prompt in zip(ids, prompts, strict=True):
             r.add_request(rid)
-            r.forward([ForwardItem(rid, torch.randint(0, 300, (5 + i,), generator=g), 0)])
+            r.forward([ForwardItem(rid, prompt, 0)])
     temps = torch.tensor([1.0, 0.7, 1.3], device="cuda")
     buffer, before = 0, torch.empty(0)
     for step in range(3):
