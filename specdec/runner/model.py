@@ -150,6 +150,15 @@ class Transformer:
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (x.shape[-1],), weight, self.args.rms_norm_eps)
 
+    def _silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate) * up
+
+    def compile_pointwise(self) -> None:
+        """Fuses the pointwise pieces (norms, rope, silu * up) with torch.compile: at batch 1 a
+        step is launch-bound, and these are most of its kernels. Matmuls and attention stay."""
+        for name in ("_norm", "_rope", "_silu_mul"):
+            setattr(self, name, torch.compile(getattr(self, name), dynamic=True))
+
     def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         # x [T, H, D]; cos, sin [T, 1, D] in x's dtype
         half = x.shape[-1] // 2
@@ -187,7 +196,7 @@ class Transformer:
         w = self.w
         h = self._norm(x, w[f"{i}.post_norm"])
         gate, up = F.linear(h, w[f"{i}.gate_up_w"], w.get(f"{i}.gate_up_b")).chunk(2, dim=-1)
-        h = F.silu(gate) * up
+        h = self._silu_mul(gate, up)
         if f"{i}.down_b" in w:
             return x + F.linear(h, w[f"{i}.down_w"], w[f"{i}.down_b"])
         return torch.addmm(x, h, w[f"{i}.down_w"].t())

@@ -179,6 +179,8 @@ class ModelRunner:
             dtype,
             device,
         )
+        if config.compile_pointwise:
+            model.compile_pointwise()
         backend = FastBackend(model, cache)
         info = info or ModelInfo(
             str(hf_config.architectures[0] if hf_config.architectures else hf_config.model_type),
