@@ -58,11 +58,22 @@ class Services:
 
 @contextmanager
 def services(
-    target_dir: Path, draft: DraftConfig, server: ServerConfig | None = None
+    target_dir: Path,
+    draft: DraftConfig,
+    server: ServerConfig | None = None,
+    sampler_impl: str = "auto",
 ) -> Iterator[Services]:
+    """Both services on free loopback ports. sampler_impl "torch" runs the rejection sampler's
+    pure-torch implementation (bit-equal to the kernels, tested in test_rejection_kernels):
+    the Triton interpreter costs about 1 s per step on CPU."""
     server = server or ServerConfig()
     d_srv, _ = start_draft(draft)
-    t_cfg = TargetConfig(runner_config(target_dir), server, draft_address=f"127.0.0.1:{d_srv.port}")
+    t_cfg = TargetConfig(
+        runner_config(target_dir),
+        server,
+        draft_address=f"127.0.0.1:{d_srv.port}",
+        sampler_impl=sampler_impl,  # type: ignore[arg-type]
+    )
     try:
         t_srv, _ = start_target(t_cfg)
     except BaseException:
@@ -83,14 +94,25 @@ def model_draft(draft_dir: Path, q_form: str = "sparse", support: int = 8) -> Dr
     )
 
 
-def greedy_reference(target_dir: Path, prompt: list[int], n: int) -> list[int]:
+def greedy_reference(runner: ModelRunner, prompt: list[int], n: int) -> list[int]:
     """Target-only greedy decoding over the tokenizer's ids (padding ids excluded)."""
-    runner = ModelRunner.load(runner_config(target_dir, max_slots=1))
-    runner.add_request("r")
-    logits = runner.forward([ForwardItem("r", prompt, 1)])
-    out: list[int] = []
-    for _ in range(n):
-        token = int(logits[0, :TOKENIZER_VOCAB].argmax())
-        out.append(token)
-        logits = runner.forward([ForwardItem("r", [token], 1)])
-    return out
+    runner.add_request("reference")
+    try:
+        logits = runner.forward([ForwardItem("reference", prompt, 1)])
+        out: list[int] = []
+        for _ in range(n):
+            token = int(logits[0, :TOKENIZER_VOCAB].argmax())
+            out.append(token)
+            logits = runner.forward([ForwardItem("reference", [token], 1)])
+        return out
+    finally:
+        runner.release("reference")
+
+
+def next_token_logits(runner: ModelRunner, prompt: list[int]) -> torch.Tensor:
+    """The target's float32 logits [V] for the token after `prompt`."""
+    runner.add_request("reference")
+    try:
+        return runner.forward([ForwardItem("reference", prompt, 1)])[0]
+    finally:
+        runner.release("reference")
