@@ -1,0 +1,324 @@
+"""The block contract over real gRPC: any order, k = 0, steps, duplicates, unknown ids, and bad
+input on both services — each a per-request error with a specific status; everyone else is
+still served and the service keeps serving."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from draft_service.config import DraftConfig
+from draft_service.server import start as start_draft
+from specdec.errors import CheckpointError
+from specdec.pb import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2_grpc
+from specdec.sampling_params import SamplingParams
+from specdec.serving.blocks import DenseQ, DraftProposal, DraftQ, SparseQ, VerifyResult
+from specdec.serving.client import LockstepStream, make_channel
+from specdec.serving.messages import Admission, ErrorReason
+from specdec.serving.server import ServerConfig
+from target_service.config import TargetConfig
+from target_service.server import start as start_target
+from tests.draft_service.models import (
+    TOKENIZER_VOCAB,
+    Services,
+    build_checkpoints,
+    model_draft,
+    runner_config,
+    services,
+)
+from tests.specdec._runner_models import tiny_tokenizer
+
+PROMPT = [5, 17, 42, 9, 77]
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return build_checkpoints(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def svc(checkpoints: tuple[Path, Path]) -> Iterator[Services]:
+    with services(checkpoints[0], model_draft(checkpoints[1]), sampler_impl="torch") as s:
+        yield s
+
+
+_counter = iter(range(10**6))
+_admitted: list[str] = []
+
+
+@pytest.fixture(autouse=True)
+def _release(svc: Services) -> Iterator[None]:
+    """Frees every request a test admitted (16 KV slots per service)."""
+    yield
+    ids = common_pb2.ReleaseRequest(request_ids=_admitted)
+    for address in (svc.target_address, svc.draft_address):
+        stub_cls = (
+            target_pb2_grpc.TargetServiceStub
+            if address == svc.target_address
+            else draft_pb2_grpc.DraftServiceStub
+        )
+        with make_channel(address) as channel:
+            stub_cls(channel).Release(ids, timeout=10)
+    _admitted.clear()
+
+
+@pytest.fixture
+def target(svc: Services) -> target_pb2_grpc.TargetServiceStub:
+    return target_pb2_grpc.TargetServiceStub(make_channel(svc.target_address))
+
+
+def _admit(target: target_pb2_grpc.TargetServiceStub, seed: int = 1, temp: float = 1.0) -> str:
+    rid = f"req{next(_counter)}"
+    _admitted.append(rid)
+    target.Admit(Admission(rid, tuple(PROMPT), SamplingParams(temp, seed=seed)).to_pb())
+    return rid
+
+
+def _q(form: str, k: int, seed: int = 0) -> tuple[tuple[int, ...], DraftQ]:
+    """k draft tokens sampled from a random q of the given form."""
+    gen = torch.Generator().manual_seed(seed)
+    if form == "none":
+        return tuple(torch.randint(0, TOKENIZER_VOCAB, (k,), generator=gen).tolist()), None
+    probs = torch.softmax(torch.randn(k, TOKENIZER_VOCAB, generator=gen) * 3, -1)
+    tokens = torch.multinomial(probs, 1, generator=gen).flatten() if k else torch.zeros(0)
+    if form == "dense":
+        return tuple(int(t) for t in tokens), DenseQ(probs)
+    ids = probs.topk(8, dim=-1).indices
+    for row, token in zip(ids, tokens, strict=True):
+        if token not in row:
+            row[-1] = token  # the sampled token is in the support
+    sparse = torch.softmax(torch.randn(k, ids.shape[1], generator=gen), -1)
+    return tuple(int(t) for t in tokens), SparseQ(ids.int(), sparse)
+
+
+def _verify(target: target_pb2_grpc.TargetServiceStub, entries: list) -> list[VerifyResult]:
+    """One block; entries are DraftProposals or raw DraftEntry messages."""
+    pbs = [e.to_pb() if isinstance(e, DraftProposal) else e for e in entries]
+    with LockstepStream(target.Verify) as stream:
+        response = stream(common_pb2.DraftBlock(entries=pbs))
+    return [VerifyResult.from_pb(r) for r in response.results]
+
+
+def test_any_order_and_k_2_0_1_each_against_its_own_q(
+    target: target_pb2_grpc.TargetServiceStub,
+) -> None:
+    drafts = {"a": _q("dense", 2, 1), "b": _q("none", 0, 2), "c": _q("sparse", 1, 3)}
+    seeds = {"a": 11, "b": 12, "c": 13}
+
+    def run(order: list[list[str]]) -> dict[str, VerifyResult]:
+        ids = {x: _admit(target, seeds[x]) for x in "abc"}
+        out = {}
+        for block in order:
+            entries = [DraftProposal(ids[x], 0, len(PROMPT), *drafts[x]) for x in block]
+            results = _verify(target, entries)
+            assert [r.request_id for r in results] == [ids[x] for x in block]
+            out |= {x: r for x, r in zip(block, results, strict=True)}
+        return out
+
+    in_order, shuffled = run([["a", "b", "c"]]), run([["c", "a", "b"]])
+    alone = run([["a"], ["b"], ["c"]])
+    for x in "abc":
+        assert in_order[x].error is None
+        strip = (in_order[x].token_ids, in_order[x].accepted, in_order[x].committed_length)
+        assert strip == (shuffled[x].token_ids, shuffled[x].accepted, shuffled[x].committed_length)
+        assert strip == (alone[x].token_ids, alone[x].accepted, alone[x].committed_length)
+    assert len(in_order["b"].token_ids) == 1 and in_order["b"].accepted == ()
+    assert len(in_order["a"].accepted) == 2 and len(in_order["c"].accepted) == 1
+
+
+def _reason(result: VerifyResult) -> ErrorReason | None:
+    return None if result.error is None else result.error.reason
+
+
+def test_steps_duplicates_unknown_ids(target: target_pb2_grpc.TargetServiceStub) -> None:
+    rid, other = _admit(target), _admit(target)
+    n = len(PROMPT)
+    first = _verify(target, [DraftProposal(rid, 0, n, *_q("none", 2))])[0]
+    assert first.error is None and first.committed_length == n + len(first.token_ids)
+    again = _verify(target, [DraftProposal(rid, 0, n, *_q("none", 2))])[0]
+    assert _reason(again) == ErrorReason.DUPLICATE_STEP and again.error is not None
+    assert again.error.code == grpc.StatusCode.ALREADY_EXISTS
+    assert again.token_ids == first.token_ids  # the original verdict, applied once
+    n1 = first.committed_length
+    block = [
+        DraftProposal("nobody", 0, n, *_q("none", 1)),
+        DraftProposal(rid, 1, n1, *_q("none", 1)),
+        DraftProposal(other, 0, n + 3, *_q("none", 1)),
+    ]
+    unknown, ok, mismatch = _verify(target, block)
+    assert _reason(unknown) == ErrorReason.UNKNOWN_REQUEST
+    assert unknown.error is not None and unknown.error.code == grpc.StatusCode.NOT_FOUND
+    assert ok.error is None and ok.committed_length > n1
+    assert _reason(mismatch) == ErrorReason.COMMITTED_LENGTH_MISMATCH
+    assert _reason(_verify(target, [DraftProposal(rid, 0, n, *_q("none", 1))])[0]) == (
+        ErrorReason.STALE_STEP
+    )
+    future = _verify(target, [DraftProposal(rid, 7, ok.committed_length, *_q("none", 1))])[0]
+    assert _reason(future) == ErrorReason.FUTURE_STEP
+    assert future.error is not None and future.error.code == grpc.StatusCode.FAILED_PRECONDITION
+    twice = [DraftProposal(other, 0, n, *_q("none", 1))] * 2
+    assert [_reason(r) for r in _verify(target, twice)] == [ErrorReason.DUPLICATE_ENTRY] * 2
+    assert _verify(target, [DraftProposal(other, 0, n, *_q("none", 1))])[0].error is None
+
+
+def _bad_entry(kind: str, rid: str, n: int) -> tuple[common_pb2.DraftEntry, ErrorReason, str]:
+    form = "sparse" if kind.startswith("sparse") else "dense"
+    tokens, q = _q(form, 2, seed=4)
+    pb = DraftProposal(rid, 0, n, tokens, q).to_pb()
+    probs = torch.frombuffer(bytearray(pb.dense.probs or pb.sparse.probs), dtype=torch.float32)
+    target = pb.dense if form == "dense" else pb.sparse
+    r = ErrorReason
+    cases = {
+        "nan": (float("nan"), r.INVALID_DRAFT_PROBS, "NaN"),
+        "inf": (float("inf"), r.INVALID_DRAFT_PROBS, "inf"),
+        "negative": (-0.5, r.INVALID_DRAFT_PROBS, "negative"),
+        "sparse_nan": (float("nan"), r.INVALID_DRAFT_PROBS, "NaN"),
+    }
+    if kind in cases:
+        value, reason, text = cases[kind]
+        probs[3] = value
+        target.probs = probs.numpy().tobytes()
+        return pb, reason, text
+    if kind == "unnormalised":
+        target.probs = (probs * 0.5).numpy().tobytes()
+        return pb, r.DRAFT_PROBS_NOT_NORMALIZED, "sum to 1"
+    if kind == "out_of_support":
+        row = probs.view(2, TOKENIZER_VOCAB)
+        row[0] += row[0, tokens[0]] / (TOKENIZER_VOCAB - 1)
+        row[0, tokens[0]] = 0.0
+        target.probs = row.numpy().tobytes()
+        return pb, r.DRAFT_TOKEN_OUT_OF_SUPPORT, "probability 0"
+    if kind == "short_bytes":
+        target.probs = target.probs[:-4]
+        return pb, r.INVALID_ARGUMENT, "entries[0].dense.probs has"
+    if kind == "sparse_ids_shape":
+        pb.sparse.token_ids = pb.sparse.token_ids[:8]
+        return pb, r.INVALID_ARGUMENT, "entries[0].sparse.token_ids has 8 bytes"
+    if kind == "sparse_id_out_of_vocab":
+        ids = torch.frombuffer(bytearray(pb.sparse.token_ids), dtype=torch.int32)
+        others = ids != tokens[0]
+        ids[others] = torch.where(ids[others] >= 0, 299, -1).int()
+        pb.sparse.token_ids = ids.numpy().tobytes()
+        return pb, r.INVALID_DRAFT_PROBS, "outside the vocabulary"
+    if kind == "token_out_of_vocab":
+        pb.draft_token_ids[1] = 260  # a padding row of the target's embedding
+        return pb, r.TOKEN_OUT_OF_VOCAB, "draft_token_ids holds 260"
+    assert kind == "too_many_drafts"
+    pb = DraftProposal(rid, 0, n, *_q("none", 17)).to_pb()
+    return pb, r.INVALID_ARGUMENT, "draft_token_ids has 17 tokens; at most 16"
+
+
+BAD = [
+    "nan", "inf", "negative", "sparse_nan", "unnormalised", "out_of_support", "short_bytes",
+    "sparse_ids_shape", "sparse_id_out_of_vocab", "token_out_of_vocab", "too_many_drafts",
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", BAD)
+def test_bad_draft_input_is_that_requests_error(
+    target: target_pb2_grpc.TargetServiceStub, kind: str
+) -> None:
+    bad, good = _admit(target), _admit(target)
+    n = len(PROMPT)
+    pb, reason, text = _bad_entry(kind, bad, n)
+    results = _verify(target, [pb, DraftProposal(good, 0, n, *_q("dense", 2, 9))])
+    assert _reason(results[0]) == reason and results[0].error is not None
+    assert results[0].error.code == INVALID
+    assert text in results[0].error.message, results[0].error.message
+    assert results[1].error is None and len(results[1].token_ids) >= 1
+    retry = _verify(target, [DraftProposal(bad, 0, n, *_q("sparse", 2, 5))])[0]
+    assert retry.error is None, "the bad request's state must be intact after its error"
+
+
+@pytest.mark.parametrize("stub_kind", ["target", "draft"])
+@pytest.mark.parametrize(
+    ("prompt", "sampling", "text"),
+    [
+        ([1, 2], common_pb2.SamplingParams(temperature=-1.0), "sampling.temperature"),
+        ([1, 2], common_pb2.SamplingParams(top_p=1.5), "sampling.top_p"),
+        ([1, 999], common_pb2.SamplingParams(), "prompt_token_ids holds 999"),
+        ([], common_pb2.SamplingParams(), "prompt_token_ids must hold"),
+    ],
+)
+def test_invalid_admission(svc: Services, stub_kind: str, prompt, sampling, text) -> None:  # type: ignore[no-untyped-def]
+    if stub_kind == "target":
+        stub = target_pb2_grpc.TargetServiceStub(make_channel(svc.target_address))
+    else:
+        stub = draft_pb2_grpc.DraftServiceStub(make_channel(svc.draft_address))
+    req = common_pb2.AdmitRequest(request_id="x", prompt_token_ids=prompt, sampling=sampling)
+    with pytest.raises(grpc.RpcError) as info:
+        stub.Admit(req, timeout=10)
+    assert info.value.code() == INVALID and text in info.value.details()
+    ok = common_pb2.AdmitRequest(
+        request_id=f"ok-{stub_kind}-{next(_counter)}", prompt_token_ids=[3, 4]
+    )
+    assert stub.Admit(ok, timeout=10).committed_length == 2
+
+
+def test_draft_bad_asks_are_per_request_errors(svc: Services) -> None:
+    stub = draft_pb2_grpc.DraftServiceStub(make_channel(svc.draft_address))
+    ids = [f"d{next(_counter)}" for _ in range(5)]
+    _admitted.extend(ids)
+    for rid in ids:
+        stub.Admit(Admission(rid, tuple(PROMPT), SamplingParams(seed=3)).to_pb())
+    n = len(PROMPT)
+    asks = [
+        draft_pb2.ProposeEntry(request_id=ids[0], step=0, committed_length=n, num_draft_tokens=3),
+        draft_pb2.ProposeEntry(request_id="ghost", step=0, committed_length=n, num_draft_tokens=1),
+        draft_pb2.ProposeEntry(request_id=ids[1], step=0, committed_length=n, num_draft_tokens=99),
+        draft_pb2.ProposeEntry(
+            request_id=ids[2], step=0, committed_length=n + 1, new_token_ids=[400],
+            num_draft_tokens=1,
+        ),
+        draft_pb2.ProposeEntry(request_id=ids[3], step=0, committed_length=9, num_draft_tokens=1),
+        draft_pb2.ProposeEntry(request_id=ids[4], step=3, committed_length=n, num_draft_tokens=1),
+    ]  # fmt: skip
+    with LockstepStream(stub.Propose) as stream:
+        response = stream(draft_pb2.ProposeBlock(entries=asks))
+    assert [e.request_id for e in response.block.entries] == [ids[0]]
+    entry = response.block.entries[0]
+    assert len(entry.draft_token_ids) == 3 and entry.WhichOneof("draft_probs") == "sparse"
+    reasons = {e.request_id: ErrorReason(e.error.reason) for e in response.errors}
+    assert reasons == {
+        "ghost": ErrorReason.UNKNOWN_REQUEST,
+        ids[1]: ErrorReason.INVALID_ARGUMENT,
+        ids[2]: ErrorReason.TOKEN_OUT_OF_VOCAB,
+        ids[3]: ErrorReason.COMMITTED_LENGTH_MISMATCH,
+        ids[4]: ErrorReason.FUTURE_STEP,
+    }
+    assert all(e.error.message for e in response.errors)
+
+
+def test_oversized_block_is_refused_and_service_keeps_serving(
+    checkpoints: tuple[Path, Path],
+) -> None:
+    small = ServerConfig(max_message_bytes=64 * 1024)
+    with services(checkpoints[0], model_draft(checkpoints[1]), small, "torch") as s:
+        target = target_pb2_grpc.TargetServiceStub(make_channel(s.target_address))
+        rid = _admit(target)
+        n = len(PROMPT)
+        big = DraftProposal(rid, 0, n, (1,), DenseQ(torch.full((1, 20000), 1 / 20000))).to_pb()
+        with pytest.raises(grpc.RpcError) as info:
+            _verify(target, [big])
+        assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert _verify(target, [DraftProposal(rid, 0, n, *_q("dense", 2))])[0].error is None
+
+
+def test_incompatible_draft_tokenizer_is_refused_at_start(
+    checkpoints: tuple[Path, Path], tmp_path: Path
+) -> None:
+    tok = tiny_tokenizer()
+    tok.add_tokens(["extra-word"])
+    tok.save_pretrained(str(tmp_path / "other"))
+    draft, _ = start_draft(DraftConfig(proposer="ngram", tokenizer_path=str(tmp_path / "other")))
+    try:
+        cfg = TargetConfig(runner_config(checkpoints[0]), draft_address=f"127.0.0.1:{draft.port}")
+        with pytest.raises(CheckpointError, match=r"Refusing the draft .* tokenizer"):
+            start_target(cfg)
+    finally:
+        draft.stop(0)
