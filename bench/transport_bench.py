@@ -1,0 +1,132 @@
+"""Transport cost of one draft → target step on loopback: dense vs sparse q.
+
+    python bench/transport_bench.py [--steps 30] [--out bench/results]
+
+Per step: pack q into a DraftBlock (draft side), serialise, send over a real gRPC stream
+(`specdec.serving` server: interceptor, message limits), parse and unpack into tensors (target
+side, `DraftProposal.from_pb`), answer one VerifyResult per request, receive it. The model and
+the sampler are left out: this is the cost the split adds. V = 128,256 (Llama 3), k = 4.
+
+The fraction of a verify step needs the 8B target's verify-step time on a GPU, produced by the
+runner's benchmark: put it in bench/results/verify_step_8b.json as
+{"verify_step_ms": {"1": ..., "8": ..., "32": ...}, "device": "..."}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import torch
+
+from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
+from specdec.serving.blocks import DenseQ, DraftProposal, SparseQ, VerifyResult, block_to_pb
+from specdec.serving.client import LockstepStream, make_channel
+from specdec.serving.server import Server, ServerConfig
+
+VOCAB = 128256
+K = 4
+SUPPORT = 32
+VERIFY_INPUT = "verify_step_8b.json"
+
+
+class EchoTarget(target_pb2_grpc.TargetServiceServicer):
+    """Parses every entry as the target does, then answers without scoring."""
+
+    def Verify(
+        self, request_iterator: Iterator[common_pb2.DraftBlock], context: grpc.ServicerContext
+    ) -> Iterator[target_pb2.VerifyResponse]:
+        for block in request_iterator:
+            results = []
+            for i, pb in enumerate(block.entries):
+                p = DraftProposal.from_pb(pb, f"entries[{i}]")
+                tokens = (*p.draft_token_ids, 0)
+                results.append(VerifyResult(p.request_id, p.step, tokens, (True,) * K, 99))
+            yield target_pb2.VerifyResponse(results=[r.to_pb() for r in results])
+
+
+def proposals(batch: int, form: str) -> list[DraftProposal]:
+    gen = torch.Generator().manual_seed(batch)
+    out = []
+    for b in range(batch):
+        ids = tuple(torch.randint(0, VOCAB, (K,), generator=gen).tolist())
+        if form == "dense":
+            q: DenseQ | SparseQ = DenseQ(torch.softmax(torch.randn(K, VOCAB, generator=gen), -1))
+        else:
+            support = torch.randint(0, VOCAB, (K, SUPPORT), generator=gen, dtype=torch.int32)
+            q = SparseQ(support, torch.softmax(torch.randn(K, SUPPORT, generator=gen), -1))
+        out.append(DraftProposal(f"r{b}", 7, 100, ids, q))
+    return out
+
+
+def measure(stream: LockstepStream, batch: int, form: str, steps: int) -> dict[str, float]:
+    props = proposals(batch, form)
+    times, sent, received = [], 0, 0
+    for i in range(steps + 3):
+        start = time.perf_counter()
+        block = block_to_pb(props)  # packing q is part of the draft's cost
+        response = stream(block)
+        elapsed = time.perf_counter() - start
+        if i >= 3:  # warm-up
+            times.append(elapsed)
+        sent, received = block.ByteSize(), response.ByteSize()
+    return {
+        "batch": batch, "q": form, "ms_median": 1e3 * statistics.median(times),
+        "ms_p90": 1e3 * sorted(times)[int(0.9 * (len(times) - 1))],
+        "bytes_sent": sent, "bytes_received": received,
+    }  # fmt: skip
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    args = parser.parse_args()
+    server = Server(
+        ServerConfig(), ["specdec.v1.TargetService"],
+        lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(EchoTarget(), s),
+    )  # fmt: skip
+    port = server.start()
+    rows = []
+    with make_channel(f"127.0.0.1:{port}") as channel:
+        stream = LockstepStream(target_pb2_grpc.TargetServiceStub(channel).Verify)
+        for form in ("sparse", "dense"):
+            for batch in (1, 8, 32):
+                steps = args.steps if form == "sparse" or batch < 32 else max(args.steps // 3, 5)
+                rows.append(measure(stream, batch, form, steps))
+                print(json.dumps(rows[-1]))
+        stream.close()
+    server.stop(0)
+    write(rows, args.out)
+
+
+def write(rows: list[dict[str, float]], out: Path) -> None:
+    verify_path = out / VERIFY_INPUT
+    verify = json.loads(verify_path.read_text()) if verify_path.exists() else None
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "transport.json").write_text(json.dumps(rows, indent=1) + "\n")
+    lines = [
+        f"# Transport per step, loopback, V = {VOCAB}, k = {K}, sparse support {SUPPORT}",
+        "",
+        "| q | batch | ms (median) | ms (p90) | bytes sent | bytes back | % of 8B verify step |",
+        "| --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        frac = "needs " + VERIFY_INPUT
+        if verify is not None and str(r["batch"]) in verify["verify_step_ms"]:
+            frac = f"{100 * r['ms_median'] / verify['verify_step_ms'][str(r['batch'])]:.1f}%"
+        lines.append(
+            f"| {r['q']} | {r['batch']} | {r['ms_median']:.2f} | {r['ms_p90']:.2f} | "
+            f"{r['bytes_sent']:,} | {r['bytes_received']:,} | {frac} |"
+        )
+    (out / "transport.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
