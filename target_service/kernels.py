@@ -319,7 +319,9 @@ def _race(
     start = split * split_size
     end = tl.minimum(start + split_size, V)
     cols = tl.arange(0, S_P2)
-    sparse_ids = tl.load(q_ids_ptr + t * S + cols, mask=cols < tl.where(has_draft, S, 0), other=V)
+    sparse_ids = tl.load(
+        q_ids_ptr + t * S + cols, mask=cols < tl.where(has_draft, S, 0), other=2147483647
+    )
     best = tl.full((), -1.0, tl.float32)
     best_idx = tl.zeros((), tl.int32)
     best_p = tl.full((), -1.0, tl.float32)

@@ -1,0 +1,168 @@
+"""The Triton kernels against the pure-torch reference on identical random streams, and hand
+cases with exact expected outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.sampling_params import SamplingParams
+from target_service import kernels
+from target_service.rejection_sampler import (
+    PLACEHOLDER,
+    DenseProbs,
+    RequestSampling,
+    SampleStatus,
+    prepare,
+    rejection_sample,
+)
+from tests.target_service.helpers import Batch, random_batch
+
+
+def run_both(b: Batch, device: torch.device, **launch: int) -> tuple:
+    def move(t: torch.Tensor) -> torch.Tensor:
+        return t.to(device)
+
+    q = b.q
+    if q is not None:
+        q = type(q)(*(move(getattr(q, f)) for f in q.__slots__))  # type: ignore[attr-defined]
+    sampling = RequestSampling(*(move(getattr(b.sampling, f)) for f in RequestSampling.__slots__))
+    x = prepare(move(b.k), move(b.draft_ids), move(b.logits), q, sampling)
+    return kernels.rejection_sample_torch(x), kernels.rejection_sample_triton(x, **launch)
+
+
+def assert_same(ref: kernels.KernelOutputs, tri: kernels.KernelOutputs) -> None:
+    assert torch.equal(ref.status.cpu(), tri.status.cpu())
+    assert torch.equal(ref.token_ids.cpu(), tri.token_ids.cpu())
+    assert torch.equal(ref.num_committed.cpu(), tri.num_committed.cpu())
+    assert torch.equal(ref.accepted.cpu(), tri.accepted.cpu())
+
+
+def ks(batch: int, k: int, seed: int, mixed: bool = True) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    if not mixed:
+        return [k] * batch
+    return [int(v) for v in torch.randint(0, k + 1, (batch,), generator=gen)]
+
+
+# Covers batch {1, 4, 64} x k {1, 4, 8} x V {100, 1000, 32000, 151936}, every q form, mixed
+# greedy/sampled and mixed k with zeros, within the interpreter's budget on 2 cores.
+SWEEP = [
+    (1, 8, 151936, "dense", False),
+    (1, 4, 151936, "sparse", False),
+    (4, 4, 32000, "dense", True),
+    (4, 8, 32000, "none", True),
+    (4, 1, 32000, "sparse", False),
+    (64, 1, 100, "dense", False),
+    (64, 4, 100, "sparse", True),
+    (64, 8, 100, "none", True),
+    (64, 4, 1000, "dense", True),
+    (4, 8, 1000, "sparse", True),
+    (1, 1, 1000, "none", False),
+]
+
+
+@pytest.mark.parametrize(("batch", "k", "vocab", "q_form", "mixed"), SWEEP)
+def test_kernel_equals_reference(
+    batch: int, k: int, vocab: int, q_form: str, mixed: bool, device: torch.device
+) -> None:
+    seed = batch * 1000 + k * 100 + vocab % 97
+    b = random_batch(ks(batch, k, seed, mixed), vocab, q_form, seed=seed, greedy_fraction=0.3)
+    ref, tri = run_both(b, device)
+    assert_same(ref, tri)
+    assert bool((ref.status == 0).all())
+    assert bool((ref.num_committed >= 1).all())
+
+
+def test_mixed_k_with_zero_scores_each_request_against_its_own_rows(device: torch.device) -> None:
+    b = random_batch([2, 0, 1], 1000, "dense", seed=5, greedy_fraction=0.0)
+    ref, tri = run_both(b, device)
+    assert_same(ref, tri)
+    assert tri.token_ids.shape == (3, 3)
+    assert int(tri.num_committed[1]) == 1  # b decodes one token
+    assert tri.token_ids[1, 1:].tolist() == [PLACEHOLDER, PLACEHOLDER]
+
+
+@pytest.mark.parametrize("q_form", ["dense", "sparse", "none"])
+def test_vocabulary_splits_combine_exactly(q_form: str, device: torch.device) -> None:
+    """Many splits per row (block 32, split 64) give the one-split answer bit for bit."""
+    b = random_batch(ks(16, 4, 3), 300, q_form, seed=11, greedy_fraction=0.3)
+    ref, tri = run_both(b, device, block=32, split_size=64)
+    assert_same(ref, tri)
+    _, single = run_both(b, device)
+    assert_same(single, tri)
+
+
+def test_bf16_logits_and_padded_vocabulary(device: torch.device) -> None:
+    b = random_batch(ks(8, 4, 9), 260, "dense", seed=9, dtype=torch.bfloat16)
+    b.logits[:, 256:] = 80.0  # padding columns must never win, even as the raw argmax
+    probs = b.q.probs[:, :256]  # type: ignore[union-attr]
+    q = DenseProbs(torch.nn.functional.pad(probs / probs.sum(-1, keepdim=True), (0, 4)))
+    drafts = b.draft_ids.clamp(max=255)
+    outs = [
+        rejection_sample(b.k, drafts, b.logits, q, b.sampling, vocab_size=256, impl=impl)
+        for impl in ("torch", "triton")
+    ]
+    for out in outs:
+        assert bool((out.status == SampleStatus.OK).all())
+        assert int(out.token_ids.max()) < 256
+    assert torch.equal(outs[0].token_ids, outs[1].token_ids)
+
+
+def hand_batch(rows: list[list[tuple[int, float]]], vocab: int = 10) -> torch.Tensor:
+    logits = torch.zeros(len(rows), vocab)
+    for r, entries in enumerate(rows):
+        for token, value in entries:
+            logits[r, token] = value
+    return logits
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_all_accepted_emits_bonus(impl: str) -> None:
+    logits = hand_batch([[(4, 60.0)], [(2, 60.0)], [(7, 60.0)]])
+    sampling = RequestSampling.from_params([SamplingParams(1.0, seed=3)], [0], "cpu")
+    k, drafts = torch.tensor([2], dtype=torch.int32), torch.tensor([4, 2], dtype=torch.int32)
+    out = rejection_sample(k, drafts, logits, None, sampling, impl=impl)
+    assert out.token_ids.tolist() == [[4, 2, 7]]
+    assert out.num_committed.tolist() == [3]
+    assert out.accepted.tolist() == [[True, True]]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+def test_first_rejected_emits_recovered(impl: str) -> None:
+    # Draft 5 has p = 0 under top_k = 1 (target mass on 3): rejected, recovered from p - q = 3.
+    logits = hand_batch([[(3, 60.0), (5, 1.0)], [(1, 60.0)], [(7, 60.0)]])
+    sampling = RequestSampling.from_params([SamplingParams(1.0, top_k=1, seed=4)], [9], "cpu")
+    q = DenseProbs(torch.tensor([[0.0] * 5 + [1.0] + [0.0] * 4, [0.1] * 10]))
+    k, drafts = torch.tensor([2], dtype=torch.int32), torch.tensor([5, 1], dtype=torch.int32)
+    out = rejection_sample(k, drafts, logits, q, sampling, impl=impl)
+    assert out.token_ids.tolist() == [[3, PLACEHOLDER, PLACEHOLDER]]
+    assert out.num_committed.tolist() == [1]
+    assert out.accepted.tolist() == [[False, False]]
+
+
+@pytest.mark.parametrize("impl", ["torch", "triton"])
+@pytest.mark.parametrize("mismatch", [0, 1, 2, 3])
+def test_greedy_mismatch_at_each_position(impl: str, mismatch: int) -> None:
+    argmaxes = [6, 2, 9, 4]
+    logits = hand_batch([[(a, 1.5), ((a + 1) % 10, 1.4)] for a in argmaxes])
+    drafts = [a if j != mismatch else (a + 1) % 10 for j, a in enumerate(argmaxes[:3])]
+    sampling = RequestSampling.from_params([SamplingParams(0.0, seed=1)], [100], "cpu")
+    k = torch.tensor([3], dtype=torch.int32)
+    out = rejection_sample(
+        k, torch.tensor(drafts, dtype=torch.int32), logits, None, sampling, impl=impl
+    )
+    expected = argmaxes[: mismatch + 1] if mismatch < 3 else argmaxes
+    assert out.committed(0) == expected
+    assert out.accepted[0].tolist() == [j < mismatch for j in range(3)]
+
+
+def test_greedy_ties_go_to_lowest_id_like_torch_argmax() -> None:
+    logits = hand_batch([[(3, 2.0), (8, 2.0)]])
+    sampling = RequestSampling.from_params([SamplingParams(0.0)], [0], "cpu")
+    empty = torch.zeros(0, dtype=torch.int32)
+    for impl in ("torch", "triton"):
+        out = rejection_sample(
+            torch.tensor([0], dtype=torch.int32), empty, logits, None, sampling, impl=impl
+        )
+        assert out.committed(0) == [3]
