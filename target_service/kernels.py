@@ -420,9 +420,12 @@ def _launch_shape(rows: int, width: int, device: torch.device) -> tuple[int, int
 
 
 def rejection_sample_triton(
-    inputs: KernelInputs, block: int | None = None, split_size: int | None = None
+    inputs: KernelInputs,
+    block: int | None = None,
+    split_size: int | None = None,
+    num_warps: int = 4,
 ) -> KernelOutputs:
-    """Run the three kernels; `block` / `split_size` override the launch shape (tests)."""
+    """Run the three kernels; `block` / `split_size` / `num_warps` override the launch shape."""
     x = inputs
     device = x.logits.device
     rows, batch = x.row_req.shape[0], x.num_draft.shape[0]
@@ -447,6 +450,7 @@ def rejection_sample_triton(
         x.logits, x.logits.stride(0), x.thresholds, x.row_req, x.row_draft, x.inv_temperature,
         q, q.stride(0), pmax, psum, pval, pidx, pbad, pqsum, x.vocab_size, x.q_vocab,
         split_size, NUM_SPLITS=num_splits, BLOCK=block, DENSE_Q=x.q_mode == Q_DENSE,
+        num_warps=num_warps,
     )  # fmt: skip
     first_reject = torch.empty(batch, dtype=torch.int32, device=device)
     status = torch.empty(batch, dtype=torch.int32, device=device)
@@ -458,7 +462,7 @@ def rejection_sample_triton(
         q, q.stride(0), q_ids, pmax, psum, pval, pidx, pbad, pqsum, first_reject, status, race,
         x.vocab_size, x.q_vocab, sparse_width, split_size, NUM_SPLITS=num_splits, BLOCK=block,
         S_P2=triton.next_power_of_2(sparse_width), Q_MODE=x.q_mode,
-        SYNTHETIC=x.synthetic_rates is not None,
+        SYNTHETIC=x.synthetic_rates is not None, num_warps=num_warps,
     )  # fmt: skip
     token_ids = torch.empty((batch, x.max_k + 1), dtype=torch.int32, device=device)
     num_committed = torch.empty(batch, dtype=torch.int32, device=device)

@@ -54,7 +54,7 @@ def run_trials(
     device: str = "cpu",
 ) -> tuple[SamplerOutput, torch.Tensor]:
     gen = torch.Generator().manual_seed(1234)
-    k, vocab = len(q_rows), rows[0].numel()
+    k = len(q_rows)
     drafts = torch.stack([torch.multinomial(q, trials, True, generator=gen) for q in q_rows], 1)
     logits = torch.stack(rows).repeat(trials, 1).to(device)
     q_dense = torch.stack(q_rows).repeat(trials, 1).float()

@@ -19,7 +19,7 @@ from target_service.rejection_sampler import (
 from tests.target_service.helpers import Batch, random_batch
 
 
-def run_both(b: Batch, device: torch.device, **launch: int) -> tuple:
+def run_both(b: Batch, device: torch.device, vocab_size: int | None = None, **launch: int) -> tuple:
     def move(t: torch.Tensor) -> torch.Tensor:
         return t.to(device)
 
@@ -27,7 +27,7 @@ def run_both(b: Batch, device: torch.device, **launch: int) -> tuple:
     if q is not None:
         q = type(q)(*(move(getattr(q, f)) for f in q.__slots__))  # type: ignore[attr-defined]
     sampling = RequestSampling(*(move(getattr(b.sampling, f)) for f in RequestSampling.__slots__))
-    x = prepare(move(b.k), move(b.draft_ids), move(b.logits), q, sampling)
+    x = prepare(move(b.k), move(b.draft_ids), move(b.logits), q, sampling, vocab_size=vocab_size)
     return kernels.rejection_sample_torch(x), kernels.rejection_sample_triton(x, **launch)
 
 
@@ -99,14 +99,23 @@ def test_bf16_logits_and_padded_vocabulary(device: torch.device) -> None:
     probs = b.q.probs[:, :256]  # type: ignore[union-attr]
     q = DenseProbs(torch.nn.functional.pad(probs / probs.sum(-1, keepdim=True), (0, 4)))
     drafts = b.draft_ids.clamp(max=255)
-    outs = [
-        rejection_sample(b.k, drafts, b.logits, q, b.sampling, vocab_size=256, impl=impl)
-        for impl in ("torch", "triton")
-    ]
+    ref, tri = run_both(Batch(b.k, drafts, b.logits, q, b.sampling, [], []), device, 256)
+    outs = [ref, tri]
     for out in outs:
         assert bool((out.status == SampleStatus.OK).all())
         assert int(out.token_ids.max()) < 256
-    assert torch.equal(outs[0].token_ids, outs[1].token_ids)
+    assert_same(ref, tri)
+
+
+def on(impl: str, *tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Triton runs compiled on a GPU when there is one, interpreted on the CPU otherwise."""
+    device = "cuda" if impl == "triton" and torch.cuda.is_available() else "cpu"
+    return [t.to(device) for t in tensors]
+
+
+def sampling_on(impl: str, params: list[SamplingParams], positions: list[int]) -> RequestSampling:
+    device = "cuda" if impl == "triton" and torch.cuda.is_available() else "cpu"
+    return RequestSampling.from_params(params, positions, device)
 
 
 def hand_batch(rows: list[list[tuple[int, float]]], vocab: int = 10) -> torch.Tensor:
@@ -120,8 +129,9 @@ def hand_batch(rows: list[list[tuple[int, float]]], vocab: int = 10) -> torch.Te
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 def test_all_accepted_emits_bonus(impl: str) -> None:
     logits = hand_batch([[(4, 60.0)], [(2, 60.0)], [(7, 60.0)]])
-    sampling = RequestSampling.from_params([SamplingParams(1.0, seed=3)], [0], "cpu")
+    sampling = sampling_on(impl, [SamplingParams(1.0, seed=3)], [0])
     k, drafts = torch.tensor([2], dtype=torch.int32), torch.tensor([4, 2], dtype=torch.int32)
+    k, drafts, logits = on(impl, k, drafts, logits)
     out = rejection_sample(k, drafts, logits, None, sampling, impl=impl)
     assert out.token_ids.tolist() == [[4, 2, 7]]
     assert out.num_committed.tolist() == [3]
@@ -132,10 +142,11 @@ def test_all_accepted_emits_bonus(impl: str) -> None:
 def test_first_rejected_emits_recovered(impl: str) -> None:
     # Draft 5 has p = 0 under top_k = 1 (target mass on 3): rejected, recovered from p - q = 3.
     logits = hand_batch([[(3, 60.0), (5, 1.0)], [(1, 60.0)], [(7, 60.0)]])
-    sampling = RequestSampling.from_params([SamplingParams(1.0, top_k=1, seed=4)], [9], "cpu")
-    q = DenseProbs(torch.tensor([[0.0] * 5 + [1.0] + [0.0] * 4, [0.1] * 10]))
+    sampling = sampling_on(impl, [SamplingParams(1.0, top_k=1, seed=4)], [9])
+    q_rows = torch.tensor([[0.0] * 5 + [1.0] + [0.0] * 4, [0.1] * 10])
     k, drafts = torch.tensor([2], dtype=torch.int32), torch.tensor([5, 1], dtype=torch.int32)
-    out = rejection_sample(k, drafts, logits, q, sampling, impl=impl)
+    k, drafts, logits, q_rows = on(impl, k, drafts, logits, q_rows)
+    out = rejection_sample(k, drafts, logits, DenseProbs(q_rows), sampling, impl=impl)
     assert out.token_ids.tolist() == [[3, PLACEHOLDER, PLACEHOLDER]]
     assert out.num_committed.tolist() == [1]
     assert out.accepted.tolist() == [[False, False]]
@@ -166,3 +177,36 @@ def test_greedy_ties_go_to_lowest_id_like_torch_argmax() -> None:
             torch.tensor([0], dtype=torch.int32), empty, logits, None, sampling, impl=impl
         )
         assert out.committed(0) == [3]
+
+
+def select(b: Batch, order: list[int]) -> Batch:
+    """The requests `order` of b, as a new batch in that order."""
+    row_start = torch.cumsum(b.k + 1, 0) - (b.k + 1)
+    draft_start = torch.cumsum(b.k, 0) - b.k
+    rows = torch.cat(
+        [torch.arange(int(row_start[i]), int(row_start[i] + b.k[i] + 1)) for i in order]
+    )
+    drafts = torch.cat(
+        [torch.arange(int(draft_start[i]), int(draft_start[i] + b.k[i])) for i in order]
+    )
+    q = b.q
+    if q is not None:
+        q = type(q)(*(getattr(q, f)[drafts] for f in q.__slots__))  # type: ignore[attr-defined]
+    sampling = RequestSampling(*(getattr(b.sampling, f)[order] for f in RequestSampling.__slots__))
+    return Batch(
+        b.k[order], b.draft_ids[drafts], b.logits[rows], q, sampling,
+        [b.params[i] for i in order], [b.positions[i] for i in order],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("q_form", ["dense", "sparse"])
+def test_seeded_output_is_independent_of_batch_makeup(q_form: str, device: torch.device) -> None:
+    b = random_batch(ks(64, 4, 2), 500, q_form, seed=2, greedy_fraction=0.2)
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(3)).tolist()
+    _, shuffled = run_both(select(b, order), device)
+    for probe in (0, 17, 63):
+        _, alone = run_both(select(b, [probe]), device)
+        at = order.index(probe)
+        width = alone.token_ids.shape[1]
+        assert torch.equal(alone.token_ids[0].cpu(), shuffled.token_ids[at, :width].cpu())
+        assert bool((shuffled.token_ids[at, width:] == PLACEHOLDER).all())

@@ -1,0 +1,134 @@
+"""Rejection-sampler benchmark (GPU): median kernel time vs the memory floor and vs the
+pure-torch reference, over batch x k x V x q form.
+
+Floor = bytes that must be read and written once (target logits, q as sent, outputs) / the
+device's measured copy bandwidth. Usage: python bench/rejection_bench.py --out DIR [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+from triton.testing import do_bench
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from specdec.sampling_params import SamplingParams  # noqa: E402
+from target_service import kernels  # noqa: E402
+from target_service.rejection_sampler import (  # noqa: E402
+    DenseProbs,
+    RequestSampling,
+    SparseProbs,
+    prepare,
+)
+
+SPARSE_K = 64
+
+
+def copy_bandwidth() -> float:
+    """Bytes read + written per second by a 2 GiB device-to-device copy (median of 20)."""
+    src = torch.randn(2**29, device="cuda")  # 2 GiB float32
+    dst = torch.empty_like(src)
+    ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median")
+    del src, dst
+    return 2 * 2**31 / (ms * 1e-3)
+
+
+def make_inputs(batch: int, k: int, vocab: int, q_form: str) -> tuple[kernels.KernelInputs, int]:
+    gen = torch.Generator(device="cuda").manual_seed(batch * 7 + k)
+    rows, total = batch * (k + 1), batch * k
+    logits = torch.randn(rows, vocab, device="cuda", generator=gen) * 3
+    nbytes = logits.numel() * 4 + batch * (k + 1) * 4 * 2  # logits in; tokens + flags out
+    draft_logits = torch.randn(total, vocab, device="cuda", generator=gen) * 3
+    q: DenseProbs | SparseProbs | None = None
+    if q_form == "dense":
+        probs = torch.softmax(draft_logits, -1)
+        ids = torch.multinomial(probs, 1, generator=gen).flatten()
+        q = DenseProbs(probs)
+        nbytes += probs.numel() * 4
+    elif q_form == "sparse":
+        top = draft_logits.topk(SPARSE_K, -1)
+        probs = torch.softmax(top.values, -1)
+        pick = torch.multinomial(probs, 1, generator=gen)
+        ids = top.indices.gather(1, pick).flatten()
+        q = SparseProbs(top.indices.int(), probs)
+        nbytes += total * SPARSE_K * 8
+    else:
+        ids = draft_logits.argmax(-1)
+    del draft_logits
+    params = [SamplingParams(1.0, seed=i) for i in range(batch)]
+    sampling = RequestSampling.from_params(params, [1000] * batch, "cuda")
+    num = torch.full((batch,), k, dtype=torch.int32, device="cuda")
+    return prepare(num, ids.int(), logits, q, sampling), nbytes + total * 4
+
+
+def bench_one(x: kernels.KernelInputs, launch: dict, ref: bool) -> tuple[float, float | None]:
+    tri = do_bench(lambda: kernels.rejection_sample_triton(x, **launch), warmup=25, rep=100,
+                   return_mode="median")  # fmt: skip
+    ref_ms = None
+    if ref:
+        ref_ms = do_bench(lambda: kernels.rejection_sample_torch(x), warmup=3, rep=30,
+                          return_mode="median")  # fmt: skip
+    return tri, ref_ms
+
+
+def tune(bandwidth: float) -> dict:
+    """Launch shapes for the headline case (batch 64, k 4, V 128256, dense q)."""
+    x, nbytes = make_inputs(64, 4, 128256, "dense")
+    floor = nbytes / bandwidth * 1e3
+    results = []
+    for block, warps, split in itertools.product((1024, 2048, 4096), (4, 8), (None, 16384, 32768)):
+        launch = {"block": block, "num_warps": warps, "split_size": split and max(split, block)}
+        ms, _ = bench_one(x, launch, ref=False)
+        results.append((ms, launch))
+        print(f"tune {launch}: {ms * 1e3:.1f} us ({ms / floor:.2f}x floor)", flush=True)
+    best = min(results, key=lambda r: r[0])
+    print(f"best launch {best[1]} {best[0] * 1e3:.1f} us", flush=True)
+    return best[1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--quick", action="store_true", help="a few configs only")
+    args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    gpu = torch.cuda.get_device_name()
+    bandwidth = copy_bandwidth()
+    print(f"{gpu}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
+    launch = tune(bandwidth)
+    grid = list(itertools.product((1, 8, 64, 256), (1, 4, 8), (32000, 128256, 151936),
+                                  ("dense", "sparse", "none")))  # fmt: skip
+    if args.quick:
+        grid = [g for g in grid if g[0] in (1, 64) and g[1] == 4 and g[2] == 128256]
+    rows = []
+    start = time.time()
+    for i, (batch, k, vocab, q_form) in enumerate(grid):
+        x, nbytes = make_inputs(batch, k, vocab, q_form)
+        floor = nbytes / bandwidth * 1e3
+        auto, ref = bench_one(x, {}, ref=True)
+        tuned, _ = bench_one(x, launch, ref=False)
+        row = {"batch": batch, "k": k, "vocab": vocab, "q": q_form, "bytes": nbytes,
+               "floor_us": floor * 1e3, "auto_us": auto * 1e3, "tuned_us": tuned * 1e3,
+               "torch_ref_us": ref * 1e3 if ref else None}  # fmt: skip
+        rows.append(row)
+        print(f"[{i + 1}/{len(grid)} {time.time() - start:.0f}s] B={batch} k={k} V={vocab} "
+              f"{q_form}: auto {auto * 1e3:.1f} us, tuned {tuned * 1e3:.1f} us, floor "
+              f"{floor * 1e3:.1f} us ({min(auto, tuned) / floor:.2f}x), torch "
+              f"{(ref or 0) * 1e3:.1f} us ({(ref or 0) / min(auto, tuned):.1f}x)", flush=True)  # fmt: skip
+        del x
+        torch.cuda.empty_cache()
+    report = {"gpu": gpu, "copy_bandwidth_Bps": bandwidth, "tuned_launch": launch,
+              "torch": torch.__version__, "rows": rows}  # fmt: skip
+    (args.out / "rejection_bench.json").write_text(json.dumps(report, indent=1))
+    print("done", flush=True)
+
+
+if __name__ == "__main__":
+    main()

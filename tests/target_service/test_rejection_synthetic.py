@@ -1,0 +1,95 @@
+"""Synthetic acceptance: configuration checks and measured per-position rates."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdec.sampling_params import SamplingParams
+from target_service.rejection_sampler import RequestSampling, rejection_sample
+from target_service.synthetic import SyntheticAcceptance
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"num_draft_tokens": 0, "rates": ()}, "num_draft_tokens"),
+        ({"num_draft_tokens": 3}, "exactly one"),
+        (
+            {"num_draft_tokens": 2, "rates": (0.5, 0.4), "mean_acceptance_length": 2.0},
+            "exactly one",
+        ),
+        ({"num_draft_tokens": 3, "rates": (0.5, 0.4)}, "rates must have"),
+        ({"num_draft_tokens": 2, "rates": (0.5, 0.6)}, "non-increasing"),
+        ({"num_draft_tokens": 2, "rates": (1.5, 0.6)}, r"rates\[0\] must be in \[0, 1\]"),
+        ({"num_draft_tokens": 2, "rates": (0.5, float("nan"))}, r"rates\[1\]"),
+        ({"num_draft_tokens": 2, "rates": (0.5, -0.1)}, r"rates\[1\]"),
+        (
+            {"num_draft_tokens": 4, "mean_acceptance_length": 0.5},
+            r"mean_acceptance_length .*\[1, 5\]",
+        ),
+        ({"num_draft_tokens": 4, "mean_acceptance_length": 5.5}, "mean_acceptance_length"),
+        ({"num_draft_tokens": 4, "mean_acceptance_length": math.inf}, "mean_acceptance_length"),
+    ],
+)
+def test_invalid_configurations_name_the_field(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SyntheticAcceptance(**kwargs)
+
+
+def test_minimum_variance_schedule_and_conditional_rates() -> None:
+    cfg = SyntheticAcceptance(num_draft_tokens=5, mean_acceptance_length=3.25)
+    assert cfg.unconditional_rates() == (1.0, 1.0, 0.25, 0.0, 0.0)
+    assert cfg.conditional_rates() == (1.0, 1.0, 0.25, 0.0, 0.0)
+    assert cfg.mean_length() == pytest.approx(3.25)
+    cfg = SyntheticAcceptance(num_draft_tokens=3, rates=(0.8, 0.4, 0.1))
+    assert cfg.conditional_rates() == pytest.approx((0.8, 0.5, 0.25))
+    assert SyntheticAcceptance(3, mean_acceptance_length=4.0).unconditional_rates() == (1, 1, 1)
+    assert SyntheticAcceptance(3, mean_acceptance_length=1.0).unconditional_rates() == (0, 0, 0)
+
+
+def measure(cfg: SyntheticAcceptance, trials: int, impl: str) -> torch.Tensor:
+    k, vocab = cfg.num_draft_tokens, 16
+    gen = torch.Generator().manual_seed(0)
+    logits = torch.randn(trials * (k + 1), vocab, generator=gen)
+    drafts = torch.randint(0, vocab, (trials * k,), generator=gen, dtype=torch.int32)
+    params = [SamplingParams(1.0 if i % 3 else 0.0, seed=i) for i in range(trials)]
+    device = "cuda" if impl == "triton" and torch.cuda.is_available() else "cpu"
+    sampling = RequestSampling.from_params(params, [7] * trials, device)
+    num = torch.full((trials,), k, dtype=torch.int32, device=device)
+    drafts, logits = drafts.to(device), logits.to(device)
+    out = rejection_sample(num, drafts, logits, None, sampling, synthetic=cfg, impl=impl)
+    return out.accepted.float().mean(dim=0).cpu()  # unconditional rate per position
+
+
+@pytest.mark.parametrize(
+    ("cfg", "trials", "impl"),
+    [
+        (SyntheticAcceptance(4, rates=(0.9, 0.6, 0.3, 0.1)), 100_000, "torch"),
+        (SyntheticAcceptance(4, mean_acceptance_length=2.6), 100_000, "torch"),
+        (SyntheticAcceptance(3, rates=(0.7, 0.5, 0.2)), 600, "triton"),
+    ],
+)
+def test_measured_rates_match_configuration(
+    cfg: SyntheticAcceptance, trials: int, impl: str
+) -> None:
+    measured = measure(cfg, trials, impl)
+    expected = torch.tensor(cfg.unconditional_rates())
+    bound = 5 * torch.sqrt(expected * (1 - expected) / trials) + 1e-9  # 5 sigma
+    assert bool(((measured - expected).abs() <= bound).all()), (measured, expected)
+
+
+def test_more_drafts_than_configured_is_an_error() -> None:
+    cfg = SyntheticAcceptance(2, rates=(0.5, 0.5))
+    sampling = RequestSampling.from_params([SamplingParams()], [0], "cpu")
+    with pytest.raises(ValueError, match="configured for 2 draft tokens"):
+        rejection_sample(
+            torch.tensor([3], dtype=torch.int32),
+            torch.zeros(3, dtype=torch.int32),
+            torch.zeros(4, 8),
+            None,
+            sampling,
+            synthetic=cfg,
+        )
