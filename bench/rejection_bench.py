@@ -19,9 +19,9 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from specdec.sampling_params import SamplingParams  # noqa: E402
-from target_service import kernels  # noqa: E402
-from target_service.rejection_sampler import (  # noqa: E402
+from specdec.sampling_params import SamplingParams
+from target_service import kernels
+from target_service.rejection_sampler import (
     DenseProbs,
     RequestSampling,
     SparseProbs,
@@ -36,7 +36,6 @@ def copy_bandwidth() -> float:
     src = torch.randn(2**29, device="cuda")  # 2 GiB float32
     dst = torch.empty_like(src)
     ms = do_bench(lambda: dst.copy_(src), warmup=50, rep=200, return_mode="median")
-    del src, dst
     return 2 * 2**31 / (ms * 1e-3)
 
 
@@ -121,7 +120,8 @@ def main() -> None:
         print(f"[{i + 1}/{len(grid)} {time.time() - start:.0f}s] B={batch} k={k} V={vocab} "
               f"{q_form}: auto {auto * 1e3:.1f} us, tuned {tuned * 1e3:.1f} us, floor "
               f"{floor * 1e3:.1f} us ({min(auto, tuned) / floor:.2f}x), torch "
-              f"{(ref or 0) * 1e3:.1f} us ({(ref or 0) / min(auto, tuned):.1f}x)", flush=True)  # fmt: skip
+              f"{(ref or 0) * 1e3:.1f} us ({(ref or 0) / min(auto, tuned):.1f}x)",
+              flush=True)  # fmt: skip
         del x
         torch.cuda.empty_cache()
     report = {"gpu": gpu, "copy_bandwidth_Bps": bandwidth, "tuned_launch": launch,
