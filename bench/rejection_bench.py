@@ -124,9 +124,9 @@ def main() -> None:
               flush=True)  # fmt: skip
         del x
         torch.cuda.empty_cache()
-    report = {"gpu": gpu, "copy_bandwidth_Bps": bandwidth, "tuned_launch": launch,
-              "torch": torch.__version__, "rows": rows}  # fmt: skip
-    (args.out / "rejection_bench.json").write_text(json.dumps(report, indent=1))
+        report = {"gpu": gpu, "copy_bandwidth_Bps": bandwidth, "tuned_launch": launch,
+                  "torch": torch.__version__, "rows": rows}  # fmt: skip
+        (args.out / "rejection_bench.json").write_text(json.dumps(report, indent=1))
     print("done", flush=True)
 
 
