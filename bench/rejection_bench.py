@@ -67,28 +67,47 @@ def make_inputs(batch: int, k: int, vocab: int, q_form: str) -> tuple[kernels.Ke
     return prepare(num, ids.int(), logits, q, sampling), nbytes + total * 4
 
 
-def bench_one(x: kernels.KernelInputs, launch: dict, ref: bool) -> tuple[float, float | None]:
-    tri = do_bench(lambda: kernels.rejection_sample_triton(x, **launch), warmup=25, rep=100,
-                   return_mode="median")  # fmt: skip
-    ref_ms = None
-    if ref:
-        ref_ms = do_bench(lambda: kernels.rejection_sample_torch(x), warmup=3, rep=30,
-                          return_mode="median")  # fmt: skip
-    return tri, ref_ms
+def graph_time(fn: object) -> float:
+    """Median ms of a CUDA-graph replay of fn (no Python launch overhead), eager if capture
+    fails."""
+    assert callable(fn)
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError:
+        return do_bench(fn, warmup=25, rep=100, return_mode="median")
+    return do_bench(graph.replay, warmup=25, rep=100, return_mode="median")
 
 
-def tune(bandwidth: float) -> dict:
-    """Launch shapes for the headline case (batch 64, k 4, V 128256, dense q)."""
+def bench_one(
+    x: kernels.KernelInputs, shape: kernels.LaunchShape | None, ref: bool
+) -> tuple[float, float, float | None]:
+    """(graph ms, eager ms, torch reference graph ms)."""
+    run = lambda: kernels.rejection_sample_triton(x, shape)
+    graphed = graph_time(run)
+    eager = do_bench(run, warmup=25, rep=100, return_mode="median")
+    ref_ms = graph_time(lambda: kernels.rejection_sample_torch(x)) if ref else None
+    return graphed, eager, ref_ms
+
+
+def tune(bandwidth: float) -> kernels.LaunchShape:
+    """Launch shape for the headline case (batch 64, k 4, V 128256, dense q)."""
     x, nbytes = make_inputs(64, 4, 128256, "dense")
     floor = nbytes / bandwidth * 1e3
     results = []
-    for block, warps, split in itertools.product((1024, 2048, 4096), (4, 8), (None, 16384, 32768)):
-        launch = {"block": block, "num_warps": warps, "split_size": split and max(split, block)}
-        ms, _ = bench_one(x, launch, ref=False)
-        results.append((ms, launch))
-        print(f"tune {launch}: {ms * 1e3:.1f} us ({ms / floor:.2f}x floor)", flush=True)
+    for block, per_sm, warps in itertools.product((1024, 2048, 4096), (2, 4, 8), (4, 8)):
+        shape = kernels.launch_shape(
+            x.row_req.shape[0], 64, 128256, x.logits.device, block, per_sm, warps
+        )
+        ms, _, _ = bench_one(x, shape, ref=False)
+        results.append((ms, shape))
+        print(f"tune {shape} per_sm={per_sm}: {ms * 1e3:.1f} us ({ms / floor:.2f}x floor)",
+              flush=True)  # fmt: skip
     best = min(results, key=lambda r: r[0])
-    print(f"best launch {best[1]} {best[0] * 1e3:.1f} us", flush=True)
+    print(f"best {best[1]} {best[0] * 1e3:.1f} us", flush=True)
     return best[1]
 
 
@@ -101,7 +120,7 @@ def main() -> None:
     gpu = torch.cuda.get_device_name()
     bandwidth = copy_bandwidth()
     print(f"{gpu}: copy bandwidth {bandwidth / 1e12:.2f} TB/s", flush=True)
-    launch = tune(bandwidth)
+    best = tune(bandwidth)
     grid = list(itertools.product((1, 8, 64, 256), (1, 4, 8), (32000, 128256, 151936),
                                   ("dense", "sparse", "none")))  # fmt: skip
     if args.quick:
@@ -111,21 +130,23 @@ def main() -> None:
     for i, (batch, k, vocab, q_form) in enumerate(grid):
         x, nbytes = make_inputs(batch, k, vocab, q_form)
         floor = nbytes / bandwidth * 1e3
-        auto, ref = bench_one(x, {}, ref=True)
-        tuned, _ = bench_one(x, launch, ref=False)
+        graph, eager, ref = bench_one(x, None, ref=True)
+        tuned_shape = kernels.LaunchShape(best.block, best.stats_split, best.race_split,
+                                          best.num_warps)  # fmt: skip
+        tuned, _, _ = bench_one(x, tuned_shape if vocab == 128256 else None, ref=False)
+        assert ref is not None
         row = {"batch": batch, "k": k, "vocab": vocab, "q": q_form, "bytes": nbytes,
-               "floor_us": floor * 1e3, "auto_us": auto * 1e3, "tuned_us": tuned * 1e3,
-               "torch_ref_us": ref * 1e3 if ref else None}  # fmt: skip
+               "floor_us": floor * 1e3, "graph_us": graph * 1e3, "eager_us": eager * 1e3,
+               "tuned_graph_us": tuned * 1e3, "torch_ref_graph_us": ref * 1e3}  # fmt: skip
         rows.append(row)
         print(f"[{i + 1}/{len(grid)} {time.time() - start:.0f}s] B={batch} k={k} V={vocab} "
-              f"{q_form}: auto {auto * 1e3:.1f} us, tuned {tuned * 1e3:.1f} us, floor "
-              f"{floor * 1e3:.1f} us ({min(auto, tuned) / floor:.2f}x), torch "
-              f"{(ref or 0) * 1e3:.1f} us ({(ref or 0) / min(auto, tuned):.1f}x)",
-              flush=True)  # fmt: skip
+              f"{q_form}: graph {graph * 1e3:.1f} us ({graph / floor:.2f}x floor "
+              f"{floor * 1e3:.1f}), tuned {tuned * 1e3:.1f}, eager {eager * 1e3:.1f}, "
+              f"torch {ref * 1e3:.1f} us ({ref / graph:.1f}x)", flush=True)  # fmt: skip
         del x
         torch.cuda.empty_cache()
-        report = {"gpu": gpu, "copy_bandwidth_Bps": bandwidth, "tuned_launch": launch,
-                  "torch": torch.__version__, "rows": rows}  # fmt: skip
+        report = {"gpu": gpu, "copy_bandwidth_Bps": bandwidth, "torch": torch.__version__,
+                  "tuned_shape_V128256": str(best), "rows": rows}  # fmt: skip
         (args.out / "rejection_bench.json").write_text(json.dumps(report, indent=1))
     print("done", flush=True)
 

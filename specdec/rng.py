@@ -10,8 +10,10 @@ The generator is Philox-4x32-10 (Salmon et al., SC'11). The same function is wri
 torch (int64 arithmetic on values in [0, 2**32)) and in Triton (`philox_uint32` in
 `target_service.kernels`); tests check that the two agree bit for bit.
 
-Counter layout: c0 = vocabulary index (0 for per-position draws), c1 = position,
-c2 = stream, c3 = 0; key = (seed & 0xffffffff, seed >> 32).
+Counter layout: c0 = vocabulary index // 4 (0 for per-position draws), c1 = position,
+c2 = stream, c3 = 0; key = (seed & 0xffffffff, seed >> 32). One Philox call yields four
+32-bit words; vocabulary index v takes word v % 4 of counter v // 4, so per-vocabulary noise
+costs a quarter of the rounds (the race over 150k ids is otherwise integer-bound on a GPU).
 """
 
 from __future__ import annotations
@@ -53,9 +55,16 @@ def _mulhilo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:
 def philox(
     seed: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor
 ) -> torch.Tensor:
-    """First 32-bit word of Philox-4x32-10 as int64 in [0, 2**32); arguments broadcast.
+    """First 32-bit word of Philox-4x32-10 as int64 in [0, 2**32); arguments broadcast."""
+    return philox4(seed, c0, c1, c2)[0]
 
-    seed: int64 in [0, 2**63); c0, c1, c2: int64 in [0, 2**32).
+
+def philox4(
+    seed: torch.Tensor, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The four 32-bit words of Philox-4x32-10 (int64 in [0, 2**32)); arguments broadcast.
+
+    seed: int64 in [0, 2**63); c0, c1, c2: int64 in [0, 2**32); c3 = 0.
     """
     k0 = seed & MASK32
     k1 = (seed >> 32) & MASK32
@@ -68,7 +77,7 @@ def philox(
         c0, c1, c2, c3 = hi_b ^ c1 ^ k0, lo_b, hi_a ^ c3 ^ k1, lo_a
         k0 = (k0 + PHILOX_KEY_A) & MASK32
         k1 = (k1 + PHILOX_KEY_B) & MASK32
-    return c0
+    return c0, c1, c2, c3
 
 
 def uniform(bits: torch.Tensor) -> torch.Tensor:
@@ -87,10 +96,19 @@ def position_uniform(seed: torch.Tensor, position: torch.Tensor, stream: Stream)
     return uniform(philox(seed, zero, position, torch.full_like(zero, int(stream))))
 
 
+def vocab_bits(
+    seed: torch.Tensor, position: torch.Tensor, stream: torch.Tensor, vocab_size: int
+) -> torch.Tensor:
+    """Random words [..., vocab_size] for each (seed, position, stream) (broadcast over ...):
+    id v is word v % 4 of counter v // 4."""
+    quads = torch.arange((vocab_size + 3) // 4, dtype=torch.int64, device=position.device)
+    words = philox4(seed[..., None], quads, position[..., None], stream[..., None])
+    return torch.stack(words, dim=-1).flatten(-2)[..., :vocab_size]
+
+
 def vocab_exponential(
     seed: torch.Tensor, position: torch.Tensor, stream: Stream, vocab_size: int
 ) -> torch.Tensor:
     """Exp(1) noise [..., vocab_size] for each (seed, position); used for exponential races."""
-    vocab = torch.arange(vocab_size, dtype=torch.int64, device=position.device)
-    stream_t = torch.full((), int(stream), dtype=torch.int64, device=position.device)
-    return exponential(philox(seed[..., None], vocab, position[..., None], stream_t))
+    stream_t = torch.full_like(position, int(stream))
+    return exponential(vocab_bits(seed, position, stream_t, vocab_size))

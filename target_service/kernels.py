@@ -85,8 +85,8 @@ class KernelOutputs:
 
 
 @triton.jit
-def _philox(seed, c0, c1, c2):
-    """First word of Philox-4x32-10; seed int64, counters uint32 (`specdec.rng.philox`)."""
+def _philox4(seed, c0, c1, c2):
+    """Philox-4x32-10's four words; seed int64, counters uint32 (`specdec.rng.philox4`)."""
     k0 = (seed & 0xFFFFFFFF).to(tl.uint32)
     k1 = ((seed >> 32) & 0xFFFFFFFF).to(tl.uint32)
     c3 = tl.zeros_like(c0)
@@ -98,7 +98,22 @@ def _philox(seed, c0, c1, c2):
         c3 = a * 0xD2511F53
         k0 = k0 + 0x9E3779B9
         k1 = k1 + 0xBB67AE85
-    return c0
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _philox(seed, c0, c1, c2):
+    return _philox4(seed, c0, c1, c2)[0]
+
+
+@triton.jit
+def _vocab_bits(seed, off, pos, stream, BLOCK: tl.constexpr):
+    """Random words for ids off .. off + BLOCK (off a multiple of 4): id v takes word v % 4 of
+    counter v // 4, one Philox call per four ids (`specdec.rng.vocab_bits`)."""
+    quads = (off // 4 + tl.arange(0, BLOCK // 4)).to(tl.uint32)
+    w0, w1, w2, w3 = _philox4(seed, quads, pos, stream)
+    # join adds a trailing axis: [q, j, i] = (w0, w2)[j] if i == 0 else (w1, w3)[j]
+    return tl.reshape(tl.join(tl.join(w0, w2), tl.join(w1, w3)), (BLOCK,))
 
 
 @triton.jit
@@ -138,34 +153,41 @@ def _row_stats_kernel(
     draft = tl.load(row_draft_ptr + row)
     row_ptr = logits_ptr + row.to(tl.int64) * logits_stride
     q_row_ptr = q_ptr + tl.maximum(draft, 0).to(tl.int64) * q_stride
-    run_max = tl.full((), float("-inf"), tl.float32)
-    run_sum = tl.zeros((), tl.float32)
-    best = tl.full((), float("-inf"), tl.float32)
-    best_idx = tl.zeros((), tl.int32)
-    bad = tl.zeros((), tl.int32)
-    qsum = tl.zeros((), tl.float32)
+    # Per-lane accumulators, reduced once after the loop: a cross-lane reduction per
+    # iteration (max, sum, argmax) cost more than the loads on an H200.
+    lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
+    lane_sum = tl.zeros((BLOCK,), tl.float32)
+    lane_best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    lane_best_idx = tl.zeros((BLOCK,), tl.int32)
+    lane_bad = tl.zeros((BLOCK,), tl.int32)
+    lane_qsum = tl.zeros((BLOCK,), tl.float32)
     for off in range(start, end, BLOCK):
         offs = off + tl.arange(0, BLOCK)
         mask = offs < tl.minimum(end, V)
         logit = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        bad += tl.sum((mask & ((logit != logit) | (tl.abs(logit) == float("inf")))).to(tl.int32))
-        raw = tl.where(mask, logit, float("-inf"))
-        block_best = tl.max(raw, 0)
-        block_idx = tl.argmax(raw, 0).to(tl.int32) + off
-        best_idx = tl.where(block_best > best, block_idx, best_idx)
-        best = tl.maximum(best, block_best)
+        lane_bad += (mask & ((logit != logit) | (tl.abs(logit) == float("inf")))).to(tl.int32)
+        better = mask & (logit > lane_best)
+        lane_best_idx = tl.where(better, offs, lane_best_idx)
+        lane_best = tl.where(better, logit, lane_best)
         scaled = tl.where(mask & (logit >= thr), logit * inv_t, float("-inf"))
-        new_max = tl.maximum(run_max, tl.max(scaled, 0))
+        new_max = tl.maximum(lane_max, scaled)
         safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-        run_sum = run_sum * tl.exp(run_max - safe) + tl.sum(tl.exp(scaled - safe), 0)
-        run_max = new_max
+        lane_sum = lane_sum * tl.exp(lane_max - safe) + tl.exp(scaled - safe)
+        lane_max = new_max
         if DENSE_Q:
             # scalar conditions folded into the bound: the interpreter rejects block & scalar
             qmask = offs < tl.where(draft >= 0, tl.minimum(end, Vq), 0)
             q = tl.load(q_row_ptr + offs, mask=qmask, other=0.0)
-            qsum += tl.sum(q, 0)
+            lane_qsum += q
             invalid = qmask & ((q != q) | (q < 0.0) | (q == float("inf")))
-            bad += 65536 * tl.sum(invalid.to(tl.int32))
+            lane_bad += 65536 * invalid.to(tl.int32)
+    run_max = tl.max(lane_max, 0)
+    safe_max = tl.where(run_max == float("-inf"), 0.0, run_max)
+    run_sum = tl.sum(lane_sum * tl.exp(lane_max - safe_max), 0)
+    best = tl.max(lane_best, 0)
+    best_idx = tl.min(tl.where(lane_best == best, lane_best_idx, 2147483647), 0)
+    bad = tl.sum(lane_bad, 0)
+    qsum = tl.sum(lane_qsum, 0)
     out = row * NUM_SPLITS + split
     tl.store(part_max_ptr + out, run_max)
     tl.store(part_sum_ptr + out, run_sum)
@@ -236,12 +258,13 @@ def _decide_sample_kernel(
     part_qsum_ptr,
     first_reject_ptr,  # [B] int32 out
     status_ptr,  # [B] int32 out
-    race_ptr,  # [B, NUM_SPLITS, 4] float32 out: (best r/E, its id, best p/E, its id)
+    race_ptr,  # [B, RACE_SPLITS, 4] float32 out: (best r/E, its id, best p/E, its id)
     V,
     Vq,
     S,
-    split_size,
+    race_split_size,
     NUM_SPLITS: tl.constexpr,
+    RACE_SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
     S_P2: tl.constexpr,
     Q_MODE: tl.constexpr,
@@ -299,7 +322,7 @@ def _decide_sample_kernel(
         _race(logits_ptr, logits_stride, thr_ptr, draft_ids_ptr, q_ptr, q_stride, q_ids_ptr,
               part_max_ptr, part_sum_ptr, race_ptr, b, split, row0 + first_reject,
               d0 + first_reject, first_reject < k, inv_t, seed, pos + first_reject,
-              V, Vq, S, split_size, NUM_SPLITS, BLOCK, S_P2, Q_MODE)  # fmt: skip
+              V, Vq, S, race_split_size, NUM_SPLITS, RACE_SPLITS, BLOCK, S_P2, Q_MODE)  # fmt: skip
 
 
 @triton.jit
@@ -307,7 +330,8 @@ def _race(
     logits_ptr, logits_stride, thr_ptr, draft_ids_ptr, q_ptr, q_stride, q_ids_ptr,
     part_max_ptr, part_sum_ptr, race_ptr, b, split, row, t, has_draft, inv_t, seed, pos,
     V, Vq, S, split_size,
-    NUM_SPLITS: tl.constexpr, BLOCK: tl.constexpr, S_P2: tl.constexpr, Q_MODE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, RACE_SPLITS: tl.constexpr, BLOCK: tl.constexpr,
+    S_P2: tl.constexpr, Q_MODE: tl.constexpr,
 ):  # fmt: skip
     """Exponential race over this split of row `row`: best max(0, p - q)/E (p/E for a bonus)
     and best p/E (the fallback if rounding left the residual empty)."""
@@ -322,10 +346,10 @@ def _race(
     sparse_ids = tl.load(
         q_ids_ptr + t * S + cols, mask=cols < tl.where(has_draft, S, 0), other=2147483647
     )
-    best = tl.full((), -1.0, tl.float32)
-    best_idx = tl.zeros((), tl.int32)
-    best_p = tl.full((), -1.0, tl.float32)
-    best_p_idx = tl.zeros((), tl.int32)
+    lane_best = tl.full((BLOCK,), -1.0, tl.float32)
+    lane_idx = tl.zeros((BLOCK,), tl.int32)
+    lane_best_p = tl.full((BLOCK,), -1.0, tl.float32)
+    lane_idx_p = tl.zeros((BLOCK,), tl.int32)
     for off in range(start, end, BLOCK):
         offs = off + tl.arange(0, BLOCK)
         mask = offs < end
@@ -343,24 +367,27 @@ def _race(
                 q = tl.where(offs == tl.load(q_ids_ptr + t * S + i), tl.load(q_ptr + t * S + i), q)
         else:
             q = tl.where(offs == x, 1.0, 0.0)
-        bits = _philox(seed, offs.to(tl.uint32), pos.to(tl.uint32), stream)
+        bits = _vocab_bits(seed, off, pos.to(tl.uint32), stream, BLOCK)
         expo = -tl.log(((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0))
         residual = tl.where(has_draft, tl.maximum(p - q, 0.0), p)
         score = tl.where(mask, residual / expo, -1.0)
+        better = score > lane_best
+        lane_idx = tl.where(better, offs, lane_idx)
+        lane_best = tl.where(better, score, lane_best)
         score_p = tl.where(mask, p / expo, -1.0)
-        block_best = tl.max(score, 0)
-        best_idx = tl.where(block_best > best, tl.argmax(score, 0).to(tl.int32) + off, best_idx)
-        best = tl.maximum(best, block_best)
-        block_best_p = tl.max(score_p, 0)
-        best_p_idx = tl.where(
-            block_best_p > best_p, tl.argmax(score_p, 0).to(tl.int32) + off, best_p_idx
-        )
-        best_p = tl.maximum(best_p, block_best_p)
-    out = race_ptr + (b * NUM_SPLITS + split) * 4
+        better_p = score_p > lane_best_p
+        lane_idx_p = tl.where(better_p, offs, lane_idx_p)
+        lane_best_p = tl.where(better_p, score_p, lane_best_p)
+    best = tl.max(lane_best, 0)
+    best_p = tl.max(lane_best_p, 0)
+    out = race_ptr + (b * RACE_SPLITS + split) * 4
+    # ids < 2**24 travel exactly as float32
     tl.store(out, best)
-    tl.store(out + 1, best_idx.to(tl.float32))
+    tl.store(out + 1, tl.min(tl.where(lane_best == best, lane_idx, 2147483647), 0).to(tl.float32))
     tl.store(out + 2, best_p)
-    tl.store(out + 3, best_p_idx.to(tl.float32))
+    tl.store(
+        out + 3, tl.min(tl.where(lane_best_p == best_p, lane_idx_p, 2147483647), 0).to(tl.float32)
+    )
 
 
 @triton.jit
@@ -372,7 +399,7 @@ def _finalize_kernel(
     greedy_ptr,  # [B] int32
     first_reject_ptr,  # [B] int32
     status_ptr,  # [B] int32
-    race_ptr,  # [B, NUM_SPLITS, 4] float32
+    race_ptr,  # [B, RACE_SPLITS, 4] float32
     part_amax_val_ptr,  # [R, NUM_SPLITS]
     part_amax_idx_ptr,  # [R, NUM_SPLITS]
     token_ids_ptr,  # [B, max_k + 1] int32 out
@@ -380,6 +407,7 @@ def _finalize_kernel(
     accepted_ptr,  # [B, max_k] int8 out
     max_k,
     NUM_SPLITS: tl.constexpr,
+    RACE_SPLITS: tl.constexpr,
     COLS: tl.constexpr,  # power of two >= max_k + 1
 ):
     b = tl.program_id(0)
@@ -389,7 +417,7 @@ def _finalize_kernel(
     greedy_token = _row_argmax(
         part_amax_val_ptr, part_amax_idx_ptr, tl.load(row_start_ptr + b) + first_reject, NUM_SPLITS
     )
-    race = race_ptr + (b * NUM_SPLITS + tl.arange(0, NUM_SPLITS)) * 4
+    race = race_ptr + (b * RACE_SPLITS + tl.arange(0, RACE_SPLITS)) * 4
     score, score_id = tl.load(race), tl.load(race + 1).to(tl.int32)
     score_p, score_p_id = tl.load(race + 2), tl.load(race + 3).to(tl.int32)
     best = tl.max(score, 0)
@@ -407,70 +435,96 @@ def _finalize_kernel(
     tl.store(accepted_ptr + b * max_k + cols, accepted.to(tl.int8), mask=cols < max_k)
 
 
-def _launch_shape(rows: int, width: int, device: torch.device) -> tuple[int, int]:
-    """(BLOCK, split_size): on a GPU enough vocabulary splits to give ~4 programs per SM;
-    under the CPU interpreter one wide split per row (each program costs ~1 ms there)."""
+@dataclass(frozen=True, slots=True)
+class LaunchShape:
+    """BLOCK and the vocabulary split sizes of the stats kernel and of the race."""
+
+    block: int
+    stats_split: int
+    race_split: int
+    num_warps: int = 4
+
+
+def launch_shape(
+    rows: int,
+    batch: int,
+    width: int,
+    device: torch.device,
+    block: int = 1024,
+    programs_per_sm: int = 4,
+    num_warps: int = 4,
+) -> LaunchShape:
+    """On a GPU, enough vocabulary splits for ~programs_per_sm programs per SM in both the
+    stats kernel (rows programs before splitting) and the race (batch programs); under the
+    CPU interpreter one wide split (each program costs ~1 ms there)."""
     if device.type != "cuda":
-        block = min(triton.next_power_of_2(width), 16384)
-        return block, triton.cdiv(width, block) * block
-    block = 1024
+        block = max(4, min(triton.next_power_of_2(width), 16384))
+        whole = triton.cdiv(width, block) * block
+        return LaunchShape(block, whole, whole, num_warps)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
-    splits = max(1, min(triton.cdiv(4 * sms, rows), triton.cdiv(width, block), 64))
-    return block, triton.cdiv(triton.cdiv(width, splits), block) * block
+
+    def split(programs: int) -> int:
+        splits = max(
+            1, min(triton.cdiv(programs_per_sm * sms, programs), triton.cdiv(width, block), 64)
+        )
+        return triton.cdiv(triton.cdiv(width, splits), block) * block
+
+    return LaunchShape(block, split(rows), split(batch), num_warps)
 
 
 def rejection_sample_triton(
-    inputs: KernelInputs,
-    block: int | None = None,
-    split_size: int | None = None,
-    num_warps: int = 4,
+    inputs: KernelInputs, shape: LaunchShape | None = None
 ) -> KernelOutputs:
-    """Run the three kernels; `block` / `split_size` / `num_warps` override the launch shape."""
+    """Run the three kernels (launch shape from `launch_shape` unless given)."""
     x = inputs
     device = x.logits.device
     rows, batch = x.row_req.shape[0], x.num_draft.shape[0]
     width = max(x.vocab_size, x.q_vocab)
-    auto_block, auto_split = _launch_shape(rows, width, device)
-    block = block or auto_block
-    split_size = split_size or max(auto_split, block)
-    n_splits = triton.cdiv(width, split_size)
+    shape = shape or launch_shape(rows, batch, width, device)
+    n_splits = triton.cdiv(width, shape.stats_split)
     num_splits = triton.next_power_of_2(n_splits)
-
-    def partial(fill: float, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return torch.full((rows, num_splits), fill, dtype=dtype, device=device)
-
-    pmax, psum, pval = partial(float("-inf")), partial(0.0), partial(float("-inf"))
-    pidx, pbad, pqsum = partial(0, torch.int32), partial(0, torch.int32), partial(0.0)
+    n_race = triton.cdiv(x.vocab_size, shape.race_split)
+    race_splits = triton.next_power_of_2(n_race)
+    # One buffer for the split partials: max, sum, argmax value, argmax id, bad, q sum.
+    parts = torch.empty((6, rows, num_splits), dtype=torch.float32, device=device)
+    parts[0].fill_(float("-inf"))
+    parts[1].zero_()
+    parts[2].fill_(float("-inf"))
+    parts[3:].zero_()
+    pmax, psum, pval, pqsum = parts[0], parts[1], parts[2], parts[5]
+    pidx, pbad = parts[3].view(torch.int32), parts[4].view(torch.int32)
     dummy_f = torch.zeros(1, dtype=torch.float32, device=device)
     dummy_i = torch.zeros(1, dtype=torch.int32, device=device)
     q = x.q_probs if x.q_probs is not None else dummy_f
     q_ids = x.q_ids if x.q_ids is not None else dummy_i
+    draft_ids = x.draft_ids if x.draft_ids.numel() else dummy_i  # no null pointers
     sparse_width = q.shape[1] if x.q_mode == Q_SPARSE else 1
     _row_stats_kernel[(rows, n_splits)](
         x.logits, x.logits.stride(0), x.thresholds, x.row_req, x.row_draft, x.inv_temperature,
         q, q.stride(0), pmax, psum, pval, pidx, pbad, pqsum, x.vocab_size, x.q_vocab,
-        split_size, NUM_SPLITS=num_splits, BLOCK=block, DENSE_Q=x.q_mode == Q_DENSE,
-        num_warps=num_warps,
+        shape.stats_split, NUM_SPLITS=num_splits, BLOCK=shape.block,
+        DENSE_Q=x.q_mode == Q_DENSE, num_warps=shape.num_warps,
     )  # fmt: skip
     first_reject = torch.empty(batch, dtype=torch.int32, device=device)
     status = torch.empty(batch, dtype=torch.int32, device=device)
-    race = torch.full((batch, num_splits, 4), -1.0, device=device)
+    race = torch.full((batch, race_splits, 4), -1.0, device=device)
     rates = x.synthetic_rates if x.synthetic_rates is not None else dummy_f
-    _decide_sample_kernel[(batch, n_splits)](
+    _decide_sample_kernel[(batch, n_race)](
         x.logits, x.logits.stride(0), x.thresholds, x.num_draft, x.row_start, x.draft_start,
-        x.draft_ids, x.inv_temperature, x.greedy, x.seed, x.position, x.status_in, rates,
+        draft_ids, x.inv_temperature, x.greedy, x.seed, x.position, x.status_in, rates,
         q, q.stride(0), q_ids, pmax, psum, pval, pidx, pbad, pqsum, first_reject, status, race,
-        x.vocab_size, x.q_vocab, sparse_width, split_size, NUM_SPLITS=num_splits, BLOCK=block,
-        S_P2=triton.next_power_of_2(sparse_width), Q_MODE=x.q_mode,
-        SYNTHETIC=x.synthetic_rates is not None, num_warps=num_warps,
+        x.vocab_size, x.q_vocab, sparse_width, shape.race_split, NUM_SPLITS=num_splits,
+        RACE_SPLITS=race_splits, BLOCK=shape.block, S_P2=triton.next_power_of_2(sparse_width),
+        Q_MODE=x.q_mode, SYNTHETIC=x.synthetic_rates is not None, num_warps=shape.num_warps,
     )  # fmt: skip
     token_ids = torch.empty((batch, x.max_k + 1), dtype=torch.int32, device=device)
     num_committed = torch.empty(batch, dtype=torch.int32, device=device)
     accepted = torch.empty((batch, max(x.max_k, 1)), dtype=torch.int8, device=device)
     _finalize_kernel[(batch,)](
-        x.num_draft, x.row_start, x.draft_start, x.draft_ids, x.greedy, first_reject, status,
+        x.num_draft, x.row_start, x.draft_start, draft_ids, x.greedy, first_reject, status,
         race, pval, pidx, token_ids, num_committed, accepted, x.max_k,
-        NUM_SPLITS=num_splits, COLS=triton.next_power_of_2(x.max_k + 1),
+        NUM_SPLITS=num_splits, RACE_SPLITS=race_splits,
+        COLS=triton.next_power_of_2(x.max_k + 1),
     )  # fmt: skip
     return KernelOutputs(token_ids, num_committed, accepted[:, : x.max_k].bool(), status)
 
@@ -570,11 +624,7 @@ def _reference_race(x: KernelInputs, p: torch.Tensor, first_reject: torch.Tensor
     elif x.draft_ids.numel():
         q.scatter_(1, x.draft_ids.long()[t].clamp(0, vocab - 1)[:, None], 1.0)
     stream = torch.where(has_draft, int(rng.Stream.RECOVER), int(rng.Stream.BONUS))
-    vocab_ids = torch.arange(vocab, device=p.device)
-    bits = rng.philox(
-        x.seed[:, None], vocab_ids, (x.position + first_reject)[:, None], stream[:, None]
-    )
-    expo = rng.exponential(bits)
+    expo = rng.exponential(rng.vocab_bits(x.seed, x.position + first_reject, stream, vocab))
     residual = torch.where(has_draft[:, None], (p - q).clamp(min=0.0), p)
     score = residual / expo
     token = score.argmax(dim=1)

@@ -6,7 +6,7 @@ import triton.language as tl
 from scipy import stats
 
 from specdec import rng
-from target_service.kernels import _philox
+from target_service.kernels import _philox, _vocab_bits
 
 
 @triton.jit
@@ -22,8 +22,10 @@ def _philox_probe(seed_ptr, c0_ptr, c1_ptr, c2_ptr, out_ptr, N: tl.constexpr):
 
 
 def test_known_answer_zero_key_zero_counter() -> None:
-    # Random123 kat_vectors: philox4x32 10 rounds, ctr 0, key 0 -> first word 0x6627e8d5.
+    # Random123 kat_vectors: philox4x32 10 rounds, ctr 0, key 0.
     zero = torch.zeros((), dtype=torch.int64)
+    words = [int(w) for w in rng.philox4(zero, zero, zero, zero)]
+    assert words == [0x6627E8D5, 0xE169C58D, 0xBC57AC4C, 0x9B00DBD8]
     assert int(rng.philox(zero, zero, zero, zero)) == 0x6627E8D5
 
 
@@ -37,6 +39,23 @@ def test_triton_matches_torch_bit_for_bit(device: torch.device) -> None:
     args = [t.to(device) for t in (seed, c0, c1, c2)]
     _philox_probe[(1,)](*args, out, N=n)
     assert torch.equal(out.cpu(), rng.philox(seed, c0, c1, c2))
+
+
+@triton.jit
+def _vocab_probe(seed_ptr, pos, stream, out_ptr, BLOCK: tl.constexpr):
+    off = tl.program_id(0) * BLOCK
+    seed = tl.load(seed_ptr)
+    bits = _vocab_bits(seed, off, pos.to(tl.uint32), stream.to(tl.uint32), BLOCK)
+    tl.store(out_ptr + off + tl.arange(0, BLOCK), bits.to(tl.int64))
+
+
+def test_vocabulary_noise_layout_matches_torch(device: torch.device) -> None:
+    out = torch.empty(256, dtype=torch.int64, device=device)
+    seed = torch.tensor([2**40 + 12345], device=device)
+    _vocab_probe[(8,)](seed, 77, 1, out, BLOCK=32)
+    expected = rng.vocab_bits(seed[0].cpu(), torch.tensor(77), torch.tensor(1), 256)
+    assert torch.equal(out.cpu(), expected)
+    assert len(set(expected.tolist())) == 256
 
 
 def test_streams_and_positions_give_different_draws() -> None:

@@ -133,13 +133,12 @@ def run(b: Batch, impl: str, device: str) -> SamplerOutput:
 
 def check_isolated(q_form: str, corrupt: Callable[[Batch], None], status: SampleStatus) -> None:
     for impl in ("torch", "triton"):
+        device = "cuda" if impl == "triton" and torch.cuda.is_available() else "cpu"
         clean = random_batch(K, 64, q_form, seed=21, greedy_fraction=0.25, support=8)
-        expected = rejection_sample(
-            clean.k, clean.draft_ids, clean.logits, clean.q, clean.sampling, impl=impl
-        )
+        expected = run(clean, impl, device)
         bad = random_batch(K, 64, q_form, seed=21, greedy_fraction=0.25, support=8)
         corrupt(bad)
-        out = rejection_sample(bad.k, bad.draft_ids, bad.logits, bad.q, bad.sampling, impl=impl)
+        out = run(bad, impl, device)
         assert out.status.tolist() == [0, int(status), 0, 0], impl
         assert out.token_ids[1].tolist() == [PLACEHOLDER] * 4
         assert int(out.num_committed[1]) == 0

@@ -148,6 +148,7 @@ def shared_noise_rng() -> types.SimpleNamespace:
 
     return types.SimpleNamespace(
         philox=rng.philox,
+        vocab_bits=rng.vocab_bits,
         exponential=rng.exponential,
         position_uniform=rng.position_uniform,
         Stream=SharedStream,

@@ -23,6 +23,12 @@ pytestmark = pytest.mark.gpu
 def test_large_batches_equal_reference(q_form: str) -> None:
     b = random_batch(ks(256, 8, 1), 151936, q_form, seed=4, greedy_fraction=0.2, support=64)
     ref, tri = run_both(b, torch.device("cuda"))
+    differ = (ref.token_ids != tri.token_ids).any(dim=1).nonzero().flatten().tolist()
+    detail = [
+        (i, int(b.k[i]), b.params[i], ref.token_ids[i].tolist(), tri.token_ids[i].tolist())
+        for i in differ[:3]
+    ]
+    assert not differ, f"{len(differ)} of 256 requests differ: {detail}"
     assert_same(ref, tri)
 
 
