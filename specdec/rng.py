@@ -31,6 +31,7 @@ PHILOX_ROUNDS = 10
 MAX_SEED = 2**63 - 1
 MAX_POSITION = 2**31 - 1
 UNIFORM_SCALE = 1.0 / 16777216.0  # 2**-24: the top 24 bits of a draw fill a float32 mantissa
+EXPONENTIAL_SCALE = 1.0 / 8388608.0  # 2**-23
 
 
 class Stream(IntEnum):
@@ -86,8 +87,10 @@ def uniform(bits: torch.Tensor) -> torch.Tensor:
 
 
 def exponential(bits: torch.Tensor) -> torch.Tensor:
-    """Exp(1) draws, -log(u) with u in (0, 1) (never 0 or 1, so never inf or 0)."""
-    return -torch.log(((bits >> 8).to(torch.float32) + 0.5) * UNIFORM_SCALE)
+    """Exp(1) draws, -log(u) with u = (top 23 bits + 0.5) / 2**23, exact in float32 and
+    strictly inside (0, 1), so never inf or 0. (With 24 bits, 2**24 - 0.5 rounds to 2**24 and
+    u = 1 gave E = -0 once in 2**24 draws.)"""
+    return -torch.log(((bits >> 9).to(torch.float32) + 0.5) * EXPONENTIAL_SCALE)
 
 
 def position_uniform(seed: torch.Tensor, position: torch.Tensor, stream: Stream) -> torch.Tensor:

@@ -165,14 +165,17 @@ def _row_stats_kernel(
         offs = off + tl.arange(0, BLOCK)
         mask = offs < tl.minimum(end, V)
         logit = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        lane_bad += (mask & ((logit != logit) | (tl.abs(logit) == float("inf")))).to(tl.int32)
+        lane_bad += (mask & (logit - logit != 0.0)).to(tl.int32)  # NaN or +-inf
         better = mask & (logit > lane_best)
         lane_best_idx = tl.where(better, offs, lane_best_idx)
         lane_best = tl.where(better, logit, lane_best)
         scaled = tl.where(mask & (logit >= thr), logit * inv_t, float("-inf"))
+        # Online softmax with one exp per element: exp(-|scaled - lane_max|) either rescales
+        # the running sum (new maximum) or is the new term; 0 whenever one side is -inf.
         new_max = tl.maximum(lane_max, scaled)
         safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-        lane_sum = lane_sum * tl.exp(lane_max - safe) + tl.exp(scaled - safe)
+        e = tl.exp(tl.minimum(lane_max, scaled) - safe)
+        lane_sum = tl.where(scaled > lane_max, lane_sum * e + 1.0, lane_sum + e)
         lane_max = new_max
         if DENSE_Q:
             # scalar conditions folded into the bound: the interpreter rejects block & scalar
@@ -198,22 +201,24 @@ def _row_stats_kernel(
 
 
 @triton.jit
-def _row_softmax(part_max_ptr, part_sum_ptr, row, NUM_SPLITS: tl.constexpr):
+def _row_softmax(part_max_ptr, part_sum_ptr, row, n_splits, NUM_SPLITS: tl.constexpr):
     """Combine a row's split partials into (max, sum of exp(x - max))."""
-    splits = row * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
-    pmax = tl.load(part_max_ptr + splits)
-    psum = tl.load(part_sum_ptr + splits)
+    cols = tl.arange(0, NUM_SPLITS)
+    splits = row * NUM_SPLITS + cols
+    pmax = tl.load(part_max_ptr + splits, mask=cols < n_splits, other=float("-inf"))
+    psum = tl.load(part_sum_ptr + splits, mask=cols < n_splits, other=0.0)
     row_max = tl.max(pmax, 0)
     safe = tl.where(row_max == float("-inf"), 0.0, row_max)
     return safe, tl.sum(psum * tl.exp(pmax - safe), 0)
 
 
 @triton.jit
-def _row_argmax(part_amax_val_ptr, part_amax_idx_ptr, row, NUM_SPLITS: tl.constexpr):
+def _row_argmax(part_amax_val_ptr, part_amax_idx_ptr, row, n_splits, NUM_SPLITS: tl.constexpr):
     """First index of the row's largest raw logit (ties go to the lowest id, as torch.argmax)."""
-    splits = row * NUM_SPLITS + tl.arange(0, NUM_SPLITS)
-    vals = tl.load(part_amax_val_ptr + splits)
-    idx = tl.load(part_amax_idx_ptr + splits)
+    cols = tl.arange(0, NUM_SPLITS)
+    splits = row * NUM_SPLITS + cols
+    vals = tl.load(part_amax_val_ptr + splits, mask=cols < n_splits, other=float("-inf"))
+    idx = tl.load(part_amax_idx_ptr + splits, mask=cols < n_splits, other=2147483647)
     return tl.min(tl.where(vals == tl.max(vals, 0), idx, 2147483647), 0)
 
 
@@ -263,6 +268,7 @@ def _decide_sample_kernel(
     Vq,
     S,
     race_split_size,
+    n_splits,
     NUM_SPLITS: tl.constexpr,
     RACE_SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -287,17 +293,23 @@ def _decide_sample_kernel(
     out_of_support = tl.zeros((), tl.int32)
     for j in range(0, k + 1):
         row = row0 + j
-        bad += tl.sum(tl.load(part_bad_ptr + row * NUM_SPLITS + splits), 0)
+        split_mask = splits < n_splits
+        bad += tl.sum(
+            tl.load(part_bad_ptr + row * NUM_SPLITS + splits, mask=split_mask, other=0), 0
+        )
         if j < k:
             x = tl.load(draft_ids_ptr + d0 + j)
             out_of_vocab += ((x < 0) | (x >= V)).to(tl.int32)
             x = tl.minimum(tl.maximum(x, 0), V - 1)
             if Q_MODE == 1:
-                qsum = tl.sum(tl.load(part_qsum_ptr + row * NUM_SPLITS + splits), 0)
+                qsum = tl.load(
+                    part_qsum_ptr + row * NUM_SPLITS + splits, mask=split_mask, other=0.0
+                )
+                qsum = tl.sum(qsum, 0)
                 not_normalized += (tl.abs(qsum - 1.0) > 1e-4).to(tl.int32)
             q_x = _draft_prob(q_ptr, q_stride, q_ids_ptr, d0 + j, x, Vq, S, S_P2, Q_MODE)
             out_of_support += (q_x <= 0.0).to(tl.int32)
-            row_max, row_sum = _row_softmax(part_max_ptr, part_sum_ptr, row, NUM_SPLITS)
+            row_max, row_sum = _row_softmax(part_max_ptr, part_sum_ptr, row, n_splits, NUM_SPLITS)
             logit = tl.load(logits_ptr + row.to(tl.int64) * logits_stride + x).to(tl.float32)
             keep = logit >= tl.load(thr_ptr + row)
             p_x = tl.where(keep, tl.exp(logit * inv_t - row_max) / row_sum, 0.0)
@@ -306,7 +318,9 @@ def _decide_sample_kernel(
             if SYNTHETIC:
                 accept = u < tl.load(rates_ptr + j)
             else:
-                argmax = _row_argmax(part_amax_val_ptr, part_amax_idx_ptr, row, NUM_SPLITS)
+                argmax = _row_argmax(
+                    part_amax_val_ptr, part_amax_idx_ptr, row, n_splits, NUM_SPLITS
+                )
                 accept = tl.where(greedy != 0, x == argmax, u * q_x < p_x)
             first_reject = tl.minimum(first_reject, tl.where(accept, k, j))
     status = tl.load(status_in_ptr + b)
@@ -322,20 +336,21 @@ def _decide_sample_kernel(
         _race(logits_ptr, logits_stride, thr_ptr, draft_ids_ptr, q_ptr, q_stride, q_ids_ptr,
               part_max_ptr, part_sum_ptr, race_ptr, b, split, row0 + first_reject,
               d0 + first_reject, first_reject < k, inv_t, seed, pos + first_reject,
-              V, Vq, S, race_split_size, NUM_SPLITS, RACE_SPLITS, BLOCK, S_P2, Q_MODE)  # fmt: skip
+              V, Vq, S, race_split_size, n_splits, NUM_SPLITS, RACE_SPLITS, BLOCK, S_P2,
+              Q_MODE)  # fmt: skip
 
 
 @triton.jit
 def _race(
     logits_ptr, logits_stride, thr_ptr, draft_ids_ptr, q_ptr, q_stride, q_ids_ptr,
     part_max_ptr, part_sum_ptr, race_ptr, b, split, row, t, has_draft, inv_t, seed, pos,
-    V, Vq, S, split_size,
+    V, Vq, S, split_size, n_splits,
     NUM_SPLITS: tl.constexpr, RACE_SPLITS: tl.constexpr, BLOCK: tl.constexpr,
     S_P2: tl.constexpr, Q_MODE: tl.constexpr,
 ):  # fmt: skip
     """Exponential race over this split of row `row`: best max(0, p - q)/E (p/E for a bonus)
     and best p/E (the fallback if rounding left the residual empty)."""
-    row_max, row_sum = _row_softmax(part_max_ptr, part_sum_ptr, row, NUM_SPLITS)
+    row_max, row_sum = _row_softmax(part_max_ptr, part_sum_ptr, row, n_splits, NUM_SPLITS)
     thr = tl.load(thr_ptr + row)
     stream = tl.where(has_draft, 1, 2).to(tl.uint32)
     t = tl.where(has_draft, t, 0)
@@ -368,7 +383,7 @@ def _race(
         else:
             q = tl.where(offs == x, 1.0, 0.0)
         bits = _vocab_bits(seed, off, pos.to(tl.uint32), stream, BLOCK)
-        expo = -tl.log(((bits >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0))
+        expo = -tl.log(((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0))  # rng.exponential
         residual = tl.where(has_draft, tl.maximum(p - q, 0.0), p)
         score = tl.where(mask, residual / expo, -1.0)
         better = score > lane_best
@@ -406,6 +421,8 @@ def _finalize_kernel(
     num_committed_ptr,  # [B] int32 out
     accepted_ptr,  # [B, max_k] int8 out
     max_k,
+    n_splits,
+    n_race,
     NUM_SPLITS: tl.constexpr,
     RACE_SPLITS: tl.constexpr,
     COLS: tl.constexpr,  # power of two >= max_k + 1
@@ -414,12 +431,17 @@ def _finalize_kernel(
     k = tl.load(num_draft_ptr + b)
     first_reject = tl.load(first_reject_ptr + b)
     ok = tl.load(status_ptr + b) == 0
+    target_row = tl.load(row_start_ptr + b) + first_reject
     greedy_token = _row_argmax(
-        part_amax_val_ptr, part_amax_idx_ptr, tl.load(row_start_ptr + b) + first_reject, NUM_SPLITS
+        part_amax_val_ptr, part_amax_idx_ptr, target_row, n_splits, NUM_SPLITS
     )
-    race = race_ptr + (b * RACE_SPLITS + tl.arange(0, RACE_SPLITS)) * 4
-    score, score_id = tl.load(race), tl.load(race + 1).to(tl.int32)
-    score_p, score_p_id = tl.load(race + 2), tl.load(race + 3).to(tl.int32)
+    cols = tl.arange(0, RACE_SPLITS)
+    race = race_ptr + (b * RACE_SPLITS + cols) * 4
+    live = cols < n_race
+    score = tl.load(race, mask=live, other=-1.0)
+    score_id = tl.load(race + 1, mask=live, other=0.0).to(tl.int32)
+    score_p = tl.load(race + 2, mask=live, other=-1.0)
+    score_p_id = tl.load(race + 3, mask=live, other=0.0).to(tl.int32)
     best = tl.max(score, 0)
     token = tl.min(tl.where(score == best, score_id, 2147483647), 0)
     token_p = tl.min(tl.where(score_p == tl.max(score_p, 0), score_p_id, 2147483647), 0)
@@ -451,8 +473,8 @@ def launch_shape(
     width: int,
     device: torch.device,
     block: int = 1024,
-    programs_per_sm: int = 4,
-    num_warps: int = 4,
+    programs_per_sm: int = 8,
+    num_warps: int = 8,
 ) -> LaunchShape:
     """On a GPU, enough vocabulary splits for ~programs_per_sm programs per SM in both the
     stats kernel (rows programs before splitting) and the race (batch programs); under the
@@ -485,12 +507,9 @@ def rejection_sample_triton(
     num_splits = triton.next_power_of_2(n_splits)
     n_race = triton.cdiv(x.vocab_size, shape.race_split)
     race_splits = triton.next_power_of_2(n_race)
-    # One buffer for the split partials: max, sum, argmax value, argmax id, bad, q sum.
+    # One buffer for the split partials: max, sum, argmax value, argmax id, bad, q sum. Padded
+    # splits (>= n_splits) are never read: loads are masked, so no fill kernels are needed.
     parts = torch.empty((6, rows, num_splits), dtype=torch.float32, device=device)
-    parts[0].fill_(float("-inf"))
-    parts[1].zero_()
-    parts[2].fill_(float("-inf"))
-    parts[3:].zero_()
     pmax, psum, pval, pqsum = parts[0], parts[1], parts[2], parts[5]
     pidx, pbad = parts[3].view(torch.int32), parts[4].view(torch.int32)
     dummy_f = torch.zeros(1, dtype=torch.float32, device=device)
@@ -507,13 +526,13 @@ def rejection_sample_triton(
     )  # fmt: skip
     first_reject = torch.empty(batch, dtype=torch.int32, device=device)
     status = torch.empty(batch, dtype=torch.int32, device=device)
-    race = torch.full((batch, race_splits, 4), -1.0, device=device)
+    race = torch.empty((batch, race_splits, 4), device=device)
     rates = x.synthetic_rates if x.synthetic_rates is not None else dummy_f
     _decide_sample_kernel[(batch, n_race)](
         x.logits, x.logits.stride(0), x.thresholds, x.num_draft, x.row_start, x.draft_start,
         draft_ids, x.inv_temperature, x.greedy, x.seed, x.position, x.status_in, rates,
         q, q.stride(0), q_ids, pmax, psum, pval, pidx, pbad, pqsum, first_reject, status, race,
-        x.vocab_size, x.q_vocab, sparse_width, shape.race_split, NUM_SPLITS=num_splits,
+        x.vocab_size, x.q_vocab, sparse_width, shape.race_split, n_splits, NUM_SPLITS=num_splits,
         RACE_SPLITS=race_splits, BLOCK=shape.block, S_P2=triton.next_power_of_2(sparse_width),
         Q_MODE=x.q_mode, SYNTHETIC=x.synthetic_rates is not None, num_warps=shape.num_warps,
     )  # fmt: skip
@@ -522,7 +541,7 @@ def rejection_sample_triton(
     accepted = torch.empty((batch, max(x.max_k, 1)), dtype=torch.int8, device=device)
     _finalize_kernel[(batch,)](
         x.num_draft, x.row_start, x.draft_start, draft_ids, x.greedy, first_reject, status,
-        race, pval, pidx, token_ids, num_committed, accepted, x.max_k,
+        race, pval, pidx, token_ids, num_committed, accepted, x.max_k, n_splits, n_race,
         NUM_SPLITS=num_splits, RACE_SPLITS=race_splits,
         COLS=triton.next_power_of_2(x.max_k + 1),
     )  # fmt: skip

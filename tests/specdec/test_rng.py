@@ -45,15 +45,16 @@ def test_triton_matches_torch_bit_for_bit(device: torch.device) -> None:
 def _vocab_probe(seed_ptr, pos, stream, out_ptr, BLOCK: tl.constexpr):
     off = tl.program_id(0) * BLOCK
     seed = tl.load(seed_ptr)
-    bits = _vocab_bits(seed, off, pos.to(tl.uint32), stream.to(tl.uint32), BLOCK)
+    position = tl.full((), pos, tl.int32).to(tl.uint32)  # ints may arrive as constexprs
+    bits = _vocab_bits(seed, off, position, tl.full((), stream, tl.int32).to(tl.uint32), BLOCK)
     tl.store(out_ptr + off + tl.arange(0, BLOCK), bits.to(tl.int64))
 
 
 def test_vocabulary_noise_layout_matches_torch(device: torch.device) -> None:
     out = torch.empty(256, dtype=torch.int64, device=device)
     seed = torch.tensor([2**40 + 12345], device=device)
-    _vocab_probe[(8,)](seed, 77, 1, out, BLOCK=32)
-    expected = rng.vocab_bits(seed[0].cpu(), torch.tensor(77), torch.tensor(1), 256)
+    _vocab_probe[(8,)](seed, 77, 3, out, BLOCK=32)
+    expected = rng.vocab_bits(seed[0].cpu(), torch.tensor(77), torch.tensor(3), 256)
     assert torch.equal(out.cpu(), expected)
     assert len(set(expected.tolist())) == 256
 
@@ -65,6 +66,14 @@ def test_streams_and_positions_give_different_draws() -> None:
     b = rng.position_uniform(seed, pos, rng.Stream.RECOVER)
     assert not torch.equal(a, b)
     assert len(set(a.tolist())) > 990
+
+
+def test_exponential_is_finite_and_positive_at_the_extremes() -> None:
+    bits = torch.tensor([0, 255, 2**32 - 512, 2**32 - 1])
+    e = rng.exponential(bits)
+    assert bool(torch.isfinite(e).all()) and bool((e > 0).all()), e
+    u = rng.uniform(bits)
+    assert float(u.max()) < 1.0 and float(u.min()) == 0.0
 
 
 def test_uniform_and_exponential_are_well_distributed() -> None:

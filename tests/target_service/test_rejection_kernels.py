@@ -183,3 +183,36 @@ def test_greedy_ties_go_to_lowest_id_like_torch_argmax() -> None:
         )
         out = rejection_sample(k, empty, rows, None, sampling, impl=impl)
         assert out.committed(0) == [3]
+
+
+def select(b: Batch, order: list[int]) -> Batch:
+    """The requests `order` of b, as a new batch in that order."""
+    row_start = torch.cumsum(b.k + 1, 0) - (b.k + 1)
+    draft_start = torch.cumsum(b.k, 0) - b.k
+    rows = torch.cat(
+        [torch.arange(int(row_start[i]), int(row_start[i] + b.k[i] + 1)) for i in order]
+    )
+    drafts = torch.cat(
+        [torch.arange(int(draft_start[i]), int(draft_start[i] + b.k[i])) for i in order]
+    )
+    q = b.q
+    if q is not None:
+        q = type(q)(*(getattr(q, f)[drafts] for f in q.__slots__))  # type: ignore[attr-defined]
+    sampling = RequestSampling(*(getattr(b.sampling, f)[order] for f in RequestSampling.__slots__))
+    return Batch(
+        b.k[order], b.draft_ids[drafts], b.logits[rows], q, sampling,
+        [b.params[i] for i in order], [b.positions[i] for i in order],
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("q_form", ["dense", "sparse"])
+def test_seeded_output_is_independent_of_batch_makeup(q_form: str, device: torch.device) -> None:
+    b = random_batch(ks(64, 4, 2), 500, q_form, seed=2, greedy_fraction=0.2)
+    order = torch.randperm(64, generator=torch.Generator().manual_seed(3)).tolist()
+    _, shuffled = run_both(select(b, order), device)
+    for probe in (0, 17, 63):
+        _, alone = run_both(select(b, [probe]), device)
+        at = order.index(probe)
+        width = alone.token_ids.shape[1]
+        assert torch.equal(alone.token_ids[0].cpu(), shuffled.token_ids[at, :width].cpu())
+        assert bool((shuffled.token_ids[at, width:] == PLACEHOLDER).all())
