@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from specdec.rng import Stream, exponential, philox, vocab_exponential
+from specdec.rng import Stream, exponential, ids_bits, vocab_exponential
 
 PAD_ID = -1
 
@@ -86,8 +86,8 @@ def sample_draft(
     keep = keep[:, :width]
     probs = torch.softmax(sorted_logits[:, :width].masked_fill(~keep, float("-inf")), dim=-1)
     ids = order[:, :width]
-    stream = torch.full((), int(Stream.DRAFT), dtype=torch.int64, device=logits.device)
-    noise = exponential(philox(seed[:, None], ids, position[:, None], stream))
+    stream = torch.full_like(position, int(Stream.DRAFT))
+    noise = exponential(ids_bits(seed, position, stream, ids))
     choice = (probs / noise).argmax(dim=-1, keepdim=True)
     sampled = ids.gather(1, choice).squeeze(1)
     token_ids = torch.where(greedy, argmax, sampled).to(torch.int32)

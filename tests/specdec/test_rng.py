@@ -59,6 +59,13 @@ def test_vocabulary_noise_layout_matches_torch(device: torch.device) -> None:
     assert len(set(expected.tolist())) == 256
 
 
+def test_ids_bits_matches_vocab_layout() -> None:
+    seed, pos, stream = torch.tensor([5, 2**50]), torch.tensor([3, 900]), torch.tensor([1, 3])
+    full = rng.vocab_bits(seed, pos, stream, 1000)
+    ids = torch.tensor([[0, 3, 4, 999, 517], [1, 2, 998, 6, 7]])
+    assert torch.equal(rng.ids_bits(seed, pos, stream, ids), full.gather(1, ids))
+
+
 def test_streams_and_positions_give_different_draws() -> None:
     seed = torch.tensor(7)
     pos = torch.arange(1000)
