@@ -7,6 +7,7 @@ Usage: python bench/rejection_profile.py --out DIR
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -17,8 +18,8 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.rejection_bench import copy_bandwidth, graph_time, make_inputs  # noqa: E402
-from target_service import kernels  # noqa: E402
+from bench.rejection_bench import copy_bandwidth, graph_time, make_inputs
+from target_service import kernels
 
 
 @triton.jit
@@ -37,7 +38,7 @@ def _stream_kernel(a_ptr, b_ptr, out_ptr, V, split_size, BLOCK: tl.constexpr):
 
 
 def profile(x: kernels.KernelInputs, shape: kernels.LaunchShape | None, label: str) -> str:
-    run = lambda: kernels.rejection_sample_triton(x, shape)  # noqa: E731
+    run = lambda: kernels.rejection_sample_triton(x, shape)
     for _ in range(5):
         run()
     torch.cuda.synchronize()
@@ -59,7 +60,7 @@ def main() -> None:
     for batch, k in ((64, 4), (256, 8), (1, 4)):
         x, nbytes = make_inputs(batch, k, 128256, "dense")
         floor = nbytes / bandwidth * 1e6
-        ms = graph_time(lambda: kernels.rejection_sample_triton(x))  # noqa: B023
+        ms = graph_time(functools.partial(kernels.rejection_sample_triton, x))
         report.append(f"B={batch} k={k} dense: graph {ms * 1e3:.1f} us, floor {floor:.1f} us")
         report.append(profile(x, None, f"B={batch} k={k} V=128256 dense"))
         rows = x.row_req.shape[0]
@@ -70,17 +71,9 @@ def main() -> None:
             splits = triton.cdiv(128256, shape.stats_split)
             out = torch.empty(rows * splits, device="cuda")
 
-            def stream() -> None:
-                _stream_kernel[(rows, splits)](  # noqa: B023
-                    a,
-                    b,
-                    out,
-                    128256,
-                    shape.stats_split,
-                    BLOCK=block,
-                    num_warps=warps,  # noqa: B023
-                )
-
+            grid = (rows, splits)
+            args_ = (a, b, out, 128256, shape.stats_split)
+            stream = functools.partial(_stream_kernel[grid], *args_, BLOCK=block, num_warps=warps)
             t = do_bench(stream, warmup=25, rep=100, return_mode="median")
             gbps = 2 * a.numel() * 4 / (t * 1e-3) / 1e9
             report.append(f"  stream read block={block} warps={warps} splits={splits}: "
