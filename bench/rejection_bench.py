@@ -98,7 +98,7 @@ def tune(bandwidth: float) -> kernels.LaunchShape:
     x, nbytes = make_inputs(64, 4, 128256, "dense")
     floor = nbytes / bandwidth * 1e3
     results = []
-    for block, per_sm, warps in itertools.product((256, 512, 1024), (4, 8, 16), (4, 8, 16)):
+    for block, per_sm, warps in itertools.product((512, 1024, 2048), (4, 8, 16), (4, 8)):
         shape = kernels.launch_shape(
             x.row_req.shape[0], 64, 128256, x.logits.device, block, per_sm, warps
         )

@@ -201,18 +201,6 @@ def _row_stats_kernel(
 
 
 @triton.jit
-def _row_softmax(part_max_ptr, part_sum_ptr, row, n_splits, NUM_SPLITS: tl.constexpr):
-    """Combine a row's split partials into (max, sum of exp(x - max))."""
-    cols = tl.arange(0, NUM_SPLITS)
-    splits = row * NUM_SPLITS + cols
-    pmax = tl.load(part_max_ptr + splits, mask=cols < n_splits, other=float("-inf"))
-    psum = tl.load(part_sum_ptr + splits, mask=cols < n_splits, other=0.0)
-    row_max = tl.max(pmax, 0)
-    safe = tl.where(row_max == float("-inf"), 0.0, row_max)
-    return safe, tl.sum(psum * tl.exp(pmax - safe), 0)
-
-
-@triton.jit
 def _row_argmax(part_amax_val_ptr, part_amax_idx_ptr, row, n_splits, NUM_SPLITS: tl.constexpr):
     """First index of the row's largest raw logit (ties go to the lowest id, as torch.argmax)."""
     cols = tl.arange(0, NUM_SPLITS)
@@ -220,21 +208,6 @@ def _row_argmax(part_amax_val_ptr, part_amax_idx_ptr, row, n_splits, NUM_SPLITS:
     vals = tl.load(part_amax_val_ptr + splits, mask=cols < n_splits, other=float("-inf"))
     idx = tl.load(part_amax_idx_ptr + splits, mask=cols < n_splits, other=2147483647)
     return tl.min(tl.where(vals == tl.max(vals, 0), idx, 2147483647), 0)
-
-
-@triton.jit
-def _draft_prob(q_ptr, q_stride, q_ids_ptr, t, x, Vq, S, S_P2: tl.constexpr, Q_MODE: tl.constexpr):
-    """q_t(x): the probability the draft gave its own token x (1 with no q)."""
-    if Q_MODE == 1:
-        q_x = tl.load(q_ptr + t.to(tl.int64) * q_stride + tl.minimum(x, Vq - 1))
-        return tl.where(x < Vq, q_x, 0.0)
-    elif Q_MODE == 2:
-        cols = tl.arange(0, S_P2)
-        ids = tl.load(q_ids_ptr + t * S + cols, mask=cols < S, other=-1)
-        probs = tl.load(q_ptr + t * S + cols, mask=cols < S, other=0.0)
-        return tl.sum(tl.where(ids == x, probs, 0.0), 0)
-    else:
-        return tl.full((), 1.0, tl.float32)
 
 
 @triton.jit
@@ -275,6 +248,7 @@ def _decide_sample_kernel(
     S_P2: tl.constexpr,
     Q_MODE: tl.constexpr,
     SYNTHETIC: tl.constexpr,
+    K_P2: tl.constexpr,  # power of two > max_k
 ):
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -285,44 +259,57 @@ def _decide_sample_kernel(
     greedy = tl.load(greedy_ptr + b)
     seed = tl.load(seed_ptr + b)
     pos = tl.load(position_ptr + b)
-    splits = tl.arange(0, NUM_SPLITS)
-    first_reject = k
-    bad = tl.zeros((), tl.int32)
-    not_normalized = tl.zeros((), tl.int32)
-    out_of_vocab = tl.zeros((), tl.int32)
-    out_of_support = tl.zeros((), tl.int32)
-    for j in range(0, k + 1):
-        row = row0 + j
-        split_mask = splits < n_splits
-        bad += tl.sum(
-            tl.load(part_bad_ptr + row * NUM_SPLITS + splits, mask=split_mask, other=0), 0
-        )
-        if j < k:
-            x = tl.load(draft_ids_ptr + d0 + j)
-            out_of_vocab += ((x < 0) | (x >= V)).to(tl.int32)
-            x = tl.minimum(tl.maximum(x, 0), V - 1)
-            if Q_MODE == 1:
-                qsum = tl.load(
-                    part_qsum_ptr + row * NUM_SPLITS + splits, mask=split_mask, other=0.0
-                )
-                qsum = tl.sum(qsum, 0)
-                not_normalized += (tl.abs(qsum - 1.0) > 1e-4).to(tl.int32)
-            q_x = _draft_prob(q_ptr, q_stride, q_ids_ptr, d0 + j, x, Vq, S, S_P2, Q_MODE)
-            out_of_support += (q_x <= 0.0).to(tl.int32)
-            row_max, row_sum = _row_softmax(part_max_ptr, part_sum_ptr, row, n_splits, NUM_SPLITS)
-            logit = tl.load(logits_ptr + row.to(tl.int64) * logits_stride + x).to(tl.float32)
-            keep = logit >= tl.load(thr_ptr + row)
-            p_x = tl.where(keep, tl.exp(logit * inv_t - row_max) / row_sum, 0.0)
-            zero = tl.zeros((), tl.uint32)
-            u = _uniform(_philox(seed, zero, (pos + j).to(tl.uint32), zero))
-            if SYNTHETIC:
-                accept = u < tl.load(rates_ptr + j)
-            else:
-                argmax = _row_argmax(
-                    part_amax_val_ptr, part_amax_idx_ptr, row, n_splits, NUM_SPLITS
-                )
-                accept = tl.where(greedy != 0, x == argmax, u * q_x < p_x)
-            first_reject = tl.minimum(first_reject, tl.where(accept, k, j))
+    # All k + 1 positions at once (one round of dependent loads, not k + 1 rounds): the
+    # per-position loop was latency-bound and ran before every race split.
+    j = tl.arange(0, K_P2)
+    is_row = j <= k
+    is_draft = j < k
+    rows = row0 + j
+    cols = tl.arange(0, NUM_SPLITS)
+    tile = rows[:, None] * NUM_SPLITS + cols[None, :]
+    live = is_row[:, None] & (cols < n_splits)[None, :]
+    pmax = tl.load(part_max_ptr + tile, mask=live, other=float("-inf"))
+    row_max = tl.max(pmax, 1)
+    row_max = tl.where(row_max == float("-inf"), 0.0, row_max)
+    psum = tl.load(part_sum_ptr + tile, mask=live, other=0.0)
+    row_sum = tl.sum(psum * tl.exp(pmax - row_max[:, None]), 1)
+    bad = tl.sum(tl.sum(tl.load(part_bad_ptr + tile, mask=live, other=0), 1), 0)
+    x = tl.load(draft_ids_ptr + d0 + j, mask=is_draft, other=0)
+    out_of_vocab = tl.sum((is_draft & ((x < 0) | (x >= V))).to(tl.int32), 0)
+    x = tl.minimum(tl.maximum(x, 0), V - 1)
+    t = d0 + j
+    if Q_MODE == 1:
+        qsum = tl.sum(tl.load(part_qsum_ptr + tile, mask=live, other=0.0), 1)
+        not_normalized = tl.sum((is_draft & (tl.abs(qsum - 1.0) > 1e-4)).to(tl.int32), 0)
+        q_x = tl.load(q_ptr + t.to(tl.int64) * q_stride + tl.minimum(x, Vq - 1), mask=is_draft)
+        q_x = tl.where(x < Vq, q_x, 0.0)
+    elif Q_MODE == 2:
+        not_normalized = 0
+        support = tl.arange(0, S_P2)
+        entries = t[:, None] * S + support[None, :]
+        in_support = is_draft[:, None] & (support < S)[None, :]
+        ids = tl.load(q_ids_ptr + entries, mask=in_support, other=-1)
+        probs = tl.load(q_ptr + entries, mask=in_support, other=0.0)
+        q_x = tl.sum(tl.where(ids == x[:, None], probs, 0.0), 1)
+    else:
+        not_normalized = 0
+        q_x = tl.full((K_P2,), 1.0, tl.float32)
+    out_of_support = tl.sum((is_draft & (q_x <= 0.0)).to(tl.int32), 0)
+    logit = tl.load(logits_ptr + rows.to(tl.int64) * logits_stride + x, mask=is_draft, other=0.0)
+    logit = logit.to(tl.float32)
+    keep = logit >= tl.load(thr_ptr + rows, mask=is_row, other=0.0)
+    p_x = tl.where(keep, tl.exp(logit * inv_t - row_max) / row_sum, 0.0)
+    zero = tl.zeros((K_P2,), tl.uint32)
+    u = _uniform(_philox(seed, zero, (pos + j).to(tl.uint32), zero))
+    if SYNTHETIC:
+        accept = u < tl.load(rates_ptr + j, mask=is_draft, other=0.0)
+    else:
+        pval = tl.load(part_amax_val_ptr + tile, mask=live, other=float("-inf"))
+        pidx = tl.load(part_amax_idx_ptr + tile, mask=live, other=2147483647)
+        best = tl.max(pval, 1)
+        argmax = tl.min(tl.where(pval == best[:, None], pidx, 2147483647), 1)
+        accept = tl.where(greedy != 0, x == argmax, u * q_x < p_x)
+    first_reject = tl.min(tl.where(is_draft & (accept == 0), j, k), 0)
     status = tl.load(status_in_ptr + b)
     status = tl.where((status == 0) & (out_of_vocab > 0), 5, status)
     status = tl.where((status == 0) & ((bad & 65535) > 0), 1, status)
@@ -333,8 +320,11 @@ def _decide_sample_kernel(
         tl.store(first_reject_ptr + b, first_reject)
         tl.store(status_ptr + b, status)
     if (status == 0) & (greedy == 0):
+        at_f = j == first_reject
+        f_max = tl.sum(tl.where(at_f, row_max, 0.0), 0)
+        f_sum = tl.sum(tl.where(at_f, row_sum, 0.0), 0)
         _race(logits_ptr, logits_stride, thr_ptr, draft_ids_ptr, q_ptr, q_stride, q_ids_ptr,
-              part_max_ptr, part_sum_ptr, race_ptr, b, split, row0 + first_reject,
+              f_max, f_sum, race_ptr, b, split, row0 + first_reject,
               d0 + first_reject, first_reject < k, inv_t, seed, pos + first_reject,
               V, Vq, S, race_split_size, n_splits, NUM_SPLITS, RACE_SPLITS, BLOCK, S_P2,
               Q_MODE)  # fmt: skip
@@ -343,14 +333,13 @@ def _decide_sample_kernel(
 @triton.jit
 def _race(
     logits_ptr, logits_stride, thr_ptr, draft_ids_ptr, q_ptr, q_stride, q_ids_ptr,
-    part_max_ptr, part_sum_ptr, race_ptr, b, split, row, t, has_draft, inv_t, seed, pos,
+    row_max, row_sum, race_ptr, b, split, row, t, has_draft, inv_t, seed, pos,
     V, Vq, S, split_size, n_splits,
     NUM_SPLITS: tl.constexpr, RACE_SPLITS: tl.constexpr, BLOCK: tl.constexpr,
     S_P2: tl.constexpr, Q_MODE: tl.constexpr,
 ):  # fmt: skip
     """Exponential race over this split of row `row`: best max(0, p - q)/E (p/E for a bonus)
     and best p/E (the fallback if rounding left the residual empty)."""
-    row_max, row_sum = _row_softmax(part_max_ptr, part_sum_ptr, row, n_splits, NUM_SPLITS)
     thr = tl.load(thr_ptr + row)
     stream = tl.where(has_draft, 1, 2).to(tl.uint32)
     t = tl.where(has_draft, t, 0)
@@ -512,8 +501,7 @@ def rejection_sample_triton(
     parts = torch.empty((6, rows, num_splits), dtype=torch.float32, device=device)
     pmax, psum, pval, pqsum = parts[0], parts[1], parts[2], parts[5]
     pidx, pbad = parts[3].view(torch.int32), parts[4].view(torch.int32)
-    dummy_f = torch.zeros(1, dtype=torch.float32, device=device)
-    dummy_i = torch.zeros(1, dtype=torch.int32, device=device)
+    dummy_f, dummy_i = x.thresholds, x.row_req  # never read: placeholders for absent inputs
     q = x.q_probs if x.q_probs is not None else dummy_f
     q_ids = x.q_ids if x.q_ids is not None else dummy_i
     draft_ids = x.draft_ids if x.draft_ids.numel() else dummy_i  # no null pointers
@@ -535,6 +523,7 @@ def rejection_sample_triton(
         x.vocab_size, x.q_vocab, sparse_width, shape.race_split, n_splits, NUM_SPLITS=num_splits,
         RACE_SPLITS=race_splits, BLOCK=shape.block, S_P2=triton.next_power_of_2(sparse_width),
         Q_MODE=x.q_mode, SYNTHETIC=x.synthetic_rates is not None, num_warps=shape.num_warps,
+        K_P2=triton.next_power_of_2(x.max_k + 1),
     )  # fmt: skip
     token_ids = torch.empty((batch, x.max_k + 1), dtype=torch.int32, device=device)
     num_committed = torch.empty(batch, dtype=torch.int32, device=device)
@@ -545,7 +534,7 @@ def rejection_sample_triton(
         NUM_SPLITS=num_splits, RACE_SPLITS=race_splits,
         COLS=triton.next_power_of_2(x.max_k + 1),
     )  # fmt: skip
-    return KernelOutputs(token_ids, num_committed, accepted[:, : x.max_k].bool(), status)
+    return KernelOutputs(token_ids, num_committed, accepted[:, : x.max_k].view(torch.bool), status)
 
 
 def rejection_sample_torch(inputs: KernelInputs) -> KernelOutputs:
