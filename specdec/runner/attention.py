@@ -1,4 +1,6 @@
-"""Attention over the slot KV cache for a ragged batch, in plain torch (SDPA).
+"""Attention over the slot KV cache for a ragged batch: SDPA in plain torch, or on CUDA for
+short per-request chunks (decode, verify, draft steps) the split-KV kernel of
+`decode_attention`, which reads the cache in place and needs no mask.
 
 A forward holds B requests with n_b new tokens each, flattened to T = Σ n_b tokens for every
 matmul. Only attention needs them per request: the queries are scattered into a padded
@@ -9,7 +11,8 @@ length ([B, kv_heads, group * n_max, D]) so no K/V is repeated.
 
 Example: requests a (3 cached, 2 new) and b (5 cached, 1 new): T = 3, n_max = 2,
 positions = [3, 4, 5], q_pad_index = [0, 1, 2] (b's padded slot 3 is unused and sees key 0
-only, so no row of the mask is empty and SDPA never returns NaN).
+only, so no row of the mask is empty and SDPA never returns NaN). The kernel path needs none
+of the grid: it reads q flat through cu_q = [0, 2, 3].
 """
 
 from dataclasses import dataclass
@@ -17,12 +20,17 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specdec.runner.decode_attention import decode_attention, num_splits, store_kv
+
 
 @dataclass(slots=True)
 class AttnMeta:
     token_slot: torch.Tensor  # [T] int64: cache slot of each new token
     positions: torch.Tensor  # [T] int64: absolute position of each new token
     slots: torch.Tensor  # [B] int64
+    starts: torch.Tensor  # [B] int64: cached tokens before this pass
+    cu_q: torch.Tensor | None  # [B + 1] int64 offsets into the T tokens; set iff kernel path
+    splits: int  # key ranges per (request, kv head) of the kernel path
     q_pad_index: torch.Tensor | None  # [T] int64 into the flat [B * n_max] grid; None if T == B*n
     query_pos: torch.Tensor  # [B, n_max] int64 (padding: 0)
     n_max: int
@@ -30,6 +38,7 @@ class AttnMeta:
     cos: torch.Tensor  # [T, 1, head_dim] in the model dtype
     sin: torch.Tensor  # [T, 1, head_dim]
     masks: dict[int | None, torch.Tensor]  # window -> [B, 1, group * n_max, kv_len] bool
+    # (SDPA path only)
 
 
 def build_meta(
@@ -42,18 +51,35 @@ def build_meta(
     cos_table: torch.Tensor,
     sin_table: torch.Tensor,
     equal: bool,
+    kernel: bool = False,
+    kv_heads: int = 1,
 ) -> AttnMeta:
     """Metadata for B requests in `slots` [B] with cached lengths `starts` [B] and `counts` new
     tokens each. With `equal` every count is the same and no host sync or scatter is needed
-    (the CUDA-graph path)."""
+    (the CUDA-graph path); with `kernel` neither is needed in any case, nor masks."""
     device = slots.device
     n_max = max(counts) if counts else 0
     local = torch.arange(n_max, device=device)
     query_pos = starts[:, None] + local[None, :]  # [B, n_max]
+    cu_q = None
     if equal:
         q_pad_index = None
         positions = query_pos.reshape(-1)
         token_slot = slots[:, None].expand(-1, n_max).reshape(-1)
+        if kernel:
+            cu_q = torch.arange(0, n_max * (len(counts) + 1), max(n_max, 1), device=device)
+    elif kernel:  # flat, from host counts: no nonzero(), so no host sync
+        total = sum(counts)
+        offsets = [0]
+        for c in counts:
+            offsets.append(offsets[-1] + c)
+        cu_q = torch.tensor(offsets, device=device)
+        count_t = cu_q.diff()
+        first = cu_q[:-1].repeat_interleave(count_t, output_size=total)
+        positions = starts.repeat_interleave(count_t, output_size=total)
+        positions = positions + torch.arange(total, device=device) - first
+        token_slot = slots.repeat_interleave(count_t, output_size=total)
+        q_pad_index = None
     else:
         count_t = torch.tensor(counts, device=device)
         valid = local[None, :] < count_t[:, None]  # [B, n_max]
@@ -63,7 +89,7 @@ def build_meta(
         token_slot = slots.repeat_interleave(count_t)
     keys = torch.arange(kv_len, device=device)
     masks = {}
-    for window in windows:
+    for window in () if kernel else windows:
         visible = keys[None, None, :] <= query_pos[:, :, None]  # [B, n_max, kv_len]
         if window is not None:
             visible &= query_pos[:, :, None] - keys[None, None, :] < window
@@ -75,6 +101,9 @@ def build_meta(
         token_slot=token_slot,
         positions=positions,
         slots=slots,
+        starts=starts,
+        cu_q=cu_q,
+        splits=num_splits(len(counts), kv_heads, kv_len, device) if kernel else 0,
         q_pad_index=q_pad_index,
         query_pos=query_pos,
         n_max=n_max,
@@ -100,6 +129,12 @@ def attention(
     _, heads, d = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
+    if meta.cu_q is not None:
+        store_kv(k, v, cache, meta.token_slot, meta.positions)
+        out = decode_attention(
+            q, cache, meta.slots, meta.starts, meta.cu_q, meta.n_max, window, meta.splits
+        )
+        return out.view(-1, heads * d)
     cache[meta.token_slot, :, :, meta.positions] = torch.stack((k, v), dim=1)
     kv = cache[:, :, :, : meta.kv_len].index_select(0, meta.slots)  # [B, 2, kv_heads, L, D]
     b, n = kv.shape[0], meta.n_max

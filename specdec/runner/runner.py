@@ -16,6 +16,7 @@ import torch
 from specdec.errors import InvalidInputError
 from specdec.runner.attention import build_meta
 from specdec.runner.config import ForwardItem, ModelInfo, RunnerConfig
+from specdec.runner.decode_attention import MAX_ROWS
 from specdec.runner.fallback import HFBackend
 from specdec.runner.graphs import Head, StepGraphs
 from specdec.runner.kv_cache import SlotCache
@@ -33,7 +34,13 @@ class FastBackend:
         a = model.args
         self.vocab_size = int(model.w["lm_head"].shape[0])
         self._group = a.num_heads // a.num_kv_heads
+        self._kv_heads = a.num_kv_heads
         self._windows = set(a.windows)
+        # the Triton decode kernel on CUDA; SDPA on the CPU, where Triton only interprets
+        self._kernel = model.w["embed"].device.type == "cuda"
+
+    def _use_kernel(self, n_max: int) -> bool:
+        return self._kernel and self._group * n_max <= MAX_ROWS
 
     def run(
         self, slots: list[int], starts: list[int], tokens: list[torch.Tensor], num_logits: list[int]
@@ -52,6 +59,8 @@ class FastBackend:
             self.model.cos,
             self.model.sin,
             equal=False,
+            kernel=self._use_kernel(max(counts)),
+            kv_heads=self._kv_heads,
         )
         hidden = self.model.hidden(torch.cat(tokens), meta, self.cache.layers)
         ends = torch.tensor(counts).cumsum(0).tolist()
@@ -78,6 +87,8 @@ class FastBackend:
             self.model.cos,
             self.model.sin,
             equal=True,
+            kernel=self._use_kernel(n),
+            kv_heads=self._kv_heads,
         )
         hidden = self.model.hidden(tokens.reshape(-1), meta, self.cache.layers)
         logits = torch.nn.functional.linear(hidden, self.model.w["lm_head"]).view(b, n, -1)
@@ -317,9 +328,9 @@ class ModelRunner:
                 "graph_step needs one distinct request id per row of token_ids."
             )
         lengths = [self._cache.length(r) for r in request_ids]
-        slots = torch.tensor([self._cache.slot(r) for r in request_ids], device=self._device)
-        starts = torch.tensor(lengths, device=self._device)
-        tokens = token_ids.to(self._device, torch.long)
+        slots = self._to_device([self._cache.slot(r) for r in request_ids])
+        starts = self._to_device(lengths)
+        tokens = token_ids.to(self._device, torch.long, non_blocking=True)
         bs = self._graphs.padded_size(b) if self._graphs is not None else None
         if self._graphs is not None and bs is not None:
             logits, outs = self._graphs.run(bs, tokens, starts, slots, head, head_inputs)
@@ -329,6 +340,15 @@ class ModelRunner:
         for rid in request_ids:
             self._cache.extend(rid, n)
         return outs if head is not None else logits
+
+    def _to_device(self, values: list[int]) -> torch.Tensor:
+        """int64 [len(values)] on the device without a host sync: a plain torch.tensor(...,
+        device=cuda) copies from pageable memory and waits for the stream, so the host could
+        not prepare the next step while the GPU runs this one."""
+        host = torch.tensor(values, dtype=torch.long)
+        if self._device.type != "cuda":
+            return host
+        return host.pin_memory().to(self._device, non_blocking=True)
 
 
 def _with_vocab(info: ModelInfo, vocab: int) -> ModelInfo:
