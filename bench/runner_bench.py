@@ -8,6 +8,9 @@ with and without CUDA graphs, against
 
     PYTHONPATH=. python bench/runner_bench.py --out $OUT          # GPU, real sizes
     PYTHONPATH=. python bench/runner_bench.py --smoke --out /tmp  # CPU, tiny config
+
+With `--before OLD.json` (an earlier run's results) the markdown also keeps that run's table and
+a before/after comparison of the best runner time per row.
 """
 
 import argparse
@@ -363,6 +366,30 @@ def markdown(gpu: str, bandwidth: float, ctx: int, rows: list[dict[str, Any]]) -
     return head + "\n".join(lines) + "\n\n" + goals_text(rows) + "\n"
 
 
+def before_after(old: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """The earlier run's table, then best-of-runner times before and after, row by row."""
+    prev = {(r["model"], r["batch"], r["tokens"]): r for r in old["rows"]}
+    lines = [
+        "\n## Before\n",
+        markdown(old["gpu"], old["bandwidth_bytes_per_s"], old["ctx"], old["rows"]),
+        "## Before / after (best of graphs, graphs+compiled)\n",
+        "| model | batch | tokens | before | after | speed-up | before / floor | after / floor "
+        "| HF eager / after |",
+        "|---" * 9 + "|",
+    ]
+    for r in rows:
+        o = prev.get((r["model"], r["batch"], r["tokens"]))
+        if o is None:
+            continue
+        lines.append(
+            f"| {r['model']} | {r['batch']} | {r['tokens']} | {best_ms(o):.3f} "
+            f"| {best_ms(r):.3f} | {best_ms(o) / best_ms(r):.2f} "
+            f"| {best_ms(o) / o['floor_ms']:.2f} | {best_ms(r) / r['floor_ms']:.2f} "
+            f"| {ratio(r['hf_eager_ms'], best_ms(r))} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
 def ratio(a: object, b: float) -> str:
     return f"{a / b:.1f}" if isinstance(a, float) else "—"
 
@@ -404,6 +431,7 @@ def main() -> None:
     p.add_argument("--compile-deadline-s", type=float, default=240.0)
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--no-compile-runner", dest="compile_runner", action="store_false")
+    p.add_argument("--before", type=Path, help="an earlier run's JSON to compare against")
     p.add_argument("--hf-compile-child", help=argparse.SUPPRESS)
     p.add_argument("--child-tokens", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -419,12 +447,15 @@ def main() -> None:
     t_start, rows = time.perf_counter(), []
     tag = gpu.replace(" ", "_")
     args.out.mkdir(parents=True, exist_ok=True)
+    old = json.loads(args.before.read_text()) if args.before else None
     for name, spec in models.items():
         rows += bench_model(name, spec, args, dev, bandwidth, t_start)
         report = dict(gpu=gpu, bandwidth_bytes_per_s=bandwidth, ctx=args.ctx, rows=rows)
         (args.out / f"runner_{tag}.json").write_text(json.dumps(report, indent=1))
-        (args.out / f"runner_{tag}.md").write_text(markdown(gpu, bandwidth, args.ctx, rows))
-    print(markdown(gpu, bandwidth, args.ctx, rows))
+        text = markdown(gpu, bandwidth, args.ctx, rows)
+        text += before_after(old, rows) if old else ""
+        (args.out / f"runner_{tag}.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

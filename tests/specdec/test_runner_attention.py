@@ -18,7 +18,7 @@ from tests.specdec.test_runner_parity import TOL, make_runner, seqs
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
 
 
-def _case(group: int, head_dim: int, n: int, ragged: bool, dtype: torch.dtype, seed: int):
+def _case(group: int, head_dim: int, n: int, ragged: bool, dtype: torch.dtype, seed: int, dev):
     g = torch.Generator().manual_seed(seed)
     kv_heads, max_len = 2, 200
     cache = torch.randn(6, 2, kv_heads, max_len, head_dim, generator=g).to(dtype)
@@ -27,7 +27,7 @@ def _case(group: int, head_dim: int, n: int, ragged: bool, dtype: torch.dtype, s
     counts = [n, 1, n, max(1, n - 2)] if ragged else [n] * 4
     cu_q = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
     q = torch.randn(int(cu_q[-1]), kv_heads * group, head_dim, generator=g).to(dtype)
-    return q, cache, slots, starts, cu_q, max(counts)
+    return *(x.to(dev) for x in (q, cache, slots, starts, cu_q)), max(counts)
 
 
 @pytest.mark.parametrize(
@@ -42,31 +42,34 @@ def _case(group: int, head_dim: int, n: int, ragged: bool, dtype: torch.dtype, s
     ],
 )
 def test_kernel_matches_reference(
-    group: int, head_dim: int, n: int, ragged: bool, window: int | None
+    group: int, head_dim: int, n: int, ragged: bool, window: int | None, device: torch.device
 ) -> None:
-    dtype = torch.float32
-    q, cache, slots, starts, cu_q, n_max = _case(group, head_dim, n, ragged, dtype, seed=group + n)
-    ref = decode_attention_reference(q, cache, slots, starts, cu_q, window)
-    for splits in (1, num_splits(4, 2, 200, torch.device("cpu"))):  # one range and several
-        out = decode_attention(q, cache, slots, starts, cu_q, n_max, window, splits)
-        assert out.dtype == dtype and out.shape == ref.shape
-        assert torch.isfinite(out).all()  # every element written (empty would hold garbage)
-        err = (out.double() - ref).norm() / ref.norm()
-        assert err < REL_TOL[dtype], f"splits={splits}: relative error {err:.2e}"
+    dtypes = [torch.float32] + ([torch.bfloat16] if device.type == "cuda" else [])
+    for dtype in dtypes:
+        q, cache, slots, starts, cu_q, n_max = _case(group, head_dim, n, ragged, dtype, 3, device)
+        ref = decode_attention_reference(q, cache, slots, starts, cu_q, window)
+        for splits in (1, num_splits(4, 2, 200, device)):  # one range and several
+            out = decode_attention(q, cache, slots, starts, cu_q, n_max, window, splits)
+            assert out.dtype == dtype and out.shape == ref.shape
+            assert torch.isfinite(out).all()  # every element written (empty holds garbage)
+            err = (out.double() - ref).norm() / ref.norm()
+            assert err < REL_TOL[dtype], f"{dtype}, splits={splits}: relative error {err:.2e}"
 
 
-def test_store_kv_matches_index_put() -> None:
+def test_store_kv_matches_index_put(device: torch.device) -> None:
     g = torch.Generator().manual_seed(7)
-    cache = torch.randn(3, 2, 2, 20, 64, generator=g)
+    cache = torch.randn(3, 2, 2, 20, 64, generator=g).to(device)
     want = cache.clone()
-    qkv = torch.randn(4, 6, 64, generator=g)  # k, v as strided views, as the model has them
+    qkv = torch.randn(4, 6, 64, generator=g).to(device)  # k, v strided views, as in the model
     k, v = qkv[:, 2:4], qkv[:, 4:]
-    token_slot, positions = torch.tensor([0, 0, 2, 1]), torch.tensor([5, 6, 19, 0])
+    token_slot = torch.tensor([0, 0, 2, 1], device=device)
+    positions = torch.tensor([5, 6, 19, 0], device=device)
     store_kv(k, v, cache, token_slot, positions)
     want[token_slot, :, :, positions] = torch.stack((k, v), dim=1)
     assert torch.equal(cache, want)
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the kernel path is the default on CUDA")
 def test_kernel_path_matches_transformers() -> None:
     model = hf_model("mistral")  # GQA 4:1 and a sliding window of 6
     runner = make_runner(model)
