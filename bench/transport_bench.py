@@ -2,9 +2,10 @@
 
     python bench/transport_bench.py [--steps 30] [--out bench/results]
 
-Per step: pack q into a DraftBlock (draft side), serialise, send over a real gRPC stream
-(`specdec.serving` server: interceptor, message limits), parse and unpack into tensors (target
-side, `DraftProposal.from_pb`), answer one VerifyResult per request, receive it. The model and
+Per step: pack q into a DraftBlock (draft side, `block_to_pb`: one buffer per q field for the
+whole block), serialise, send over a real gRPC stream (`specdec.serving` server: interceptor,
+message limits), parse and unpack into per-entry tensors (target side, `parse_block`, as the
+target servicer does), answer one VerifyResult per request, receive it. The model and
 the sampler are left out: this is the cost the split adds. V = 128,256 (Llama 3), k = 4.
 
 The fraction of a verify step needs the 8B target's verify-step time on a GPU, produced by the
@@ -16,6 +17,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import platform
 import statistics
 import time
 from collections.abc import Iterator
@@ -28,6 +31,7 @@ from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
 from specdec.serving.blocks import DenseQ, DraftProposal, SparseQ, VerifyResult, block_to_pb
 from specdec.serving.client import LockstepStream, make_channel
 from specdec.serving.server import Server, ServerConfig
+from target_service.servicer import parse_block
 
 VOCAB = 128256
 K = 4
@@ -43,8 +47,8 @@ class EchoTarget(target_pb2_grpc.TargetServiceServicer):
     ) -> Iterator[target_pb2.VerifyResponse]:
         for block in request_iterator:
             results = []
-            for i, pb in enumerate(block.entries):
-                p = DraftProposal.from_pb(pb, f"entries[{i}]")
+            for p in parse_block(block):
+                assert isinstance(p, DraftProposal), p
                 tokens = (*p.draft_token_ids, 0)
                 results.append(VerifyResult(p.request_id, p.step, tokens, (True,) * K, 99))
             yield target_pb2.VerifyResponse(results=[r.to_pb() for r in results])
@@ -105,21 +109,40 @@ def main() -> None:
     write(rows, args.out)
 
 
+def machine() -> str:
+    """CPU model and core count of this machine (the transport runs on the CPU)."""
+    model = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines()
+                 if ln.startswith("model name")]  # fmt: skip
+        model = names[0] if names else model
+    python = platform.python_version()
+    return f"{model}, {os.cpu_count()} cores, Python {python}, grpcio {grpc.__version__}"
+
+
 def write(rows: list[dict[str, float]], out: Path) -> None:
     verify_path = out / VERIFY_INPUT
     verify = json.loads(verify_path.read_text()) if verify_path.exists() else None
     out.mkdir(parents=True, exist_ok=True)
-    (out / "transport.json").write_text(json.dumps(rows, indent=1) + "\n")
+    for r in rows:
+        step = verify["verify_step_ms"].get(str(r["batch"])) if verify else None
+        r["fraction_of_verify_step"] = None if step is None else r["ms_median"] / step
+    result = {"machine": machine(), "vocab_size": VOCAB, "num_draft_tokens": K,
+              "support_size": SUPPORT, "verify_step": verify, "rows": rows}  # fmt: skip
+    (out / "transport.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [
         f"# Transport per step, loopback, V = {VOCAB}, k = {K}, sparse support {SUPPORT}",
+        "",
+        f"Measured on {machine()} (`python bench/transport_bench.py`). The verify step is "
+        + (f"{verify['device']}'s ({verify['source']})." if verify else "missing."),
         "",
         "| q | batch | ms (median) | ms (p90) | bytes sent | bytes back | % of 8B verify step |",
         "| --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
-        frac = "needs " + VERIFY_INPUT
-        if verify is not None and str(r["batch"]) in verify["verify_step_ms"]:
-            frac = f"{100 * r['ms_median'] / verify['verify_step_ms'][str(r['batch'])]:.1f}%"
+        f = r["fraction_of_verify_step"]
+        frac = "needs " + VERIFY_INPUT if f is None else f"{100 * f:.1f}%"
         lines.append(
             f"| {r['q']} | {r['batch']} | {r['ms_median']:.2f} | {r['ms_p90']:.2f} | "
             f"{r['bytes_sent']:,} | {r['bytes_received']:,} | {frac} |"

@@ -32,18 +32,29 @@ from target_service.rejection_sampler import (
 )
 
 Code = grpc.StatusCode
+# SampleStatus → (reason, code, the entry's field the message names)
 _SAMPLE_ERRORS = {
-    SampleStatus.NONFINITE_LOGITS: (ErrorReason.NONFINITE_LOGITS, Code.INTERNAL),
-    SampleStatus.INVALID_DRAFT_PROBS: (ErrorReason.INVALID_DRAFT_PROBS, Code.INVALID_ARGUMENT),
+    SampleStatus.NONFINITE_LOGITS: (ErrorReason.NONFINITE_LOGITS, Code.INTERNAL, ""),
+    SampleStatus.INVALID_DRAFT_PROBS: (
+        ErrorReason.INVALID_DRAFT_PROBS,
+        Code.INVALID_ARGUMENT,
+        ".q",
+    ),
     SampleStatus.DRAFT_PROBS_NOT_NORMALIZED: (
         ErrorReason.DRAFT_PROBS_NOT_NORMALIZED,
         Code.INVALID_ARGUMENT,
+        ".q",
     ),
     SampleStatus.DRAFT_TOKEN_OUT_OF_SUPPORT: (
         ErrorReason.DRAFT_TOKEN_OUT_OF_SUPPORT,
         Code.INVALID_ARGUMENT,
+        ".q",
     ),
-    SampleStatus.TOKEN_OUT_OF_VOCAB: (ErrorReason.TOKEN_OUT_OF_VOCAB, Code.INVALID_ARGUMENT),
+    SampleStatus.TOKEN_OUT_OF_VOCAB: (
+        ErrorReason.TOKEN_OUT_OF_VOCAB,
+        Code.INVALID_ARGUMENT,
+        ".draft_token_ids",
+    ),
 }
 
 
@@ -125,7 +136,11 @@ class TargetEngine:
             return list(self._requests[request_id].tokens)
 
     def verify(self, entries: Sequence[DraftProposal | VerifyResult]) -> list[VerifyResult]:
-        """One verdict per entry, in order; entries that are already errors pass through."""
+        """One verdict per entry, in order; entries that are already errors pass through.
+
+        Error messages name the entry by its index in `entries` (the block's order), e.g.
+        "entries[3].q: ...".
+        """
         with self._lock:
             results: list[VerifyResult | None] = [
                 e if isinstance(e, VerifyResult) else None for e in entries
@@ -136,54 +151,52 @@ class TargetEngine:
             valid: list[tuple[int, DraftProposal]] = []
             for i, e in enumerate(entries):
                 if isinstance(e, DraftProposal):
-                    results[i] = self._check(e, counts[e.request_id])
+                    results[i] = self._check(i, e, counts[e.request_id])
                     if results[i] is None:
                         valid.append((i, e))
             if valid:
-                for i, res in zip(
-                    (i for i, _ in valid), self._score([e for _, e in valid]), strict=True
-                ):
+                for i, res in zip((i for i, _ in valid), self._score(valid), strict=True):
                     results[i] = res
             assert all(r is not None for r in results)
             return [r for r in results if r is not None]
 
-    def _check(self, p: DraftProposal, count: int) -> VerifyResult | None:
-        """An error result if the proposal does not fit the request's state, else None."""
+    def _check(self, i: int, p: DraftProposal, count: int) -> VerifyResult | None:
+        """An error result if entry i does not fit the request's state, else None."""
         req = self._requests.get(p.request_id)
         if count > 1:
             return error_result(
                 p,
                 ErrorReason.DUPLICATE_ENTRY,
                 Code.INVALID_ARGUMENT,
-                f"request {p.request_id!r} appears {count} times in the block.",
+                f"entries[{i}].request_id {p.request_id!r} appears {count} times in the block.",
             )
         if req is None:
             return error_result(
                 p,
                 ErrorReason.UNKNOWN_REQUEST,
                 Code.NOT_FOUND,
-                f"request {p.request_id!r} is not admitted.",
+                f"entries[{i}].request_id {p.request_id!r} is not admitted.",
             )
         if p.step != req.next_step:
-            return _step_error(p, req)
+            return _step_error(i, p, req)
         if p.committed_length != len(req.tokens):
             return error_result(
                 p,
                 ErrorReason.COMMITTED_LENGTH_MISMATCH,
                 Code.FAILED_PRECONDITION,
-                f"committed_length is {p.committed_length} but request "
+                f"entries[{i}].committed_length is {p.committed_length} but request "
                 f"{p.request_id!r} has {len(req.tokens)} committed tokens.",
             )
-        return self._check_values(p, req)
+        return self._check_values(i, p, req)
 
-    def _check_values(self, p: DraftProposal, req: _Request) -> VerifyResult | None:
+    def _check_values(self, i: int, p: DraftProposal, req: _Request) -> VerifyResult | None:
         k, limit = p.num_draft_tokens, self.config.max_num_draft_tokens
         if k > limit:
             return error_result(
                 p,
                 ErrorReason.INVALID_ARGUMENT,
                 Code.INVALID_ARGUMENT,
-                f"draft_token_ids has {k} tokens; at most {limit} per step.",
+                f"entries[{i}].draft_token_ids has {k} tokens; at most {limit} per step.",
             )
         bad = [t for t in p.draft_token_ids if not 0 <= t < self.vocab_size]
         if bad:
@@ -191,19 +204,22 @@ class TargetEngine:
                 p,
                 ErrorReason.TOKEN_OUT_OF_VOCAB,
                 Code.INVALID_ARGUMENT,
-                f"draft_token_ids holds {bad[0]}, outside the vocabulary [0, {self.vocab_size}).",
+                f"entries[{i}].draft_token_ids holds {bad[0]}, outside the vocabulary "
+                f"[0, {self.vocab_size}).",
             )
         if len(req.tokens) + k + 1 > self.config.runner.max_seq_len:
             return error_result(
                 p,
                 ErrorReason.CAPACITY,
                 Code.RESOURCE_EXHAUSTED,
-                f"{len(req.tokens)} committed + {k} draft tokens + 1 would pass "
+                f"entries[{i}]: {len(req.tokens)} committed + {k} draft tokens + 1 would pass "
                 f"max_seq_len={self.config.runner.max_seq_len}.",
             )
         return None
 
-    def _score(self, proposals: list[DraftProposal]) -> list[VerifyResult]:
+    def _score(self, entries: list[tuple[int, DraftProposal]]) -> list[VerifyResult]:
+        """Verdicts of (index in the block, proposal) pairs, in order."""
+        proposals = [p for _, p in entries]
         items = []
         for p in proposals:
             req = self._requests[p.request_id]
@@ -217,13 +233,16 @@ class TargetEngine:
         rows = logits.split([p.num_draft_tokens + 1 for p in proposals])
         results: list[VerifyResult | None] = [None] * len(proposals)
         for group in _group_by_q(proposals).values():
-            outs = self._sample([proposals[i] for i in group], [rows[i] for i in group])
+            outs = self._sample([entries[i] for i in group], [rows[i] for i in group])
             for i, res in zip(group, outs, strict=True):
                 results[i] = res
         return [r for r in results if r is not None]
 
-    def _sample(self, group: list[DraftProposal], rows: list[torch.Tensor]) -> list[VerifyResult]:
+    def _sample(
+        self, entries: list[tuple[int, DraftProposal]], rows: list[torch.Tensor]
+    ) -> list[VerifyResult]:
         """Runs the rejection sampler on proposals sharing one q form, then commits."""
+        group = [p for _, p in entries]
         reqs = [self._requests[p.request_id] for p in group]
         dev = self._device
         out = rejection_sample(
@@ -241,18 +260,24 @@ class TargetEngine:
         )
         status, accepted = out.status.tolist(), out.accepted.tolist()
         return [
-            self._commit(p, req, out.committed(b), accepted[b][: p.num_draft_tokens], status[b])
-            for b, (p, req) in enumerate(zip(group, reqs, strict=True))
+            self._commit(i, p, req, out.committed(b), accepted[b][: p.num_draft_tokens], status[b])
+            for b, ((i, p), req) in enumerate(zip(entries, reqs, strict=True))
         ]
 
     def _commit(
-        self, p: DraftProposal, req: _Request, tokens: list[int], accepted: list[bool], status: int
+        self,
+        i: int,
+        p: DraftProposal,
+        req: _Request,
+        tokens: list[int],
+        accepted: list[bool],
+        status: int,
     ) -> VerifyResult:
         n = len(req.tokens)
         if status != SampleStatus.OK:
             self.runner.truncate(p.request_id, n - 1)
-            reason, code = _SAMPLE_ERRORS[SampleStatus(status)]
-            return error_result(p, reason, code, status_message(status))
+            reason, code, field = _SAMPLE_ERRORS[SampleStatus(status)]
+            return error_result(p, reason, code, f"entries[{i}]{field}: {status_message(status)}")
         req.tokens.extend(tokens)
         self.runner.truncate(p.request_id, len(req.tokens) - 1)
         result = VerifyResult(p.request_id, p.step, tuple(tokens), tuple(accepted), len(req.tokens))
@@ -260,10 +285,11 @@ class TargetEngine:
         return result
 
 
-def _step_error(p: DraftProposal, req: _Request) -> VerifyResult:
+def _step_error(i: int, p: DraftProposal, req: _Request) -> VerifyResult:
     if p.step == req.next_step - 1 and req.last is not None:
         msg = (
-            f"step {p.step} of request {p.request_id!r} was already verified; its verdict repeats."
+            f"entries[{i}].step {p.step} of request {p.request_id!r} was already verified; "
+            "its verdict repeats."
         )
         err = RequestError(ErrorReason.DUPLICATE_STEP, Code.ALREADY_EXISTS, msg)
         last = req.last
@@ -275,7 +301,7 @@ def _step_error(p: DraftProposal, req: _Request) -> VerifyResult:
         p,
         reason,
         Code.FAILED_PRECONDITION,
-        f"step is {p.step} but request {p.request_id!r} expects step {req.next_step}.",
+        f"entries[{i}].step is {p.step} but request {p.request_id!r} expects step {req.next_step}.",
     )
 
 

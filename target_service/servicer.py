@@ -7,18 +7,24 @@ from collections.abc import Iterator
 import grpc
 
 from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
-from specdec.serving.blocks import DraftProposal, VerifyResult
+from specdec.serving.blocks import DraftProposal, VerifyResult, proposals_from_pb
 from specdec.serving.messages import Admission, ErrorReason
 from target_service.engine import TargetEngine, error_result
 
 
-def parse_entry(index: int, pb: common_pb2.DraftEntry) -> DraftProposal | VerifyResult:
-    """The entry as a DraftProposal, or its INVALID_ARGUMENT result if it is malformed."""
+def parse_block(block: common_pb2.DraftBlock) -> list[DraftProposal | VerifyResult]:
+    """Each entry as a DraftProposal, or its INVALID_ARGUMENT result if it is malformed; a
+    malformed q buffer is every entry's error (the stream stays open)."""
     try:
-        return DraftProposal.from_pb(pb, f"entries[{index}]")
+        parsed = proposals_from_pb(block)
     except ValueError as e:
-        reason, code = ErrorReason.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT
-        return error_result((pb.request_id, pb.step), reason, code, str(e))
+        parsed = [e] * len(block.entries)
+    reason, code = ErrorReason.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT
+    return [
+        p if isinstance(p, DraftProposal) else error_result((e.request_id, e.step), reason, code,
+                                                            str(p))
+        for e, p in zip(block.entries, parsed, strict=True)
+    ]  # fmt: skip
 
 
 class TargetServicer(target_pb2_grpc.TargetServiceServicer):
@@ -45,6 +51,5 @@ class TargetServicer(target_pb2_grpc.TargetServiceServicer):
         self, request_iterator: Iterator[common_pb2.DraftBlock], context: grpc.ServicerContext
     ) -> Iterator[target_pb2.VerifyResponse]:
         for block in request_iterator:
-            entries = [parse_entry(i, pb) for i, pb in enumerate(block.entries)]
-            results = self.engine.verify(entries)
+            results = self.engine.verify(parse_block(block))
             yield target_pb2.VerifyResponse(results=[r.to_pb() for r in results])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import struct
 from pathlib import Path
@@ -13,7 +14,15 @@ import torch
 from specdec.pb import common_pb2, generate, target_pb2
 from specdec.sampling_params import SamplingParams
 from specdec.serving.arrays import pack, unpack
-from specdec.serving.blocks import DenseQ, DraftProposal, ProposeAsk, SparseQ, VerifyResult
+from specdec.serving.blocks import (
+    DenseQ,
+    DraftProposal,
+    ProposeAsk,
+    SparseQ,
+    VerifyResult,
+    block_to_pb,
+    proposals_from_pb,
+)
 from specdec.serving.messages import (
     Admission,
     ErrorReason,
@@ -64,44 +73,102 @@ def _q(kind: str, k: int, vocab: int = 11, support: int = 4) -> DenseQ | SparseQ
     return None
 
 
-@pytest.mark.parametrize("kind", ["dense", "sparse", "none"])
-@pytest.mark.parametrize("k", [0, 1, 3])
-def test_draft_proposal_round_trip(kind: str, k: int) -> None:
-    q = _q(kind, k)
-    proposal = DraftProposal("req-1", 7, 12, tuple(range(k)), q)
-    pb = common_pb2.DraftEntry.FromString(proposal.to_pb().SerializeToString())
-    back = DraftProposal.from_pb(pb)
-    assert (back.request_id, back.step, back.committed_length) == ("req-1", 7, 12)
-    assert back.draft_token_ids == tuple(range(k))
-    assert type(back.q) is type(q)
-    if q is not None and back.q is not None:
-        assert torch.equal(back.q.probs, q.probs)
-    if isinstance(q, SparseQ) and isinstance(back.q, SparseQ):
-        assert torch.equal(back.q.token_ids, q.token_ids)
+def _round_trip(proposals: list[DraftProposal]) -> list[DraftProposal | ValueError]:
+    wire = block_to_pb(proposals).SerializeToString()
+    return proposals_from_pb(common_pb2.DraftBlock.FromString(wire))
 
 
-def test_dense_probs_length_must_be_k_times_vocab_times_4() -> None:
-    pb = DraftProposal("a", 0, 3, (1, 2), _q("dense", 2)).to_pb()
-    pb.dense.probs = pb.dense.probs[:-4]
-    with pytest.raises(ValueError, match=r"entries\[0\]\.dense\.probs has 84 bytes; expected 88"):
-        DraftProposal.from_pb(pb, "entries[0]")
+@pytest.mark.parametrize("kinds", [["dense"], ["sparse"], ["none"], ["sparse", "none", "dense"]])
+@pytest.mark.parametrize("ks", [(0,), (1,), (3, 0, 2)])
+def test_draft_block_round_trip(kinds: list[str], ks: tuple[int, ...]) -> None:
+    proposals = [
+        DraftProposal(f"req-{i}", 7 + i, 12, tuple(range(k)), _q(kinds[i % len(kinds)], k))
+        for i, k in enumerate(ks)
+    ]
+    back = _round_trip(proposals)
+    assert len(back) == len(proposals)
+    for p, b in zip(proposals, back, strict=True):
+        assert isinstance(b, DraftProposal)
+        assert (b.request_id, b.step, b.committed_length) == (p.request_id, p.step, 12)
+        assert b.draft_token_ids == p.draft_token_ids
+        assert type(b.q) is type(p.q)
+        if p.q is not None and b.q is not None:
+            assert torch.equal(b.q.probs, p.q.probs)
+        if isinstance(p.q, SparseQ) and isinstance(b.q, SparseQ):
+            assert torch.equal(b.q.token_ids, p.q.token_ids)
+
+
+def test_sparse_q_of_a_block_is_one_buffer_per_field() -> None:
+    proposals = [DraftProposal(f"r{i}", 0, 3, (1, 2), _q("sparse", 2)) for i in range(5)]
+    pb = block_to_pb(proposals)
+    assert pb.sparse.support_size == 4 and len(pb.sparse.probs) == 5 * 2 * 4 * 4
+    assert all(e.q_form == common_pb2.Q_FORM_SPARSE for e in pb.entries)
+    assert not pb.HasField("dense")
+    rows = torch.cat([p.q.token_ids for p in proposals if isinstance(p.q, SparseQ)])
+    assert pb.sparse.token_ids == pack(rows)
+
+
+def test_narrower_sparse_rows_are_padded_to_the_block_width() -> None:
+    narrow = SparseQ(torch.tensor([[5, 6]], dtype=torch.int32), torch.tensor([[0.5, 0.5]]))
+    back = _round_trip([DraftProposal("a", 0, 3, (5,), narrow), DraftProposal("b", 0, 3, (1,),
+                        _q("sparse", 1))])  # fmt: skip
+    q = back[0].q if isinstance(back[0], DraftProposal) else None
+    assert isinstance(q, SparseQ)
+    assert q.token_ids.tolist() == [[5, 6, -1, -1]] and q.probs.tolist() == [[0.5, 0.5, 0, 0]]
+
+
+def _block(kind: str) -> common_pb2.DraftBlock:
+    return block_to_pb([DraftProposal(f"r{i}", 0, 3, (1, 2), _q(kind, 2)) for i in range(4)])
+
+
+@pytest.mark.parametrize(
+    ("kind", "mutate", "match"),
+    [
+        ("dense", lambda pb: setattr(pb.dense, "probs", pb.dense.probs[:-4]),
+         r"dense\.probs has 348 bytes; expected 352 \(8 x 11 little-endian float32\)"),
+        ("dense", lambda pb: setattr(pb.dense, "vocab_size", 0), r"dense\.vocab_size must be > 0"),
+        ("dense", lambda pb: pb.ClearField("dense"),
+         r"entries\[0\]\.q_form is DENSE but the block has no dense"),
+        ("sparse", lambda pb: setattr(pb.sparse, "token_ids", b"\0" * 12),
+         r"sparse\.token_ids has 12 bytes; expected 128"),
+        ("sparse", lambda pb: setattr(pb.sparse, "probs", b""), r"sparse\.probs has 0 bytes"),
+        ("sparse", lambda pb: setattr(pb.sparse, "support_size", 0),
+         r"sparse\.support_size must be > 0"),
+        ("sparse", lambda pb: pb.entries[3].draft_token_ids.append(7),
+         r"sparse\.token_ids has 128 bytes; expected 144 \(9 x 4 .*\)\. Rows: 9, the draft "
+         r"tokens of the Q_FORM_SPARSE entries\."),
+        ("none", lambda pb: setattr(pb.entries[2], "q_form", common_pb2.Q_FORM_SPARSE),
+         r"entries\[2\]\.q_form is SPARSE but the block has no sparse"),
+        ("none", lambda pb: setattr(pb.entries[1], "q_form", 5),
+         r"entries\[1\]\.q_form is 5; expected Q_FORM_NONE"),
+    ],
+)  # fmt: skip
+def test_block_shape_errors_name_the_field(kind, mutate, match) -> None:  # type: ignore[no-untyped-def]
+    pb = _block(kind)
+    proposals_from_pb(pb)  # well-formed before the mutation
+    mutate(pb)
+    with pytest.raises(ValueError, match=match):
+        proposals_from_pb(pb)
 
 
 @pytest.mark.parametrize(
     ("mutate", "match"),
     [
-        (lambda pb: setattr(pb.sparse, "token_ids", b"\0" * 12), r"sparse\.token_ids has 12"),
-        (lambda pb: setattr(pb.sparse, "probs", b""), r"sparse\.probs has 0 bytes"),
-        (lambda pb: setattr(pb.sparse, "support_size", 0), r"sparse\.support_size must be > 0"),
-        (lambda pb: setattr(pb, "committed_length", 0), r"committed_length must be >= 1"),
-        (lambda pb: setattr(pb, "request_id", ""), r"request_id must be a non-empty"),
+        (lambda e: setattr(e, "committed_length", 0),
+         r"^entries\[2\]\.committed_length must be >= 1"),
+        (lambda e: setattr(e, "request_id", ""),
+         r"^entries\[2\]\.request_id must be a non-empty"),
     ],
-)
-def test_sparse_and_entry_validation_names_field(mutate, match) -> None:  # type: ignore[no-untyped-def]
-    pb = DraftProposal("a", 0, 3, (1, 2), _q("sparse", 2)).to_pb()
-    mutate(pb)
-    with pytest.raises(ValueError, match=match):
-        DraftProposal.from_pb(pb, "entries[0]")
+)  # fmt: skip
+def test_malformed_entry_is_only_that_entrys_error(mutate, match) -> None:  # type: ignore[no-untyped-def]
+    pb = _block("sparse")
+    mutate(pb.entries[2])
+    parsed = proposals_from_pb(pb)
+    assert [type(p) for p in parsed] == [DraftProposal, DraftProposal, ValueError, DraftProposal]
+    assert re.match(match, str(parsed[2]))
+    last = parsed[3]
+    assert isinstance(last, DraftProposal) and isinstance(last.q, SparseQ)
+    assert last.q.token_ids.data_ptr() != 0 and last.request_id == "r3"
 
 
 def test_q_rows_must_match_draft_tokens() -> None:
@@ -171,3 +238,18 @@ def test_model_info_round_trip_and_compatibility() -> None:
 def test_propose_ask_round_trip() -> None:
     ask = ProposeAsk("r", 2, (4, 5), 9, 3)
     assert ProposeAsk.from_pb(ask.to_pb()) == ask
+
+
+def test_runtime_floors_match_the_generated_modules() -> None:
+    """pyproject's grpcio / protobuf floors are the versions the generated modules check for."""
+    text = (generate.ROOT / "pyproject.toml").read_text()
+    grpc_floor = re.search(r'"grpcio>=([\d.]+)"', text)
+    proto_floor = re.search(r'"protobuf>=([\d.]+),<(\d+)"', text)
+    assert grpc_floor is not None and proto_floor is not None
+    v1 = generate.OUT_ROOT / "specdec" / "v1"
+    for path in v1.glob("*_pb2_grpc.py"):
+        assert f"GRPC_GENERATED_VERSION = '{grpc_floor[1]}'" in path.read_text(), path
+    for path in v1.glob("*_pb2.py"):
+        gencode = re.search(r"PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", path.read_text())
+        assert gencode is not None and ".".join(gencode.groups()) == proto_floor[1], path
+        assert int(gencode[1]) + 1 == int(proto_floor[2]), path

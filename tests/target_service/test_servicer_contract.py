@@ -16,7 +16,14 @@ from draft_service.server import start as start_draft
 from specdec.errors import CheckpointError
 from specdec.pb import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2_grpc
 from specdec.sampling_params import SamplingParams
-from specdec.serving.blocks import DenseQ, DraftProposal, DraftQ, SparseQ, VerifyResult
+from specdec.serving.blocks import (
+    DenseQ,
+    DraftProposal,
+    DraftQ,
+    SparseQ,
+    VerifyResult,
+    block_to_pb,
+)
 from specdec.serving.client import LockstepStream, make_channel
 from specdec.serving.messages import Admission, ErrorReason
 from specdec.serving.server import ServerConfig
@@ -96,11 +103,13 @@ def _q(form: str, k: int, seed: int = 0) -> tuple[tuple[int, ...], DraftQ]:
     return tuple(int(t) for t in tokens), SparseQ(ids.int(), sparse)
 
 
-def _verify(target: target_pb2_grpc.TargetServiceStub, entries: list) -> list[VerifyResult]:
-    """One block; entries are DraftProposals or raw DraftEntry messages."""
-    pbs = [e.to_pb() if isinstance(e, DraftProposal) else e for e in entries]
+def _verify(
+    target: target_pb2_grpc.TargetServiceStub, block: list[DraftProposal] | common_pb2.DraftBlock
+) -> list[VerifyResult]:
+    """One block: DraftProposals, or a DraftBlock message as is."""
+    pb = block_to_pb(block) if isinstance(block, list) else block
     with LockstepStream(target.Verify) as stream:
-        response = stream(common_pb2.DraftBlock(entries=pbs))
+        response = stream(pb)
     return [VerifyResult.from_pb(r) for r in response.results]
 
 
@@ -166,51 +175,72 @@ def test_steps_duplicates_unknown_ids(target: target_pb2_grpc.TargetServiceStub)
     assert _verify(target, [DraftProposal(other, 0, n, *_q("none", 1))])[0].error is None
 
 
-def _bad_entry(kind: str, rid: str, n: int) -> tuple[common_pb2.DraftEntry, ErrorReason, str]:
+def _bad_block(
+    kind: str, rid: str, good: str, n: int
+) -> tuple[common_pb2.DraftBlock, ErrorReason, str, bool]:
+    """A block [bad, good] with `kind` broken in the bad entry's rows, the bad entry's reason
+    and message, and whether the breakage is the block's (then both entries fail)."""
     form = "sparse" if kind.startswith("sparse") else "dense"
     tokens, q = _q(form, 2, seed=4)
-    pb = DraftProposal(rid, 0, n, tokens, q).to_pb()
-    probs = torch.frombuffer(bytearray(pb.dense.probs or pb.sparse.probs), dtype=torch.float32)
+    pb = block_to_pb(
+        [DraftProposal(rid, 0, n, tokens, q), DraftProposal(good, 0, n, *_q(form, 2, 9))]
+    )
     target = pb.dense if form == "dense" else pb.sparse
+    probs = torch.frombuffer(bytearray(target.probs), dtype=torch.float32)
+    width = len(probs) // 4  # the bad entry owns rows 0 and 1
     r = ErrorReason
     cases = {
-        "nan": (float("nan"), r.INVALID_DRAFT_PROBS, "NaN"),
-        "inf": (float("inf"), r.INVALID_DRAFT_PROBS, "inf"),
+        "nan": (float("nan"), r.INVALID_DRAFT_PROBS, "entries[0].q: draft_probs contain NaN"),
+        "inf": (float("inf"), r.INVALID_DRAFT_PROBS, "entries[0].q: draft_probs contain NaN, inf"),
         "negative": (-0.5, r.INVALID_DRAFT_PROBS, "negative"),
-        "sparse_nan": (float("nan"), r.INVALID_DRAFT_PROBS, "NaN"),
+        "sparse_nan": (float("nan"), r.INVALID_DRAFT_PROBS, "entries[0].q: draft_probs contain"),
     }
     if kind in cases:
         value, reason, text = cases[kind]
         probs[3] = value
         target.probs = probs.numpy().tobytes()
-        return pb, reason, text
+        return pb, reason, text, False
     if kind == "unnormalised":
-        target.probs = (probs * 0.5).numpy().tobytes()
-        return pb, r.DRAFT_PROBS_NOT_NORMALIZED, "sum to 1"
+        probs[: 2 * width] *= 0.5
+        target.probs = probs.numpy().tobytes()
+        return (
+            pb,
+            r.DRAFT_PROBS_NOT_NORMALIZED,
+            "entries[0].q: draft_probs rows must sum to 1",
+            False,
+        )
     if kind == "out_of_support":
-        row = probs.view(2, TOKENIZER_VOCAB)
+        row = probs.view(4, TOKENIZER_VOCAB)
         row[0] += row[0, tokens[0]] / (TOKENIZER_VOCAB - 1)
         row[0, tokens[0]] = 0.0
         target.probs = row.numpy().tobytes()
-        return pb, r.DRAFT_TOKEN_OUT_OF_SUPPORT, "probability 0"
+        return (
+            pb,
+            r.DRAFT_TOKEN_OUT_OF_SUPPORT,
+            "entries[0].q: a draft token has probability 0",
+            False,
+        )
     if kind == "short_bytes":
         target.probs = target.probs[:-4]
-        return pb, r.INVALID_ARGUMENT, "entries[0].dense.probs has"
+        return pb, r.INVALID_ARGUMENT, "dense.probs has", True
     if kind == "sparse_ids_shape":
         pb.sparse.token_ids = pb.sparse.token_ids[:8]
-        return pb, r.INVALID_ARGUMENT, "entries[0].sparse.token_ids has 8 bytes"
+        return pb, r.INVALID_ARGUMENT, "sparse.token_ids has 8 bytes", True
     if kind == "sparse_id_out_of_vocab":
         ids = torch.frombuffer(bytearray(pb.sparse.token_ids), dtype=torch.int32)
-        others = ids != tokens[0]
-        ids[others] = torch.where(ids[others] >= 0, 299, -1).int()
+        mine = ids[: 2 * width]
+        others = mine != tokens[0]
+        mine[others] = torch.where(mine[others] >= 0, 299, -1).int()
         pb.sparse.token_ids = ids.numpy().tobytes()
-        return pb, r.INVALID_DRAFT_PROBS, "outside the vocabulary"
+        return pb, r.INVALID_DRAFT_PROBS, "outside the vocabulary", False
     if kind == "token_out_of_vocab":
-        pb.draft_token_ids[1] = 260  # a padding row of the target's embedding
-        return pb, r.TOKEN_OUT_OF_VOCAB, "draft_token_ids holds 260"
+        pb.entries[0].draft_token_ids[1] = 260  # a padding row of the target's embedding
+        return pb, r.TOKEN_OUT_OF_VOCAB, "entries[0].draft_token_ids holds 260", False
     assert kind == "too_many_drafts"
-    pb = DraftProposal(rid, 0, n, *_q("none", 17)).to_pb()
-    return pb, r.INVALID_ARGUMENT, "draft_token_ids has 17 tokens; at most 16"
+    pb = block_to_pb(
+        [DraftProposal(rid, 0, n, *_q("none", 17)), DraftProposal(good, 0, n, *_q(form, 2, 9))]
+    )
+    return pb, r.INVALID_ARGUMENT, "entries[0].draft_token_ids has 17 tokens; at most 16", False
 
 
 BAD = [
@@ -225,12 +255,16 @@ def test_bad_draft_input_is_that_requests_error(
 ) -> None:
     bad, good = _admit(target), _admit(target)
     n = len(PROMPT)
-    pb, reason, text = _bad_entry(kind, bad, n)
-    results = _verify(target, [pb, DraftProposal(good, 0, n, *_q("dense", 2, 9))])
+    pb, reason, text, whole_block = _bad_block(kind, bad, good, n)
+    results = _verify(target, pb)
     assert _reason(results[0]) == reason and results[0].error is not None
     assert results[0].error.code == INVALID
     assert text in results[0].error.message, results[0].error.message
-    assert results[1].error is None and len(results[1].token_ids) >= 1
+    if whole_block:  # a malformed buffer cannot be pinned on one entry: each fails, alone
+        assert results[1].error is not None and results[1].error.message == results[0].error.message
+        assert _verify(target, [DraftProposal(good, 0, n, *_q("dense", 2, 9))])[0].error is None
+    else:
+        assert results[1].error is None and len(results[1].token_ids) >= 1
     retry = _verify(target, [DraftProposal(bad, 0, n, *_q("sparse", 2, 5))])[0]
     assert retry.error is None, "the bad request's state must be intact after its error"
 
@@ -282,7 +316,8 @@ def test_draft_bad_asks_are_per_request_errors(svc: Services) -> None:
         response = stream(draft_pb2.ProposeBlock(entries=asks))
     assert [e.request_id for e in response.block.entries] == [ids[0]]
     entry = response.block.entries[0]
-    assert len(entry.draft_token_ids) == 3 and entry.WhichOneof("draft_probs") == "sparse"
+    assert len(entry.draft_token_ids) == 3 and entry.q_form == common_pb2.Q_FORM_SPARSE
+    assert len(response.block.sparse.probs) == 3 * response.block.sparse.support_size * 4
     reasons = {e.request_id: ErrorReason(e.error.reason) for e in response.errors}
     assert reasons == {
         "ghost": ErrorReason.UNKNOWN_REQUEST,
@@ -302,9 +337,9 @@ def test_oversized_block_is_refused_and_service_keeps_serving(
         target = target_pb2_grpc.TargetServiceStub(make_channel(s.target_address))
         rid = _admit(target)
         n = len(PROMPT)
-        big = DraftProposal(rid, 0, n, (1,), DenseQ(torch.full((1, 20000), 1 / 20000))).to_pb()
+        big = [DraftProposal(rid, 0, n, (1,), DenseQ(torch.full((1, 20000), 1 / 20000)))]
         with pytest.raises(grpc.RpcError) as info:
-            _verify(target, [big])
+            _verify(target, big)
         assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert _verify(target, [DraftProposal(rid, 0, n, *_q("dense", 2))])[0].error is None
 

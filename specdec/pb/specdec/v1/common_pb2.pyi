@@ -7,6 +7,12 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class QForm(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    Q_FORM_NONE: _ClassVar[QForm]
+    Q_FORM_DENSE: _ClassVar[QForm]
+    Q_FORM_SPARSE: _ClassVar[QForm]
+
 class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     ERROR_REASON_UNSPECIFIED: _ClassVar[ErrorReason]
@@ -23,6 +29,9 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_TOKEN_OUT_OF_VOCAB: _ClassVar[ErrorReason]
     ERROR_REASON_NONFINITE_LOGITS: _ClassVar[ErrorReason]
     ERROR_REASON_CAPACITY: _ClassVar[ErrorReason]
+Q_FORM_NONE: QForm
+Q_FORM_DENSE: QForm
+Q_FORM_SPARSE: QForm
 ERROR_REASON_UNSPECIFIED: ErrorReason
 ERROR_REASON_UNKNOWN_REQUEST: ErrorReason
 ERROR_REASON_STALE_STEP: ErrorReason
@@ -127,26 +136,28 @@ class SparseProbs(_message.Message):
     def __init__(self, support_size: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., probs: _Optional[bytes] = ...) -> None: ...
 
 class DraftEntry(_message.Message):
-    __slots__ = ("request_id", "step", "committed_length", "draft_token_ids", "dense", "sparse")
+    __slots__ = ("request_id", "step", "committed_length", "draft_token_ids", "q_form")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    DENSE_FIELD_NUMBER: _ClassVar[int]
-    SPARSE_FIELD_NUMBER: _ClassVar[int]
+    Q_FORM_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     step: int
     committed_length: int
     draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    dense: DenseProbs
-    sparse: SparseProbs
-    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., committed_length: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., dense: _Optional[_Union[DenseProbs, _Mapping]] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ...) -> None: ...
+    q_form: QForm
+    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., committed_length: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q_form: _Optional[_Union[QForm, str]] = ...) -> None: ...
 
 class DraftBlock(_message.Message):
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "dense", "sparse")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    DENSE_FIELD_NUMBER: _ClassVar[int]
+    SPARSE_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[DraftEntry]
-    def __init__(self, entries: _Optional[_Iterable[_Union[DraftEntry, _Mapping]]] = ...) -> None: ...
+    dense: DenseProbs
+    sparse: SparseProbs
+    def __init__(self, entries: _Optional[_Iterable[_Union[DraftEntry, _Mapping]]] = ..., dense: _Optional[_Union[DenseProbs, _Mapping]] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("reason", "grpc_code", "message")

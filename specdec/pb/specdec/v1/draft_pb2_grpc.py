@@ -6,7 +6,7 @@ import warnings
 from specdec.pb.specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 from specdec.pb.specdec.v1 import draft_pb2 as specdec_dot_v1_dot_draft__pb2
 
-GRPC_GENERATED_VERSION = '1.85.1'
+GRPC_GENERATED_VERSION = '1.84.0'
 GRPC_VERSION = grpc.__version__
 _version_not_supported = False
 
