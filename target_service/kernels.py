@@ -426,7 +426,8 @@ def _finalize_kernel(
     )
     cols = tl.arange(0, RACE_SPLITS)
     race = race_ptr + (b * RACE_SPLITS + cols) * 4
-    live = cols < n_race
+    # race slots exist only for sampled requests without errors (never read garbage)
+    live = cols < tl.where(ok & (tl.load(greedy_ptr + b) == 0), n_race, 0)
     score = tl.load(race, mask=live, other=-1.0)
     score_id = tl.load(race + 1, mask=live, other=0.0).to(tl.int32)
     score_p = tl.load(race + 2, mask=live, other=-1.0)
