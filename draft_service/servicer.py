@@ -7,34 +7,21 @@ from collections.abc import Iterator
 import grpc
 
 from draft_service.engine import DraftEngine
-from specdec.pb import common_pb2, draft_pb2, draft_pb2_grpc
+from specdec.pb import draft_pb2, draft_pb2_grpc
 from specdec.serving.blocks import ProposeAsk, block_to_pb
-from specdec.serving.messages import Admission, ErrorReason, RequestError
+from specdec.serving.lifecycle import LifecycleServicer
+from specdec.serving.messages import ErrorReason, RequestError
 
 
 def _propose_error(request_id: str, error: RequestError) -> draft_pb2.ProposeError:
     return draft_pb2.ProposeError(request_id=request_id, error=error.to_pb())
 
 
-class DraftServicer(draft_pb2_grpc.DraftServiceServicer):
+class DraftServicer(LifecycleServicer, draft_pb2_grpc.DraftServiceServicer):
+    engine: DraftEngine
+
     def __init__(self, engine: DraftEngine):
         self.engine = engine
-
-    def Admit(
-        self, request: common_pb2.AdmitRequest, context: grpc.ServicerContext
-    ) -> common_pb2.AdmitResponse:
-        length, step = self.engine.admit(Admission.from_pb(request))
-        return common_pb2.AdmitResponse(committed_length=length, next_step=step)
-
-    def Release(
-        self, request: common_pb2.ReleaseRequest, context: grpc.ServicerContext
-    ) -> common_pb2.ReleaseResponse:
-        return common_pb2.ReleaseResponse(num_released=self.engine.release(request.request_ids))
-
-    def GetModelInfo(
-        self, request: common_pb2.GetModelInfoRequest, context: grpc.ServicerContext
-    ) -> common_pb2.ModelInfo:
-        return self.engine.info.to_pb()
 
     def Propose(
         self, request_iterator: Iterator[draft_pb2.ProposeBlock], context: grpc.ServicerContext

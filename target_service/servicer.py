@@ -8,7 +8,8 @@ import grpc
 
 from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
 from specdec.serving.blocks import DraftProposal, VerifyResult, proposals_from_pb
-from specdec.serving.messages import Admission, ErrorReason
+from specdec.serving.lifecycle import LifecycleServicer
+from specdec.serving.messages import ErrorReason
 from target_service.engine import TargetEngine, error_result
 
 
@@ -27,25 +28,11 @@ def parse_block(block: common_pb2.DraftBlock) -> list[DraftProposal | VerifyResu
     ]  # fmt: skip
 
 
-class TargetServicer(target_pb2_grpc.TargetServiceServicer):
+class TargetServicer(LifecycleServicer, target_pb2_grpc.TargetServiceServicer):
+    engine: TargetEngine
+
     def __init__(self, engine: TargetEngine):
         self.engine = engine
-
-    def Admit(
-        self, request: common_pb2.AdmitRequest, context: grpc.ServicerContext
-    ) -> common_pb2.AdmitResponse:
-        length, step = self.engine.admit(Admission.from_pb(request))
-        return common_pb2.AdmitResponse(committed_length=length, next_step=step)
-
-    def Release(
-        self, request: common_pb2.ReleaseRequest, context: grpc.ServicerContext
-    ) -> common_pb2.ReleaseResponse:
-        return common_pb2.ReleaseResponse(num_released=self.engine.release(request.request_ids))
-
-    def GetModelInfo(
-        self, request: common_pb2.GetModelInfoRequest, context: grpc.ServicerContext
-    ) -> common_pb2.ModelInfo:
-        return self.engine.info.to_pb()
 
     def Verify(
         self, request_iterator: Iterator[common_pb2.DraftBlock], context: grpc.ServicerContext
