@@ -436,20 +436,12 @@ def main() -> None:
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--no-compile-runner", dest="compile_runner", action="store_false")
     p.add_argument("--no-decode-kernel", dest="decode_kernel", action="store_false")
-    p.add_argument("--torch-store", action="store_true", help="K/V store by index_put")
     p.add_argument("--before", type=Path, help="an earlier run's JSON to compare against")
     p.add_argument("--hf-compile-child", help=argparse.SUPPRESS)
     p.add_argument("--child-tokens", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.hf_compile_child:
         return hf_compile_child(args.hf_compile_child, args.child_tokens, args.ctx, args.iters)
-    if args.torch_store:
-        import specdec.runner.attention as attention
-
-        def store(k: Any, v: Any, cache: Any, token_slot: Any, positions: Any) -> None:
-            cache[token_slot, :, :, positions] = torch.stack((k, v), dim=1)
-
-        attention.store_kv = store  # type: ignore[assignment]
     if args.smoke:
         args.batches, args.ctx, args.iters = [1, 2], 32, 2
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.runner.decode_attention import decode_attention, num_splits, store_kv
+from specdec.runner.decode_attention import decode_attention, num_splits
 
 
 @dataclass(slots=True)
@@ -129,13 +129,12 @@ def attention(
     _, heads, d = q.shape
     kv_heads = k.shape[1]
     group = heads // kv_heads
+    cache[meta.token_slot, :, :, meta.positions] = torch.stack((k, v), dim=1)
     if meta.cu_q is not None:
-        store_kv(k, v, cache, meta.token_slot, meta.positions)
         out = decode_attention(
             q, cache, meta.slots, meta.starts, meta.cu_q, meta.n_max, window, meta.splits
         )
         return out.view(-1, heads * d)
-    cache[meta.token_slot, :, :, meta.positions] = torch.stack((k, v), dim=1)
     kv = cache[:, :, :, : meta.kv_len].index_select(0, meta.slots)  # [B, 2, kv_heads, L, D]
     b, n = kv.shape[0], meta.n_max
     if meta.q_pad_index is not None:

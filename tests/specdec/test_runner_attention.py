@@ -9,7 +9,6 @@ from specdec.runner.decode_attention import (
     decode_attention,
     decode_attention_reference,
     num_splits,
-    store_kv,
 )
 from tests.specdec._runner_models import hf_model, reference_logits
 from tests.specdec.test_runner_parity import TOL, make_runner, seqs
@@ -54,19 +53,6 @@ def test_kernel_matches_reference(
             assert torch.isfinite(out).all()  # every element written (empty holds garbage)
             err = (out.double() - ref).norm() / ref.norm()
             assert err < REL_TOL[dtype], f"{dtype}, splits={splits}: relative error {err:.2e}"
-
-
-def test_store_kv_matches_index_put(device: torch.device) -> None:
-    g = torch.Generator().manual_seed(7)
-    cache = torch.randn(3, 2, 2, 20, 64, generator=g).to(device)
-    want = cache.clone()
-    qkv = torch.randn(4, 6, 64, generator=g).to(device)  # k, v strided views, as in the model
-    k, v = qkv[:, 2:4], qkv[:, 4:]
-    token_slot = torch.tensor([0, 0, 2, 1], device=device)
-    positions = torch.tensor([5, 6, 19, 0], device=device)
-    store_kv(k, v, cache, token_slot, positions)
-    want[token_slot, :, :, positions] = torch.stack((k, v), dim=1)
-    assert torch.equal(cache, want)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the kernel path is the default on CUDA")
