@@ -98,9 +98,10 @@ def tune(bandwidth: float) -> kernels.LaunchShape:
     x, nbytes = make_inputs(64, 4, 128256, "dense")
     floor = nbytes / bandwidth * 1e3
     results = []
-    for block, per_sm, warps in itertools.product((512, 1024, 2048), (4, 8, 16), (4, 8)):
+    grid = itertools.product((512, 1024), (8, 16), (4, 8), (1, 2, 3, 4))
+    for block, per_sm, warps, stages in grid:
         shape = kernels.launch_shape(
-            x.row_req.shape[0], 64, 128256, x.logits.device, block, per_sm, warps
+            x.row_req.shape[0], 64, 128256, x.logits.device, block, per_sm, warps, stages
         )
         ms, _, _ = bench_one(x, shape, ref=False)
         results.append((ms, shape))
@@ -131,8 +132,7 @@ def main() -> None:
         x, nbytes = make_inputs(batch, k, vocab, q_form)
         floor = nbytes / bandwidth * 1e3
         graph, eager, ref = bench_one(x, None, ref=True)
-        tuned_shape = kernels.LaunchShape(best.block, best.stats_split, best.race_split,
-                                          best.num_warps)  # fmt: skip
+        tuned_shape = best
         tuned, _, _ = bench_one(x, tuned_shape if vocab == 128256 else None, ref=False)
         assert ref is not None
         row = {"batch": batch, "k": k, "vocab": vocab, "q": q_form, "bytes": nbytes,

@@ -129,6 +129,7 @@ def _row_stats_kernel(
     row_req_ptr,  # [R] int32
     row_draft_ptr,  # [R] int32
     inv_temp_ptr,  # [B] float32
+    greedy_ptr,  # [B] int32
     q_ptr,  # [T, Vq] float32 (DENSE_Q only)
     q_stride,
     part_max_ptr,  # [R, NUM_SPLITS] float32
@@ -149,7 +150,9 @@ def _row_stats_kernel(
     start = split * split_size
     end = tl.minimum(start + split_size, tl.maximum(V, Vq))
     thr = tl.load(thr_ptr + row)
-    inv_t = tl.load(inv_temp_ptr + tl.load(row_req_ptr + row))
+    req = tl.load(row_req_ptr + row)
+    inv_t = tl.load(inv_temp_ptr + req)
+    greedy = tl.load(greedy_ptr + req) != 0
     draft = tl.load(row_draft_ptr + row)
     row_ptr = logits_ptr + row.to(tl.int64) * logits_stride
     q_row_ptr = q_ptr + tl.maximum(draft, 0).to(tl.int64) * q_stride
@@ -165,25 +168,26 @@ def _row_stats_kernel(
         offs = off + tl.arange(0, BLOCK)
         mask = offs < tl.minimum(end, V)
         logit = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        lane_bad += (mask & (logit - logit != 0.0)).to(tl.int32)  # NaN or +-inf
-        better = mask & (logit > lane_best)
-        lane_best_idx = tl.where(better, offs, lane_best_idx)
-        lane_best = tl.where(better, logit, lane_best)
-        scaled = tl.where(mask & (logit >= thr), logit * inv_t, float("-inf"))
-        # Online softmax with one exp per element: exp(-|scaled - lane_max|) either rescales
-        # the running sum (new maximum) or is the new term; 0 whenever one side is -inf.
-        new_max = tl.maximum(lane_max, scaled)
-        safe = tl.where(new_max == float("-inf"), 0.0, new_max)
-        e = tl.exp(tl.minimum(lane_max, scaled) - safe)
-        lane_sum = tl.where(scaled > lane_max, lane_sum * e + 1.0, lane_sum + e)
-        lane_max = new_max
+        lane_bad += (logit - logit != 0.0).to(tl.int32)  # NaN or +-inf (masked lanes read 0)
+        if greedy:  # greedy rows need the raw argmax only, sampled rows the softmax only
+            better = mask & (logit > lane_best)
+            lane_best_idx = tl.where(better, offs, lane_best_idx)
+            lane_best = tl.where(better, logit, lane_best)
+        else:
+            scaled = tl.where(mask & (logit >= thr), logit * inv_t, float("-inf"))
+            # Online softmax, one exp per element: exp(-|scaled - lane_max|) either rescales
+            # the running sum (new maximum) or is the new term; 0 whenever one side is -inf.
+            new_max = tl.maximum(lane_max, scaled)
+            safe = tl.where(new_max == float("-inf"), 0.0, new_max)
+            e = tl.exp(tl.minimum(lane_max, scaled) - safe)
+            lane_sum = tl.where(scaled > lane_max, lane_sum * e + 1.0, lane_sum + e)
+            lane_max = new_max
         if DENSE_Q:
             # scalar conditions folded into the bound: the interpreter rejects block & scalar
             qmask = offs < tl.where(draft >= 0, tl.minimum(end, Vq), 0)
             q = tl.load(q_row_ptr + offs, mask=qmask, other=0.0)
             lane_qsum += q
-            invalid = qmask & ((q != q) | (q < 0.0) | (q == float("inf")))
-            lane_bad += 65536 * invalid.to(tl.int32)
+            lane_bad += 65536 * ((q - q != 0.0) | (q < 0.0)).to(tl.int32)  # NaN, inf, < 0
     run_max = tl.max(lane_max, 0)
     safe_max = tl.where(run_max == float("-inf"), 0.0, run_max)
     run_sum = tl.sum(lane_sum * tl.exp(lane_max - safe_max), 0)
@@ -455,6 +459,7 @@ class LaunchShape:
     stats_split: int
     race_split: int
     num_warps: int = 4
+    num_stages: int = 3
 
 
 def launch_shape(
@@ -465,6 +470,7 @@ def launch_shape(
     block: int = 1024,
     programs_per_sm: int = 8,
     num_warps: int = 8,
+    num_stages: int = 3,
 ) -> LaunchShape:
     """On a GPU, enough vocabulary splits for ~programs_per_sm programs per SM in both the
     stats kernel (rows programs before splitting) and the race (batch programs); under the
@@ -472,7 +478,7 @@ def launch_shape(
     if device.type != "cuda":
         block = max(4, min(triton.next_power_of_2(width), 16384))
         whole = triton.cdiv(width, block) * block
-        return LaunchShape(block, whole, whole, num_warps)
+        return LaunchShape(block, whole, whole, num_warps, num_stages)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
 
     def split(programs: int) -> int:
@@ -481,7 +487,7 @@ def launch_shape(
         )
         return triton.cdiv(triton.cdiv(width, splits), block) * block
 
-    return LaunchShape(block, split(rows), split(batch), num_warps)
+    return LaunchShape(block, split(rows), split(batch), num_warps, num_stages)
 
 
 def rejection_sample_triton(
@@ -509,9 +515,9 @@ def rejection_sample_triton(
     sparse_width = q.shape[1] if x.q_mode == Q_SPARSE else 1
     _row_stats_kernel[(rows, n_splits)](
         x.logits, x.logits.stride(0), x.thresholds, x.row_req, x.row_draft, x.inv_temperature,
-        q, q.stride(0), pmax, psum, pval, pidx, pbad, pqsum, x.vocab_size, x.q_vocab,
+        x.greedy, q, q.stride(0), pmax, psum, pval, pidx, pbad, pqsum, x.vocab_size, x.q_vocab,
         shape.stats_split, NUM_SPLITS=num_splits, BLOCK=shape.block,
-        DENSE_Q=x.q_mode == Q_DENSE, num_warps=shape.num_warps,
+        DENSE_Q=x.q_mode == Q_DENSE, num_warps=shape.num_warps, num_stages=shape.num_stages,
     )  # fmt: skip
     first_reject = torch.empty(batch, dtype=torch.int32, device=device)
     status = torch.empty(batch, dtype=torch.int32, device=device)
@@ -524,6 +530,7 @@ def rejection_sample_triton(
         x.vocab_size, x.q_vocab, sparse_width, shape.race_split, n_splits, NUM_SPLITS=num_splits,
         RACE_SPLITS=race_splits, BLOCK=shape.block, S_P2=triton.next_power_of_2(sparse_width),
         Q_MODE=x.q_mode, SYNTHETIC=x.synthetic_rates is not None, num_warps=shape.num_warps,
+        num_stages=shape.num_stages,
         K_P2=triton.next_power_of_2(x.max_k + 1),
     )  # fmt: skip
     token_ids = torch.empty((batch, x.max_k + 1), dtype=torch.int32, device=device)
