@@ -467,14 +467,15 @@ def launch_shape(
     batch: int,
     width: int,
     device: torch.device,
-    block: int = 1024,
+    block: int = 512,
     programs_per_sm: int = 8,
-    num_warps: int = 8,
-    num_stages: int = 3,
+    num_warps: int = 4,
+    num_stages: int = 1,
 ) -> LaunchShape:
     """On a GPU, enough vocabulary splits for ~programs_per_sm programs per SM in both the
     stats kernel (rows programs before splitting) and the race (batch programs); under the
-    CPU interpreter one wide split (each program costs ~1 ms there)."""
+    CPU interpreter one wide split (each program costs ~1 ms there). Defaults: the best of
+    48 shapes at batch 64, k 4, V 128256 on an H200 (bench/rejection_bench.py)."""
     if device.type != "cuda":
         block = max(4, min(triton.next_power_of_2(width), 16384))
         whole = triton.cdiv(width, block) * block
