@@ -16,8 +16,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-from grpc_tools import protoc
-
 ROOT = Path(__file__).resolve().parents[2]
 PROTO_ROOT = ROOT / "proto"
 OUT_ROOT = ROOT / "specdec" / "pb"
@@ -28,6 +26,8 @@ IMPORT_TO = "from specdec.pb.specdec.v1 import"
 
 def _generate(out: Path) -> list[Path]:
     """Runs protoc into `out` and returns the generated files relative to it."""
+    from grpc_tools import protoc  # a dev dependency: imported only when generating
+
     sources = sorted((PROTO_ROOT / PACKAGE_DIR).glob("*.proto"))
     include = str(Path(protoc.__file__).parent / "_proto")
     args = [
