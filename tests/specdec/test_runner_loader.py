@@ -78,8 +78,10 @@ def test_other_architectures_fall_back_to_transformers(
     save_checkpoint(model, tmp_path)
     with caplog.at_level(logging.WARNING):
         runner = load(tmp_path, max_slots=2)
-    assert [r.levelname for r in caplog.records].count("WARNING") == 1
-    assert "GPT2LMHeadModel" in caplog.text and not runner.info.fast_path
+    # Ours, once (transformers may add warnings of its own, e.g. 5.17 on the GPU image).
+    ours = [r for r in caplog.records if r.name.startswith("specdec") and r.levelname == "WARNING"]
+    assert len(ours) == 1 and "GPT2LMHeadModel" in ours[0].getMessage()
+    assert not runner.info.fast_path
     a, b = [3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8]
     runner.add_request("a")
     runner.add_request("b")
