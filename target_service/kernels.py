@@ -16,12 +16,18 @@ Greedy requests (temperature 0) accept while x_j == argmax p_j and emit argmax p
 absolute position, stream[, vocabulary index]) (`specdec.rng`), never the batch slot.
 
 Three launches, so a big vocabulary is split across many programs:
-1. `_row_stats_kernel` [rows, splits]: per vocabulary split of each scored row, the online
-   softmax max/sum of the tempered, thresholded logits, the raw argmax, non-finite counts and,
-   for dense q, the q row's sum and invalid entries (the only full read of logits and q).
-2. `_decide_sample_kernel` [requests, splits]: combines the row partials, runs the acceptance
-   tests up to k, finds the first rejection f, and races over its split of row f.
+1. `_row_stats_kernel` [rows, stats splits]: per vocabulary split of each scored row, the
+   online softmax max/sum of the tempered, thresholded logits (sampled rows) or the raw argmax
+   (greedy rows), non-finite counts and, for dense q, the q row's sum and invalid entries: the
+   only full read of logits and q.
+2. `_decide_sample_kernel` [requests, race splits]: combines the row partials, runs all k
+   acceptance tests at once, finds the first rejection f, and races over its split of row f
+   (the second read of one row per request: the residual needs p normalised over the row).
 3. `_finalize_kernel` [requests]: combines the race partials and writes the outputs.
+
+Example, k = [2, 0, 1]: logits rows [a0 a1 a2 | b0 | c0 c1]; if a rejects at position 1 and c
+accepts, the output is [[a0', r_a, -1], [bonus_b, -1, -1], [c0', bonus_c, -1]] with
+num_committed [2, 1, 2] (x' a draft token, r a recovered token).
 """
 
 from __future__ import annotations
@@ -284,7 +290,8 @@ def _decide_sample_kernel(
     t = d0 + j
     if Q_MODE == 1:
         qsum = tl.sum(tl.load(part_qsum_ptr + tile, mask=live, other=0.0), 1)
-        not_normalized = tl.sum((is_draft & (tl.abs(qsum - 1.0) > 1e-4)).to(tl.int32), 0)
+        unnormalized = is_draft & (tl.abs(qsum - 1.0) > 1e-4)  # Q_SUM_TOLERANCE
+        not_normalized = tl.sum(unnormalized.to(tl.int32), 0)
         q_x = tl.load(q_ptr + t.to(tl.int64) * q_stride + tl.minimum(x, Vq - 1), mask=is_draft)
         q_x = tl.where(x < Vq, q_x, 0.0)
     elif Q_MODE == 2:
