@@ -1,11 +1,12 @@
 """Transport cost of one draft → target step on loopback: dense vs sparse q.
 
-    python bench/transport_bench.py [--steps 30] [--out bench/results]
+    python bench/transport_bench.py [--steps 300] [--out bench/results]
 
 Per step: pack q into a DraftBlock (draft side, `block_to_pb`: one buffer per q field for the
 whole block), serialise, send over a real gRPC stream (`specdec.serving` server: interceptor,
 message limits), parse and unpack into per-entry tensors (target side, `parse_block`, as the
-target servicer does), answer one VerifyResult per request, receive it. The model and
+target servicer does), answer the verdicts as the columns of one VerifyResponse
+(`results_to_pb`), receive and decode them (`results_from_pb`, as the driver does). The model and
 the sampler are left out: this is the cost the split adds. V = 128,256 (Llama 3), k = 4.
 
 The fraction of a verify step needs the 8B target's verify-step time on a GPU, produced by the
@@ -28,7 +29,15 @@ import grpc
 import torch
 
 from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
-from specdec.serving.blocks import DenseQ, DraftProposal, SparseQ, VerifyResult, block_to_pb
+from specdec.serving.blocks import (
+    DenseQ,
+    DraftProposal,
+    SparseQ,
+    VerifyResult,
+    block_to_pb,
+    results_from_pb,
+    results_to_pb,
+)
 from specdec.serving.client import LockstepStream, make_channel
 from specdec.serving.server import Server, ServerConfig
 from target_service.servicer import parse_block
@@ -51,7 +60,7 @@ class EchoTarget(target_pb2_grpc.TargetServiceServicer):
                 assert isinstance(p, DraftProposal), p
                 tokens = (*p.draft_token_ids, 0)
                 results.append(VerifyResult(p.request_id, p.step, tokens, (True,) * K, 99))
-            yield target_pb2.VerifyResponse(results=[r.to_pb() for r in results])
+            yield results_to_pb(results)
 
 
 def proposals(batch: int, form: str) -> list[DraftProposal]:
@@ -75,6 +84,7 @@ def measure(stream: LockstepStream, batch: int, form: str, steps: int) -> dict[s
         start = time.perf_counter()
         block = block_to_pb(props)  # packing q is part of the draft's cost
         response = stream(block)
+        results_from_pb(response)  # decoding the verdicts is part of the driver's cost
         elapsed = time.perf_counter() - start
         if i >= 3:  # warm-up
             times.append(elapsed)
@@ -88,8 +98,9 @@ def measure(stream: LockstepStream, batch: int, form: str, steps: int) -> dict[s
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    parser.add_argument("--q", default="sparse,dense", help="q forms to measure, comma-separated")
     args = parser.parse_args()
     server = Server(
         ServerConfig(), ["specdec.v1.TargetService"],
@@ -99,7 +110,7 @@ def main() -> None:
     rows = []
     with make_channel(f"127.0.0.1:{port}") as channel:
         stream = LockstepStream(target_pb2_grpc.TargetServiceStub(channel).Verify)
-        for form in ("sparse", "dense"):
+        for form in args.q.split(","):
             for batch in (1, 8, 32):
                 steps = args.steps if form == "sparse" or batch < 32 else max(args.steps // 3, 5)
                 rows.append(measure(stream, batch, form, steps))

@@ -14,7 +14,7 @@ import grpc
 
 from specdec.pb import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2_grpc
 from specdec.sampling_params import SamplingParams
-from specdec.serving.blocks import ProposeAsk, VerifyResult
+from specdec.serving.blocks import ProposeAsk, VerifyResult, results_from_pb
 from specdec.serving.client import LockstepStream
 from specdec.serving.messages import Admission
 
@@ -72,11 +72,11 @@ class Pipeline:
             raise RuntimeError(f"the draft refused: {proposed.errors[0]}")
         verdicts = self._verify(proposed.block)
         results = {}
-        for entry, pb in zip(proposed.block.entries, verdicts.results, strict=True):
-            result = VerifyResult.from_pb(pb)
+        ks = proposed.block.num_draft_tokens
+        for k, result in zip(ks, results_from_pb(verdicts), strict=True):
             results[result.request_id] = result
             if result.error is None:
-                self._record(result, len(entry.draft_token_ids))
+                self._record(result, k)
         return results
 
     def _record(self, result: VerifyResult, k: int) -> None:

@@ -22,6 +22,8 @@ from specdec.serving.blocks import (
     VerifyResult,
     block_to_pb,
     proposals_from_pb,
+    results_from_pb,
+    results_to_pb,
 )
 from specdec.serving.messages import (
     Admission,
@@ -102,7 +104,8 @@ def test_sparse_q_of_a_block_is_one_buffer_per_field() -> None:
     proposals = [DraftProposal(f"r{i}", 0, 3, (1, 2), _q("sparse", 2)) for i in range(5)]
     pb = block_to_pb(proposals)
     assert pb.sparse.support_size == 4 and len(pb.sparse.probs) == 5 * 2 * 4 * 4
-    assert all(e.q_form == common_pb2.Q_FORM_SPARSE for e in pb.entries)
+    assert list(pb.q_forms) == [common_pb2.Q_FORM_SPARSE] * 5
+    assert pb.draft_token_ids == pack(torch.tensor([1, 2] * 5, dtype=torch.int32))
     assert not pb.HasField("dense")
     rows = torch.cat([p.q.token_ids for p in proposals if isinstance(p.q, SparseQ)])
     assert pb.sparse.token_ids == pack(rows)
@@ -134,12 +137,19 @@ def _block(kind: str) -> common_pb2.DraftBlock:
         ("sparse", lambda pb: setattr(pb.sparse, "probs", b""), r"sparse\.probs has 0 bytes"),
         ("sparse", lambda pb: setattr(pb.sparse, "support_size", 0),
          r"sparse\.support_size must be > 0"),
-        ("sparse", lambda pb: pb.entries[3].draft_token_ids.append(7),
+        ("sparse", lambda pb: setattr(pb, "draft_token_ids", pb.draft_token_ids[:-4]),
+         r"draft_token_ids has 28 bytes; expected 32 \(the entries' num_draft_tokens sum to 8"),
+        ("sparse", lambda pb: (pb.num_draft_tokens.__setitem__(3, 3),
+                               setattr(pb, "draft_token_ids", pb.draft_token_ids + b"\0" * 4)),
          r"sparse\.token_ids has 128 bytes; expected 144 \(9 x 4 .*\)\. Rows: 9, the draft "
          r"tokens of the Q_FORM_SPARSE entries\."),
-        ("none", lambda pb: setattr(pb.entries[2], "q_form", common_pb2.Q_FORM_SPARSE),
+        ("none", lambda pb: pb.q_forms.__setitem__(2, common_pb2.Q_FORM_SPARSE),
          r"entries\[2\]\.q_form is SPARSE but the block has no sparse"),
-        ("none", lambda pb: setattr(pb.entries[1], "q_form", 5),
+        ("none", lambda pb: pb.steps.pop(),
+         r"steps has 3 values for 4 request_ids; every column needs one per entry"),
+        ("none", lambda pb: pb.q_forms.append(common_pb2.Q_FORM_NONE),
+         r"q_forms has 5 values for 4 request_ids"),
+        ("none", lambda pb: pb.q_forms.__setitem__(1, 5),
          r"entries\[1\]\.q_form is 5; expected Q_FORM_NONE"),
     ],
 )  # fmt: skip
@@ -154,15 +164,15 @@ def test_block_shape_errors_name_the_field(kind, mutate, match) -> None:  # type
 @pytest.mark.parametrize(
     ("mutate", "match"),
     [
-        (lambda e: setattr(e, "committed_length", 0),
+        (lambda pb: pb.committed_lengths.__setitem__(2, 0),
          r"^entries\[2\]\.committed_length must be >= 1"),
-        (lambda e: setattr(e, "request_id", ""),
+        (lambda pb: pb.request_ids.__setitem__(2, ""),
          r"^entries\[2\]\.request_id must be a non-empty"),
     ],
 )  # fmt: skip
 def test_malformed_entry_is_only_that_entrys_error(mutate, match) -> None:  # type: ignore[no-untyped-def]
     pb = _block("sparse")
-    mutate(pb.entries[2])
+    mutate(pb)
     parsed = proposals_from_pb(pb)
     assert [type(p) for p in parsed] == [DraftProposal, DraftProposal, ValueError, DraftProposal]
     assert re.match(match, str(parsed[2]))
@@ -176,13 +186,25 @@ def test_q_rows_must_match_draft_tokens() -> None:
         DraftProposal("a", 0, 3, (1, 2), _q("dense", 3))
 
 
-def test_verify_result_round_trip_with_error() -> None:
+def test_verify_results_round_trip_as_columns() -> None:
     ok = VerifyResult("a", 3, (5, 6, 9), (True, True, False), 40)
-    pb = target_pb2.VerifyResult.FromString(ok.to_pb().SerializeToString())
-    assert pb.num_accepted == 2 and VerifyResult.from_pb(pb) == ok
     err = RequestError(ErrorReason.STALE_STEP, grpc.StatusCode.FAILED_PRECONDITION, "old step")
     bad = VerifyResult("b", 1, error=err)
-    assert VerifyResult.from_pb(bad.to_pb()) == bad
+    dup_err = RequestError(ErrorReason.DUPLICATE_STEP, grpc.StatusCode.ALREADY_EXISTS, "again")
+    dup = VerifyResult("c", 0, (7,), (False,), 12, dup_err)
+    decode = VerifyResult("d", 9, (4,), (), 30)  # k = 0: one decoded token
+    results = [ok, bad, dup, decode]
+    pb = target_pb2.VerifyResponse.FromString(results_to_pb(results).SerializeToString())
+    assert list(pb.num_accepted) == [2, 0, 0, 0] and list(pb.token_ids) == [5, 6, 9, 7, 4]
+    assert [e.index for e in pb.errors] == [1, 2]
+    assert results_from_pb(pb) == results
+
+
+def test_verify_response_with_inconsistent_columns_is_refused() -> None:
+    pb = results_to_pb([VerifyResult("a", 3, (5, 6), (True, False), 40)])
+    pb.token_ids.append(1)
+    with pytest.raises(ValueError, match="columns have different lengths"):
+        results_from_pb(pb)
 
 
 def test_admission_round_trip_and_sampling_defaults() -> None:
@@ -253,3 +275,14 @@ def test_runtime_floors_match_the_generated_modules() -> None:
         gencode = re.search(r"PUBLIC,\s*(\d+),\s*(\d+),\s*(\d+),", path.read_text())
         assert gencode is not None and ".".join(gencode.groups()) == proto_floor[1], path
         assert int(gencode[1]) + 1 == int(proto_floor[2]), path
+
+
+def test_block_with_a_short_column_is_every_entrys_error() -> None:
+    from target_service.servicer import parse_block
+
+    pb = _block("sparse")
+    pb.steps.pop()
+    results = parse_block(pb)
+    assert [r.request_id for r in results] == ["r0", "r1", "r2", "r3"]
+    assert all(isinstance(r, VerifyResult) and r.error is not None for r in results)
+    assert all(r.error.reason == ErrorReason.INVALID_ARGUMENT for r in results if r.error)

@@ -23,6 +23,7 @@ from specdec.serving.blocks import (
     SparseQ,
     VerifyResult,
     block_to_pb,
+    results_from_pb,
 )
 from specdec.serving.client import LockstepStream, make_channel
 from specdec.serving.messages import Admission, ErrorReason
@@ -110,7 +111,7 @@ def _verify(
     pb = block_to_pb(block) if isinstance(block, list) else block
     with LockstepStream(target.Verify) as stream:
         response = stream(pb)
-    return [VerifyResult.from_pb(r) for r in response.results]
+    return results_from_pb(response)
 
 
 def test_any_order_and_k_2_0_1_each_against_its_own_q(
@@ -234,7 +235,9 @@ def _bad_block(
         pb.sparse.token_ids = ids.numpy().tobytes()
         return pb, r.INVALID_DRAFT_PROBS, "outside the vocabulary", False
     if kind == "token_out_of_vocab":
-        pb.entries[0].draft_token_ids[1] = 260  # a padding row of the target's embedding
+        ids = torch.frombuffer(bytearray(pb.draft_token_ids), dtype=torch.int32)
+        ids[1] = 260  # entries[0]'s second draft: a padding row of the target's embedding
+        pb.draft_token_ids = ids.numpy().tobytes()
         return pb, r.TOKEN_OUT_OF_VOCAB, "entries[0].draft_token_ids holds 260", False
     assert kind == "too_many_drafts"
     pb = block_to_pb(
@@ -314,9 +317,11 @@ def test_draft_bad_asks_are_per_request_errors(svc: Services) -> None:
     ]  # fmt: skip
     with LockstepStream(stub.Propose) as stream:
         response = stream(draft_pb2.ProposeBlock(entries=asks))
-    assert [e.request_id for e in response.block.entries] == [ids[0]]
-    entry = response.block.entries[0]
-    assert len(entry.draft_token_ids) == 3 and entry.q_form == common_pb2.Q_FORM_SPARSE
+    block = response.block
+    assert list(block.request_ids) == [ids[0]] and list(block.steps) == [0]
+    assert list(block.num_draft_tokens) == [3] and block.committed_lengths[0] == n
+    assert list(block.q_forms) == [common_pb2.Q_FORM_SPARSE]
+    assert len(response.block.draft_token_ids) == 3 * 4
     assert len(response.block.sparse.probs) == 3 * response.block.sparse.support_size * 4
     reasons = {e.request_id: ErrorReason(e.error.reason) for e in response.errors}
     assert reasons == {

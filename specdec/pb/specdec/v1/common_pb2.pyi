@@ -135,29 +135,25 @@ class SparseProbs(_message.Message):
     probs: bytes
     def __init__(self, support_size: _Optional[int] = ..., token_ids: _Optional[bytes] = ..., probs: _Optional[bytes] = ...) -> None: ...
 
-class DraftEntry(_message.Message):
-    __slots__ = ("request_id", "step", "committed_length", "draft_token_ids", "q_form")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
-    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    Q_FORM_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    step: int
-    committed_length: int
-    draft_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    q_form: QForm
-    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., committed_length: _Optional[int] = ..., draft_token_ids: _Optional[_Iterable[int]] = ..., q_form: _Optional[_Union[QForm, str]] = ...) -> None: ...
-
 class DraftBlock(_message.Message):
-    __slots__ = ("entries", "dense", "sparse")
-    ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    __slots__ = ("request_ids", "steps", "committed_lengths", "num_draft_tokens", "q_forms", "draft_token_ids", "dense", "sparse")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    Q_FORMS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     DENSE_FIELD_NUMBER: _ClassVar[int]
     SPARSE_FIELD_NUMBER: _ClassVar[int]
-    entries: _containers.RepeatedCompositeFieldContainer[DraftEntry]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    committed_lengths: _containers.RepeatedScalarFieldContainer[int]
+    num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    q_forms: _containers.RepeatedScalarFieldContainer[QForm]
+    draft_token_ids: bytes
     dense: DenseProbs
     sparse: SparseProbs
-    def __init__(self, entries: _Optional[_Iterable[_Union[DraftEntry, _Mapping]]] = ..., dense: _Optional[_Union[DenseProbs, _Mapping]] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ...) -> None: ...
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., steps: _Optional[_Iterable[int]] = ..., committed_lengths: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., q_forms: _Optional[_Iterable[_Union[QForm, str]]] = ..., draft_token_ids: _Optional[bytes] = ..., dense: _Optional[_Union[DenseProbs, _Mapping]] = ..., sparse: _Optional[_Union[SparseProbs, _Mapping]] = ...) -> None: ...
 
 class RequestError(_message.Message):
     __slots__ = ("reason", "grpc_code", "message")

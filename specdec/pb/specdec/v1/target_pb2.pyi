@@ -7,26 +7,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
-class VerifyResult(_message.Message):
-    __slots__ = ("request_id", "step", "token_ids", "num_accepted", "accepted", "committed_length", "error")
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    STEP_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
-    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
-    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
-    COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
-    ERROR_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    step: int
-    token_ids: _containers.RepeatedScalarFieldContainer[int]
-    num_accepted: int
-    accepted: _containers.RepeatedScalarFieldContainer[bool]
-    committed_length: int
-    error: _common_pb2.RequestError
-    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[int] = ..., accepted: _Optional[_Iterable[bool]] = ..., committed_length: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.RequestError, _Mapping]] = ...) -> None: ...
-
 class VerifyResponse(_message.Message):
-    __slots__ = ("results",)
-    RESULTS_FIELD_NUMBER: _ClassVar[int]
-    results: _containers.RepeatedCompositeFieldContainer[VerifyResult]
-    def __init__(self, results: _Optional[_Iterable[_Union[VerifyResult, _Mapping]]] = ...) -> None: ...
+    __slots__ = ("request_ids", "steps", "num_accepted", "num_draft_tokens", "committed_lengths", "num_token_ids", "token_ids", "errors")
+    REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    COMMITTED_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ERRORS_FIELD_NUMBER: _ClassVar[int]
+    request_ids: _containers.RepeatedScalarFieldContainer[str]
+    steps: _containers.RepeatedScalarFieldContainer[int]
+    num_accepted: _containers.RepeatedScalarFieldContainer[int]
+    num_draft_tokens: _containers.RepeatedScalarFieldContainer[int]
+    committed_lengths: _containers.RepeatedScalarFieldContainer[int]
+    num_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    errors: _containers.RepeatedCompositeFieldContainer[VerifyError]
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., steps: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., committed_lengths: _Optional[_Iterable[int]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[VerifyError, _Mapping]]] = ...) -> None: ...
+
+class VerifyError(_message.Message):
+    __slots__ = ("index", "error")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    error: _common_pb2.RequestError
+    def __init__(self, index: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.RequestError, _Mapping]] = ...) -> None: ...
