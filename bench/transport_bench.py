@@ -107,7 +107,7 @@ def main() -> None:
         lambda s: target_pb2_grpc.add_TargetServiceServicer_to_server(EchoTarget(), s),
     )  # fmt: skip
     port = server.start()
-    rows = []
+    load_before, rows = os.getloadavg()[0], []
     with make_channel(f"127.0.0.1:{port}") as channel:
         stream = LockstepStream(target_pb2_grpc.TargetServiceStub(channel).Verify)
         for form in args.q.split(","):
@@ -117,7 +117,7 @@ def main() -> None:
                 print(json.dumps(rows[-1]))
         stream.close()
     server.stop(0)
-    write(rows, args.out)
+    write(rows, args.out, (load_before, os.getloadavg()[0]))
 
 
 def machine() -> str:
@@ -132,7 +132,9 @@ def machine() -> str:
     return f"{model}, {os.cpu_count()} cores, Python {python}, grpcio {grpc.__version__}"
 
 
-def write(rows: list[dict[str, float]], out: Path) -> None:
+def write(rows: list[dict[str, float]], out: Path, load: tuple[float, float]) -> None:
+    """transport.json and transport.md; `load` is the 1-minute load average before and after
+    (another busy process on a 2-core machine inflates every figure)."""
     verify_path = out / VERIFY_INPUT
     verify = json.loads(verify_path.read_text()) if verify_path.exists() else None
     out.mkdir(parents=True, exist_ok=True)
@@ -140,12 +142,14 @@ def write(rows: list[dict[str, float]], out: Path) -> None:
         step = verify["verify_step_ms"].get(str(r["batch"])) if verify else None
         r["fraction_of_verify_step"] = None if step is None else r["ms_median"] / step
     result = {"machine": machine(), "vocab_size": VOCAB, "num_draft_tokens": K,
-              "support_size": SUPPORT, "verify_step": verify, "rows": rows}  # fmt: skip
+              "support_size": SUPPORT, "verify_step": verify, "load_average": load,
+              "rows": rows}  # fmt: skip
     (out / "transport.json").write_text(json.dumps(result, indent=1) + "\n")
     lines = [
         f"# Transport per step, loopback, V = {VOCAB}, k = {K}, sparse support {SUPPORT}",
         "",
-        f"Measured on {machine()} (`python bench/transport_bench.py`). The verify step is "
+        f"Measured on {machine()} (`python bench/transport_bench.py`), 1-minute load average "
+        f"{load[0]:.2f} before and {load[1]:.2f} after. The verify step is "
         + (f"{verify['device']}'s ({verify['source']})." if verify else "missing."),
         "",
         "| q | batch | ms (median) | ms (p90) | bytes sent | bytes back | % of 8B verify step |",
