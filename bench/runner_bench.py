@@ -415,7 +415,7 @@ def goals_text(rows: list[dict[str, Any]]) -> str:
         )
         out.append(
             f"- {model} (best of graphs, graphs+compiled): decode b1 = "
-            f"{best_ms(d) / d['floor_ms']:.2f}x floor (goal <= 1.3); "
+            f"{best_ms(d) / d['floor_ms']:.3f}x floor (goal <= 1.3); "
             f"verify-5 / decode at b1 = {best_ms(v) / best_ms(d):.2f} (goal <= 1.15); "
             f"min speed-up over HF eager = {speedup:.1f}x (goal >= 5)"
         )

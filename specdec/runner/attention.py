@@ -116,20 +116,17 @@ def build_meta(
 
 def attention(
     q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
     cache: torch.Tensor,
     meta: AttnMeta,
     window: int | None,
 ) -> torch.Tensor:
-    """Writes k, v into `cache` and attends; returns [T, heads * head_dim].
+    """Attends over `cache`, which already holds the new tokens' K/V; [T, heads * head_dim].
 
-    q [T, heads, D]; k, v [T, kv_heads, D]; cache [slots, 2, kv_heads, max_seq_len, D].
+    q [T, heads, D]; cache [slots, 2, kv_heads, max_seq_len, D].
     """
     _, heads, d = q.shape
-    kv_heads = k.shape[1]
+    kv_heads = cache.shape[2]
     group = heads // kv_heads
-    cache[meta.token_slot, :, :, meta.positions] = torch.stack((k, v), dim=1)
     if meta.cu_q is not None:
         out = decode_attention(
             q, cache, meta.slots, meta.starts, meta.cu_q, meta.n_max, window, meta.splits

@@ -29,7 +29,7 @@ class RunnerConfig:
     prefill_chunk: int = 512
     memory_limit_bytes: int | None = None
     cuda_graph_batch_sizes: tuple[int, ...] = ()
-    compile_pointwise: bool = False  # fuse norms/rope/silu with torch.compile (slower start-up)
+    compile_pointwise: bool = False  # torch.compile the pointwise ops instead of `fused` kernels
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

@@ -6,17 +6,20 @@ bias present is used), RMSNorm on q and k per head (Qwen3), tied embeddings, a s
 and the rope variant (inverse frequencies come from transformers' own rope functions, so
 llama3, linear and yarn scaling match it exactly).
 
-q/k/v and gate/up are fused into one matrix each, and the residual add rides on the GEMM
-(`addmm`), to keep the kernel count of a decode step low: at batch 1 a step is a few hundred
+q/k/v and gate/up are fused into one matrix each, and the pointwise work between GEMMs runs as
+three Triton kernels on CUDA (`fused`: residual add + RMSNorm, q/k norm + rope + K/V store,
+silu * up), to keep the kernel count of a decode step low: at batch 1 a step is a few hundred
 small kernels and their launch gaps are what separates it from the memory floor.
 """
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from specdec.runner import fused
 from specdec.runner.attention import AttnMeta, attention
 
 FAST_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -92,6 +95,7 @@ class Transformer:
         self.w = weights
         self.cos = cos  # [max_seq_len, head_dim] in the model dtype, as transformers casts it
         self.sin = sin
+        self.use_kernels(weights["embed"].device.type == "cuda")
 
     @classmethod
     def from_hf_state(
@@ -147,69 +151,60 @@ class Transformer:
                     w[f"{i}.{k}"] = t.to(device=device, dtype=dtype)
         return cls(args, w, cos.to(device, dtype), sin.to(device, dtype))
 
-    def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x, (x.shape[-1],), weight, self.args.rms_norm_eps)
-
-    def _silu_mul(self, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-        return F.silu(gate) * up
+    def use_kernels(self, on: bool) -> None:
+        """The Triton kernels of `fused` (default on CUDA) or their torch references."""
+        self._add_norm = fused.add_rms_norm if on else fused.add_rms_norm_reference
+        self._silu_mul = fused.silu_mul if on else fused.silu_mul_reference
+        self._rope_store = fused.rope_store if on else fused.rope_store_reference
 
     def compile_pointwise(self) -> None:
-        """Fuses the pointwise pieces (norms, rope, silu * up) with torch.compile: at batch 1 a
-        step is launch-bound, and these are most of its kernels. Matmuls and attention stay."""
-        for name in ("_norm", "_rope", "_silu_mul"):
-            setattr(self, name, torch.compile(getattr(self, name), dynamic=True))
+        """The torch references of the pointwise pieces (norms, rope, silu * up) fused by
+        torch.compile instead of the hand-written kernels; the K/V store stays an index_put.
+        Kept to measure one against the other (bench/runner_bench.py)."""
+        compiled_rope = torch.compile(fused.qk_rope_reference, dynamic=True)
+        self._add_norm = torch.compile(fused.add_rms_norm_reference, dynamic=True)
+        self._silu_mul = torch.compile(fused.silu_mul_reference, dynamic=True)
+        self._rope_store = functools.partial(fused.rope_store_reference, qk_rope=compiled_rope)
 
-    def _rope(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        # x [T, H, D]; cos, sin [T, 1, D] in x's dtype
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
-
-    def _attention_block(
-        self, i: int, x: torch.Tensor, meta: AttnMeta, cache: torch.Tensor
+    def _attention(
+        self, i: int, h: torch.Tensor, meta: AttnMeta, cache: torch.Tensor
     ) -> torch.Tensor:
-        # x [T, hidden] (residual stream); cache [slots, 2, kv_heads, max_seq_len, head_dim]
-        a, w = self.args, self.w
-        h = self._norm(x, w[f"{i}.in_norm"])
-        qkv = F.linear(h, w[f"{i}.qkv_w"], w.get(f"{i}.qkv_b"))
-        nq, nkv = a.num_heads * a.head_dim, a.num_kv_heads * a.head_dim
-        v = qkv[:, nq + nkv :].view(-1, a.num_kv_heads, a.head_dim)
-        if f"{i}.q_norm" in w:
-            q = self._norm(qkv[:, :nq].view(-1, a.num_heads, a.head_dim), w[f"{i}.q_norm"])
-            k = self._norm(
-                qkv[:, nq : nq + nkv].view(-1, a.num_kv_heads, a.head_dim), w[f"{i}.k_norm"]
-            )
-            q, k = self._rope(q, meta.cos, meta.sin), self._rope(k, meta.cos, meta.sin)
-        else:  # one rope over q and k together: half the kernels
-            qk = self._rope(
-                qkv[:, : nq + nkv].view(-1, a.num_heads + a.num_kv_heads, a.head_dim),
-                meta.cos,
-                meta.sin,
-            )
-            q, k = qk[:, : a.num_heads], qk[:, a.num_heads :]
-        out = attention(q, k, v, cache, meta, a.windows[i])  # [T, heads * head_dim]
-        if f"{i}.o_b" in w:
-            return x + F.linear(out, w[f"{i}.o_w"], w[f"{i}.o_b"])
-        return torch.addmm(x, out, w[f"{i}.o_w"].t())
-
-    def _mlp_block(self, i: int, x: torch.Tensor) -> torch.Tensor:
+        # h [T, hidden] (normed); cache [slots, 2, kv_heads, max_seq_len, head_dim]
         w = self.w
-        h = self._norm(x, w[f"{i}.post_norm"])
-        gate, up = F.linear(h, w[f"{i}.gate_up_w"], w.get(f"{i}.gate_up_b")).chunk(2, dim=-1)
-        h = self._silu_mul(gate, up)
-        if f"{i}.down_b" in w:
-            return x + F.linear(h, w[f"{i}.down_w"], w[f"{i}.down_b"])
-        return torch.addmm(x, h, w[f"{i}.down_w"].t())
+        qkv = F.linear(h, w[f"{i}.qkv_w"], w.get(f"{i}.qkv_b"))
+        q = self._rope_store(
+            qkv,
+            meta.cos[:, 0],
+            meta.sin[:, 0],
+            w.get(f"{i}.q_norm"),
+            w.get(f"{i}.k_norm"),
+            self.args.rms_norm_eps,
+            cache,
+            meta.token_slot,
+            meta.positions,
+        )
+        out = attention(q, cache, meta, self.args.windows[i])  # [T, heads * head_dim]
+        return F.linear(out, w[f"{i}.o_w"], w.get(f"{i}.o_b"))
+
+    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        w = self.w
+        gate_up = F.linear(h, w[f"{i}.gate_up_w"], w.get(f"{i}.gate_up_b"))
+        return F.linear(self._silu_mul(gate_up), w[f"{i}.down_w"], w.get(f"{i}.down_b"))
 
     def hidden(
         self, token_ids: torch.Tensor, meta: AttnMeta, caches: list[torch.Tensor]
     ) -> torch.Tensor:
-        """Final hidden states [T, hidden] for token_ids [T]; writes their K/V into `caches`."""
-        x = F.embedding(token_ids, self.w["embed"])
+        """Final hidden states [T, hidden] for token_ids [T]; writes their K/V into `caches`.
+
+        Each block's output `delta` is added to the residual stream `x` by the next norm."""
+        eps, w = self.args.rms_norm_eps, self.w
+        x, delta = F.embedding(token_ids, w["embed"]), None
         for i in range(self.args.num_layers):
-            x = self._attention_block(i, x, meta, caches[i])
-            x = self._mlp_block(i, x)
-        return self._norm(x, self.w["norm"])
+            h, x = self._add_norm(x, delta, w[f"{i}.in_norm"], eps)
+            delta = self._attention(i, h, meta, caches[i])
+            h, x = self._add_norm(x, delta, w[f"{i}.post_norm"], eps)
+            delta = self._mlp(i, h)
+        return self._add_norm(x, delta, w["norm"], eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for hidden [N, hidden_size]."""

@@ -1,0 +1,134 @@
+"""The fused pointwise kernels against their torch references in float64 (Triton's interpreter
+on the CPU), on odd shapes, and the whole runner on the kernels against transformers."""
+
+import pytest
+import torch
+
+from specdec.runner import ForwardItem
+from specdec.runner.fused import (
+    add_rms_norm,
+    add_rms_norm_reference,
+    rope_store,
+    rope_store_reference,
+    silu_mul,
+    silu_mul_reference,
+)
+from tests.specdec._runner_models import FAMILIES, hf_model, reference_logits
+from tests.specdec.test_runner_parity import TOL, make_runner, seqs
+
+# max |out - ref| / max |ref| against the float64 reference, per input dtype. bf16/fp16 follow
+# transformers' rounding order, which a float64 reference does not round at all: a few ulps.
+REL_TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+
+
+def _dtypes(device: torch.device) -> list[torch.dtype]:
+    return [torch.float32] + ([torch.bfloat16, torch.float16] if device.type == "cuda" else [])
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    assert out.dtype == dtype and out.shape == ref.shape, what
+    err = (out.double() - ref).abs().max() / ref.abs().max()
+    assert err < REL_TOL[dtype], f"{what} {dtype}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize(("t", "n", "with_delta"), [(1, 64, True), (7, 100, True), (3, 48, False)])
+def test_add_rms_norm_matches_reference(
+    t: int, n: int, with_delta: bool, device: torch.device
+) -> None:
+    g = torch.Generator().manual_seed(t * n)
+    x, delta = torch.randn(2, t, n, generator=g) * 3
+    w = torch.randn(n, generator=g)
+    for dtype in _dtypes(device):
+        args = [y.to(device, dtype) for y in (x, delta, w)]
+        d = args[1] if with_delta else None
+        h, res = add_rms_norm(args[0], d, args[2], 1e-5)
+        ref_h, ref_res = add_rms_norm_reference(
+            args[0].double(), None if d is None else d.double(), args[2].double(), 1e-5
+        )
+        _close(h, ref_h, dtype, "normed")
+        _close(res, ref_res, dtype, "residual")
+
+
+@pytest.mark.parametrize(("t", "inter"), [(1, 96), (5, 1500)])  # 1500: two blocks, a ragged one
+def test_silu_mul_matches_reference(t: int, inter: int, device: torch.device) -> None:
+    gate_up = torch.randn(t, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 4
+    for dtype in _dtypes(device):
+        x = gate_up.to(device, dtype)
+        _close(silu_mul(x), silu_mul_reference(x.double()), dtype, "silu_mul")
+
+
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "d", "qk_norm"),
+    [(4, 2, 32, False), (6, 1, 80, True), (3, 3, 12, False)],  # 80, 12: D / 2 not a power of 2
+)
+def test_rope_store_matches_reference(
+    heads: int, kv_heads: int, d: int, qk_norm: bool, device: torch.device
+) -> None:
+    g = torch.Generator().manual_seed(heads * d)
+    t, slots, max_len = 5, 4, 40
+    qkv = torch.randn(t, (heads + 2 * kv_heads) * d, generator=g)
+    angle = torch.rand(t, d // 2, generator=g) * 6
+    cos, sin = torch.cat((angle, angle), 1).cos(), torch.cat((angle, angle), 1).sin()
+    norms = torch.randn(2, d, generator=g) if qk_norm else None
+    token_slot = torch.tensor([3, 3, 0, 2, 3])  # 3: the scratch slot, written twice
+    positions = torch.tensor([39, 38, 0, 17, 5])  # the last position of a slot too
+    for dtype in _dtypes(device):
+        cache = torch.randn(slots, 2, kv_heads, max_len, d, generator=g).to(device, dtype)
+        ref_cache = cache.double()
+        x, c, s = (y.to(device, dtype) for y in (qkv, cos, sin))
+        qn, kn = (None, None) if norms is None else norms.to(device, dtype)
+        idx = token_slot.to(device), positions.to(device)
+        q = rope_store(x, c, s, qn, kn, 1e-6, cache, *idx)
+        ref_q = rope_store_reference(
+            x.double(),
+            c.double(),
+            s.double(),
+            None if qn is None else qn.double(),
+            None if kn is None else kn.double(),
+            1e-6,
+            ref_cache,
+            *idx,
+        )
+        _close(q, ref_q, dtype, "q")
+        one_slot = torch.tensor([2], device=device).expand(t)  # stride 0, as at batch 1
+        q1 = rope_store(x, c, s, qn, kn, 1e-6, cache, one_slot, idx[1])
+        ref_q1 = rope_store_reference(
+            x.double(),
+            c.double(),
+            s.double(),
+            None if qn is None else qn.double(),
+            None if kn is None else kn.double(),
+            1e-6,
+            ref_cache,
+            one_slot,
+            idx[1],
+        )
+        _close(q1, ref_q1, dtype, "q (one slot)")
+        _close(cache, ref_cache, dtype, "cache")  # the new K/V, and nothing else moved
+        untouched = torch.ones(slots, max_len, dtype=torch.bool)
+        untouched[token_slot, positions] = False
+        untouched[2, positions] = False
+        assert torch.equal(
+            cache.transpose(1, 3)[untouched.to(device)].double(),
+            ref_cache.transpose(1, 3)[untouched.to(device)],
+        )
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the kernel path is the default on CUDA")
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_runner_on_kernels_matches_transformers(family: str) -> None:
+    model = hf_model(family)
+    runner = make_runner(model)
+    runner._backend._kernel = True  # type: ignore[union-attr]  # CUDA-only paths, interpreted
+    runner._backend.model.use_kernels(True)  # type: ignore[union-attr]
+    a, b, _ = seqs(6)
+    for rid in "ab":
+        runner.add_request(rid)
+    runner.forward([ForwardItem("a", a[:8], 0), ForwardItem("b", b[:3], 0)])
+    out = runner.forward([ForwardItem("a", a[8:11], 3), ForwardItem("b", b[3:4], 1)])  # ragged
+    want = torch.cat([reference_logits(model, a[:11])[8:], reference_logits(model, b[:4])[3:]])
+    torch.testing.assert_close(out, want, atol=TOL, rtol=0)
+    logits = runner.graph_step(["a", "b"], torch.tensor([a[11:13], b[4:6]]))  # equal, eager
+    assert isinstance(logits, torch.Tensor)
+    torch.testing.assert_close(logits[0], reference_logits(model, a)[11:], atol=TOL, rtol=0)
+    torch.testing.assert_close(logits[1], reference_logits(model, b[:6])[4:], atol=TOL, rtol=0)
