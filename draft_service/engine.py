@@ -77,12 +77,7 @@ class DraftEngine:
         self._lock = threading.Lock()
 
     def admit(self, adm: Admission) -> tuple[int, int]:
-        adm.check_vocab(self.vocab_size)
-        if len(adm.prompt_token_ids) >= self.info.max_seq_len:
-            raise InvalidInputError(
-                f"prompt_token_ids has {len(adm.prompt_token_ids)} tokens; at most "
-                f"{self.info.max_seq_len - 1} fit max_seq_len."
-            )
+        adm.check_limits(self.vocab_size, self.info.max_seq_len)
         with self._lock:
             if adm.request_id in self._requests:
                 raise InvalidInputError(f"request_id {adm.request_id!r} is already admitted.")

@@ -102,12 +102,7 @@ class TargetEngine:
 
     def admit(self, adm: Admission) -> tuple[int, int]:
         """Prefills all but the last prompt token; returns (committed_length, next_step)."""
-        adm.check_vocab(self.vocab_size)
-        if len(adm.prompt_token_ids) >= self.config.runner.max_seq_len:
-            raise InvalidInputError(
-                f"prompt_token_ids has {len(adm.prompt_token_ids)} tokens; at most "
-                f"{self.config.runner.max_seq_len - 1} fit max_seq_len."
-            )
+        adm.check_limits(self.vocab_size, self.config.runner.max_seq_len)
         with self._lock:
             if adm.request_id in self._requests:
                 raise InvalidInputError(f"request_id {adm.request_id!r} is already admitted.")

@@ -11,6 +11,7 @@ from enum import IntEnum
 
 import grpc
 
+from specdec.errors import InvalidInputError
 from specdec.pb import common_pb2
 from specdec.sampling_params import SamplingParams
 
@@ -106,6 +107,15 @@ class Admission:
 
     def check_vocab(self, vocab_size: int) -> None:
         _check_token_ids(self.prompt_token_ids, "prompt_token_ids", vocab_size)
+
+    def check_limits(self, vocab_size: int, max_seq_len: int) -> None:
+        """Token ids inside the vocabulary, and room for at least one new token."""
+        self.check_vocab(vocab_size)
+        if len(self.prompt_token_ids) >= max_seq_len:
+            raise InvalidInputError(
+                f"prompt_token_ids has {len(self.prompt_token_ids)} tokens; at most "
+                f"{max_seq_len - 1} fit max_seq_len."
+            )
 
     @classmethod
     def from_pb(cls, pb: common_pb2.AdmitRequest) -> Admission:

@@ -234,6 +234,11 @@ def test_admission_checks() -> None:
         Admission("r", ())
     with pytest.raises(ValueError, match=r"prompt_token_ids holds 99, outside .*\[0, 50\)"):
         Admission("r", (1, 99)).check_vocab(50)
+    with pytest.raises(ValueError, match=r"prompt_token_ids has 4 tokens; at most 3 fit"):
+        Admission("r", (1, 2, 3, 4)).check_limits(50, max_seq_len=4)
+    with pytest.raises(ValueError, match="outside"):
+        Admission("r", (1, 99)).check_limits(50, max_seq_len=100)
+    Admission("r", (1, 2, 3)).check_limits(50, max_seq_len=4)  # room for one new token
 
 
 def _info(**kw: object) -> ModelInfo:
