@@ -18,12 +18,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.runner_bench import MODELS, build, prefill, runner_step_ms
-
-SMOKE = {
-    "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 1000,
-}  # fmt: skip
+from bench.runner_bench import MODELS, SMOKE, build, prefill, runner_step_ms
 
 
 def generate_ms_per_token(hf: Any, ctx: int, new: int, dev: torch.device) -> float:

@@ -185,7 +185,7 @@ def prepare(
             f"(the logits' width), got {vocab}."
         )
     batch, total = k.shape[0], int(k.sum())
-    max_k = int(k.max()) if batch else 0
+    max_k = int(k.max())  # batch >= 1: _check_structure refuses an empty batch
     if int(sampling.position.max()) + max_k + 1 > MAX_POSITION:
         raise ValueError(f"position + num_draft_tokens must stay below {MAX_POSITION}.")
     rows = k + 1

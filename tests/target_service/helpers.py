@@ -20,6 +20,18 @@ class Batch:
     params: list[SamplingParams]
     positions: list[int]
 
+    def to(self, device: torch.device | str) -> Batch:
+        """The same batch with every tensor on `device`."""
+        q = self.q
+        if q is not None:
+            q = type(q)(*(getattr(q, f).to(device) for f in q.__slots__))  # type: ignore[union-attr]
+        fields = RequestSampling.__slots__
+        sampling = RequestSampling(*(getattr(self.sampling, f).to(device) for f in fields))
+        return Batch(
+            self.k.to(device), self.draft_ids.to(device), self.logits.to(device), q, sampling,
+            self.params, self.positions,
+        )  # fmt: skip
+
 
 def random_params(gen: torch.Generator, greedy_fraction: float = 0.25) -> SamplingParams:
     r = torch.rand(4, generator=gen).tolist()

@@ -112,20 +112,8 @@ SPARSE_CASES = [
 
 
 def run(b: Batch, impl: str, device: str) -> SamplerOutput:
-    q = b.q
-    if q is not None:
-        q = type(q)(*(getattr(q, f).to(device) for f in q.__slots__))  # type: ignore[attr-defined]
-    sampling = RequestSampling(
-        *(getattr(b.sampling, f).to(device) for f in RequestSampling.__slots__)
-    )
-    out = rejection_sample(
-        b.k.to(device),
-        b.draft_ids.to(device),
-        b.logits.to(device),
-        q,
-        sampling,
-        impl=impl,  # type: ignore[arg-type]
-    )
+    b = b.to(device)
+    out = rejection_sample(b.k, b.draft_ids, b.logits, b.q, b.sampling, impl=impl)  # type: ignore[arg-type]
     return SamplerOutput(
         *(t.cpu() for t in (out.token_ids, out.num_committed, out.accepted, out.status))
     )

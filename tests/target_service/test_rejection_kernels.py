@@ -25,14 +25,8 @@ def run_both(
     vocab_size: int | None = None,
     shape: kernels.LaunchShape | None = None,
 ) -> tuple:
-    def move(t: torch.Tensor) -> torch.Tensor:
-        return t.to(device)
-
-    q = b.q
-    if q is not None:
-        q = type(q)(*(move(getattr(q, f)) for f in q.__slots__))  # type: ignore[attr-defined]
-    sampling = RequestSampling(*(move(getattr(b.sampling, f)) for f in RequestSampling.__slots__))
-    x = prepare(move(b.k), move(b.draft_ids), move(b.logits), q, sampling, vocab_size=vocab_size)
+    b = b.to(device)
+    x = prepare(b.k, b.draft_ids, b.logits, b.q, b.sampling, vocab_size=vocab_size)
     return kernels.rejection_sample_torch(x), kernels.rejection_sample_triton(x, shape)
 
 
