@@ -98,11 +98,14 @@ def tune(bandwidth: float) -> kernels.LaunchShape:
     x, nbytes = make_inputs(64, 4, 128256, "dense")
     floor = nbytes / bandwidth * 1e3
     results = []
-    grid = itertools.product((512, 1024), (8, 16), (4, 8), (1, 2, 3, 4))
-    for block, per_sm, warps, stages in grid:
+    # stats kernel: block, programs per SM, warps; race: programs per SM (pipelining stages
+    # moved nothing in an earlier sweep of 1-4, so they stay at 1)
+    grid = itertools.product((512, 1024), (8, 16, 24, 32), (4, 8), (8, 16))
+    for block, per_sm, warps, race_per_sm in grid:
         shape = kernels.launch_shape(
-            x.row_req.shape[0], 64, 128256, x.logits.device, block, per_sm, warps, stages
-        )
+            x.row_req.shape[0], 64, 128256, x.logits.device, block, per_sm, warps,
+            race_programs_per_sm=race_per_sm,
+        )  # fmt: skip
         ms, _, _ = bench_one(x, shape, ref=False)
         results.append((ms, shape))
         print(f"tune {shape} per_sm={per_sm}: {ms * 1e3:.1f} us ({ms / floor:.2f}x floor)",

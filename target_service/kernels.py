@@ -460,13 +460,16 @@ def _finalize_kernel(
 
 @dataclass(frozen=True, slots=True)
 class LaunchShape:
-    """BLOCK and the vocabulary split sizes of the stats kernel and of the race."""
+    """BLOCK, vocabulary split size and warps of the stats kernel and, apart, of the race: the
+    stats pass is bound by memory bandwidth, the race by latency and instruction issue."""
 
     block: int
     stats_split: int
     race_split: int
     num_warps: int = 4
-    num_stages: int = 3
+    num_stages: int = 1
+    race_block: int = 0  # 0: same as block
+    race_warps: int = 0  # 0: same as num_warps
 
 
 def launch_shape(
@@ -475,27 +478,31 @@ def launch_shape(
     width: int,
     device: torch.device,
     block: int = 512,
-    programs_per_sm: int = 8,
+    programs_per_sm: int = 24,
     num_warps: int = 4,
     num_stages: int = 1,
+    race_block: int = 512,
+    race_programs_per_sm: int = 8,
+    race_warps: int = 4,
 ) -> LaunchShape:
-    """On a GPU, enough vocabulary splits for ~programs_per_sm programs per SM in both the
-    stats kernel (rows programs before splitting) and the race (batch programs); under the
-    CPU interpreter one wide split (each program costs ~1 ms there). Defaults: the best of
-    48 shapes at batch 64, k 4, V 128256 on an H200 (bench/rejection_bench.py)."""
+    """On a GPU, enough vocabulary splits for ~programs_per_sm programs per SM in the stats
+    kernel (rows programs before splitting) and ~race_programs_per_sm in the race (batch
+    programs); under the CPU interpreter one wide split (each program costs ~1 ms there).
+    Defaults: the best of the shapes tried at batch 64, k 4, V 128256 on an H200
+    (bench/rejection_bench.py, BENCHMARKS.md)."""
     if device.type != "cuda":
         block = max(4, min(triton.next_power_of_2(width), 16384))
         whole = triton.cdiv(width, block) * block
         return LaunchShape(block, whole, whole, num_warps, num_stages)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
 
-    def split(programs: int) -> int:
-        splits = max(
-            1, min(triton.cdiv(programs_per_sm * sms, programs), triton.cdiv(width, block), 64)
-        )
-        return triton.cdiv(triton.cdiv(width, splits), block) * block
+    def split(programs: int, per_sm: int, blk: int) -> int:
+        splits = max(1, min(triton.cdiv(per_sm * sms, programs), triton.cdiv(width, blk), 64))
+        return triton.cdiv(triton.cdiv(width, splits), blk) * blk
 
-    return LaunchShape(block, split(rows), split(batch), num_warps, num_stages)
+    stats = split(rows, programs_per_sm, block)
+    race = split(batch, race_programs_per_sm, race_block)
+    return LaunchShape(block, stats, race, num_warps, num_stages, race_block, race_warps)
 
 
 def rejection_sample_triton(
@@ -536,8 +543,9 @@ def rejection_sample_triton(
         draft_ids, x.inv_temperature, x.greedy, x.seed, x.position, x.status_in, rates,
         q, q.stride(0), q_ids, pmax, psum, pval, pidx, pbad, pqsum, first_reject, status, race,
         x.vocab_size, x.q_vocab, sparse_width, shape.race_split, n_splits, NUM_SPLITS=num_splits,
-        RACE_SPLITS=race_splits, BLOCK=shape.block, S_P2=triton.next_power_of_2(sparse_width),
-        Q_MODE=x.q_mode, SYNTHETIC=x.synthetic_rates is not None, num_warps=shape.num_warps,
+        RACE_SPLITS=race_splits, BLOCK=shape.race_block or shape.block,
+        S_P2=triton.next_power_of_2(sparse_width), Q_MODE=x.q_mode,
+        SYNTHETIC=x.synthetic_rates is not None, num_warps=shape.race_warps or shape.num_warps,
         num_stages=shape.num_stages,
         K_P2=triton.next_power_of_2(x.max_k + 1),
     )  # fmt: skip

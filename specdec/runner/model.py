@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.runner import fused
+from specdec.runner import fused, gemv
 from specdec.runner.attention import AttnMeta, attention
 
 FAST_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
@@ -156,6 +156,7 @@ class Transformer:
         self._add_norm = fused.add_rms_norm if on else fused.add_rms_norm_reference
         self._silu_mul = fused.silu_mul if on else fused.silu_mul_reference
         self._rope_store = fused.rope_store if on else fused.rope_store_reference
+        self._linear = gemv.linear if on else F.linear
 
     def compile_pointwise(self) -> None:
         """The torch references of the pointwise pieces (norms, rope, silu * up) fused by
@@ -171,7 +172,7 @@ class Transformer:
     ) -> torch.Tensor:
         # h [T, hidden] (normed); cache [slots, 2, kv_heads, max_seq_len, head_dim]
         w = self.w
-        qkv = F.linear(h, w[f"{i}.qkv_w"], w.get(f"{i}.qkv_b"))
+        qkv = self._linear(h, w[f"{i}.qkv_w"], w.get(f"{i}.qkv_b"))
         q = self._rope_store(
             qkv,
             meta.cos[:, 0],
@@ -184,12 +185,12 @@ class Transformer:
             meta.positions,
         )
         out = attention(q, cache, meta, self.args.windows[i])  # [T, heads * head_dim]
-        return F.linear(out, w[f"{i}.o_w"], w.get(f"{i}.o_b"))
+        return self._linear(out, w[f"{i}.o_w"], w.get(f"{i}.o_b"))
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         w = self.w
-        gate_up = F.linear(h, w[f"{i}.gate_up_w"], w.get(f"{i}.gate_up_b"))
-        return F.linear(self._silu_mul(gate_up), w[f"{i}.down_w"], w.get(f"{i}.down_b"))
+        gate_up = self._linear(h, w[f"{i}.gate_up_w"], w.get(f"{i}.gate_up_b"))
+        return self._linear(self._silu_mul(gate_up), w[f"{i}.down_w"], w.get(f"{i}.down_b"))
 
     def hidden(
         self, token_ids: torch.Tensor, meta: AttnMeta, caches: list[torch.Tensor]
@@ -208,7 +209,7 @@ class Transformer:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for hidden [N, hidden_size]."""
-        return F.linear(hidden, self.w["lm_head"]).float()
+        return self._linear(hidden, self.w["lm_head"]).float()
 
     def weight_bytes(self) -> int:
         seen: set[int] = set()

@@ -13,6 +13,7 @@ from specdec.runner.fused import (
     silu_mul,
     silu_mul_reference,
 )
+from specdec.runner.gemv import SkinnyShape, linear, skinny_linear, skinny_linear_reference
 from tests.specdec._runner_models import FAMILIES, hf_model, reference_logits
 from tests.specdec.test_runner_parity import TOL, make_runner, seqs
 
@@ -112,6 +113,35 @@ def test_rope_store_matches_reference(
             cache.transpose(1, 3)[untouched.to(device)].double(),
             ref_cache.transpose(1, 3)[untouched.to(device)],
         )
+
+
+@pytest.mark.parametrize(
+    ("t", "n", "k", "bias", "shape"),
+    [
+        (1, 50, 512, True, SkinnyShape(16, 128)),  # n not a multiple of BLOCK_N
+        (5, 64, 256, False, SkinnyShape(32, 256)),  # a verify step: k + 1 = 5 tokens
+        (16, 33, 1024, True, SkinnyShape(64, 512, 4, 3)),  # MAX_TOKENS rows
+    ],
+)
+def test_skinny_linear_matches_reference(
+    t: int, n: int, k: int, bias: bool, shape: SkinnyShape, device: torch.device
+) -> None:
+    g = torch.Generator().manual_seed(t * n + k)
+    x, w = torch.randn(t, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
+    b = torch.randn(n, generator=g) if bias else None
+    for dtype in _dtypes(device):
+        args = [None if y is None else y.to(device, dtype) for y in (x, w, b)]
+        out = skinny_linear(args[0], args[1], args[2], shape)
+        ref = skinny_linear_reference(*(None if y is None else y.double() for y in args))
+        _close(out, ref, dtype, "skinny_linear")
+
+
+def test_linear_takes_cublas_beyond_the_skinny_shapes(device: torch.device) -> None:
+    """More than MAX_TOKENS rows, or a K the tiles do not divide: F.linear's own answer."""
+    g = torch.Generator().manual_seed(3)
+    for t, k in ((17, 512), (2, 100)):
+        x, w = torch.randn(t, k, generator=g).to(device), torch.randn(40, k, generator=g).to(device)
+        assert torch.equal(linear(x, w), torch.nn.functional.linear(x, w))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the kernel path is the default on CUDA")
