@@ -96,24 +96,29 @@ def skinny_linear(
     return out
 
 
-def skinny_shape(n: int, k: int) -> SkinnyShape:
+def skinny_shape(n: int, k: int, itemsize: int = 2) -> SkinnyShape:
     """Tiles by the weight's size: the best of 18 per shape of the Llama-3.1-8B and -3.2-1B
     matrices at 1 and 8 tokens on an H200 (bench/results/gemv_NVIDIA_H200.json). Narrow
-    matrices want more, smaller programs; wide ones, fewer pipeline stages."""
+    matrices want more, smaller programs; wide ones, fewer pipeline stages. float32 weights
+    take half as wide a K tile, so the staged tiles fit in shared memory."""
     if n <= 2048 and k % 512 == 0:
-        return SkinnyShape(16, 512, 4, 5)
-    if n <= 4096:
-        return SkinnyShape(32, 256, 4, 5)
-    if n < 16384:
-        return SkinnyShape(64, 256, 4, 3)
-    return SkinnyShape(64, 128, 4, 3)
+        shape = SkinnyShape(16, 512, 4, 5)
+    elif n <= 4096:
+        shape = SkinnyShape(32, 256, 4, 5)
+    elif n < 16384:
+        shape = SkinnyShape(64, 256, 4, 3)
+    else:
+        shape = SkinnyShape(64, 128, 4, 3)
+    if itemsize == 4:
+        shape = SkinnyShape(shape.block_n, shape.block_k // 2, shape.num_warps, shape.num_stages)
+    return shape
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """The runner's linear layer on CUDA: the skinny kernel for decode and verify steps (up to
     MAX_TOKENS rows), cuBLAS for wider batches and for shapes the kernel does not take."""
     t, k = x.shape
-    shape = skinny_shape(weight.shape[0], k)
+    shape = skinny_shape(weight.shape[0], k, weight.element_size())
     fits = 0 < t <= MAX_TOKENS and k % shape.block_k == 0 and x.dtype == weight.dtype
     if fits and x.stride(1) == 1 and weight.stride(1) == 1:
         return skinny_linear(x, weight, bias, shape)

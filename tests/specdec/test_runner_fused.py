@@ -13,23 +13,33 @@ from specdec.runner.fused import (
     silu_mul,
     silu_mul_reference,
 )
-from specdec.runner.gemv import SkinnyShape, linear, skinny_linear, skinny_linear_reference
+from specdec.runner.gemv import (
+    SkinnyShape,
+    linear,
+    skinny_linear,
+    skinny_linear_reference,
+    skinny_shape,
+)
 from tests.specdec._runner_models import FAMILIES, hf_model, reference_logits
 from tests.specdec.test_runner_parity import TOL, make_runner, seqs
 
 # max |out - ref| / max |ref| against the float64 reference, per input dtype. bf16/fp16 follow
 # transformers' rounding order, which a float64 reference does not round at all: a few ulps.
 REL_TOL = {torch.float32: 2e-6, torch.bfloat16: 2e-2, torch.float16: 3e-3}
+# Products over K up to 8192 add float32 rounding in the sums: ~sqrt(K) ulps (cuBLAS alike).
+MATMUL_TOL = {torch.float32: 3e-5, torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 
 def _dtypes(device: torch.device) -> list[torch.dtype]:
     return [torch.float32] + ([torch.bfloat16, torch.float16] if device.type == "cuda" else [])
 
 
-def _close(out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+def _close(
+    out: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, what: str, tol: dict = REL_TOL
+) -> None:
     assert out.dtype == dtype and out.shape == ref.shape, what
     err = (out.double() - ref).abs().max() / ref.abs().max()
-    assert err < REL_TOL[dtype], f"{what} {dtype}: relative error {err:.2e}"
+    assert err < tol[dtype], f"{what} {dtype}: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize(("t", "n", "with_delta"), [(1, 64, True), (7, 100, True), (3, 48, False)])
@@ -120,7 +130,7 @@ def test_rope_store_matches_reference(
     [
         (1, 50, 512, True, SkinnyShape(16, 128)),  # n not a multiple of BLOCK_N
         (5, 64, 256, False, SkinnyShape(32, 256)),  # a verify step: k + 1 = 5 tokens
-        (16, 33, 1024, True, SkinnyShape(64, 512, 4, 3)),  # MAX_TOKENS rows
+        (16, 33, 1024, True, SkinnyShape(64, 256, 4, 2)),  # MAX_TOKENS rows
     ],
 )
 def test_skinny_linear_matches_reference(
@@ -130,10 +140,27 @@ def test_skinny_linear_matches_reference(
     x, w = torch.randn(t, k, generator=g), torch.randn(n, k, generator=g) / k**0.5
     b = torch.randn(n, generator=g) if bias else None
     for dtype in _dtypes(device):
-        args = [None if y is None else y.to(device, dtype) for y in (x, w, b)]
-        out = skinny_linear(args[0], args[1], args[2], shape)
-        ref = skinny_linear_reference(*(None if y is None else y.double() for y in args))
-        _close(out, ref, dtype, "skinny_linear")
+        xd, wd = x.to(device, dtype), w.to(device, dtype)
+        bd = None if b is None else b.to(device, dtype)
+        out = skinny_linear(xd, wd, bd, shape)
+        ref = skinny_linear_reference(xd.double(), wd.double(), None if bd is None else bd.double())
+        _close(out, ref, dtype, "skinny_linear", MATMUL_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("n", "k"), [(2048, 8192), (4096, 4096), (6144, 4096), (16384, 2048)])
+def test_skinny_shapes_fit_in_shared_memory(
+    n: int, k: int, dtype: torch.dtype, device: torch.device
+) -> None:
+    """Each tile rule of skinny_shape compiles and runs within a Hopper's 227 KiB of shared
+    memory per program, float32 included (the interpreter has no shared memory: GPU only)."""
+    shape = skinny_shape(n, k, torch.tensor([], dtype=dtype).element_size())
+    g = torch.Generator(device).manual_seed(n)
+    x = torch.randn(3, k, device=device, generator=g).to(dtype)
+    w = (torch.randn(n, k, device=device, generator=g) / k**0.5).to(dtype)
+    out = skinny_linear(x, w, None, shape)
+    _close(out, skinny_linear_reference(x.double(), w.double()), dtype, f"{shape}", MATMUL_TOL)
 
 
 def test_linear_takes_cublas_beyond_the_skinny_shapes(device: torch.device) -> None:
