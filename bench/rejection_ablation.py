@@ -12,6 +12,7 @@ import argparse
 import importlib.util
 import json
 import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
@@ -84,7 +85,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    modules = {name: variant(i, r, args.out) for i, (name, r) in enumerate(VARIANTS.items())}
+    tmp = Path(tempfile.mkdtemp(prefix="rejection_ablation_"))
+    modules = {name: variant(i, r, tmp) for i, (name, r) in enumerate(VARIANTS.items())}
     report: dict[str, object] = {"gpu": torch.cuda.get_device_name()}
     for batch, k, q_form in ((64, 4, "dense"), (64, 1, "none"), (8, 4, "dense")):
         x, _ = make_inputs(batch, k, 128256, q_form)
