@@ -9,7 +9,6 @@ Usage: python bench/gemv_bench.py --out DIR
 
 from __future__ import annotations
 
-import argparse
 import functools
 import itertools
 import json
@@ -23,7 +22,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.rejection_bench import copy_bandwidth
+from bench.rejection_bench import copy_bandwidth, out_dir
 from specdec.runner.gemv import SkinnyShape, skinny_linear, skinny_shape
 
 SHAPES = {  # name: (N, K) of W [N, K]
@@ -52,10 +51,7 @@ def graph_us(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    out = out_dir()
     bandwidth = copy_bandwidth()
     gpu = torch.cuda.get_device_name()
     rows = []
@@ -82,7 +78,7 @@ def main() -> None:
         del weights
         torch.cuda.empty_cache()
     report = {"gpu": gpu, "copy_bandwidth_Bps": bandwidth, "torch": torch.__version__, "rows": rows}
-    (args.out / f"gemv_{gpu.replace(' ', '_')}.json").write_text(json.dumps(report, indent=1))
+    (out / f"gemv_{gpu.replace(' ', '_')}.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

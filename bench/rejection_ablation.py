@@ -8,7 +8,6 @@ Usage: python bench/rejection_ablation.py --out DIR
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import sys
@@ -20,7 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.rejection_bench import make_inputs
+from bench.rejection_bench import make_inputs, out_dir
 from target_service import kernels
 
 PHILOX = (
@@ -81,10 +80,7 @@ def kernel_us(module: ModuleType, x: kernels.KernelInputs) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    out = out_dir()
     tmp = Path(tempfile.mkdtemp(prefix="rejection_ablation_"))
     modules = {name: variant(i, r, tmp) for i, (name, r) in enumerate(VARIANTS.items())}
     report: dict[str, object] = {"gpu": torch.cuda.get_device_name()}
@@ -98,7 +94,7 @@ def main() -> None:
             print(f"B={batch} k={k} {q_form} / {name}: {times} {regs}", flush=True)
         del x
         torch.cuda.empty_cache()
-    (args.out / "rejection_ablation.json").write_text(json.dumps(report, indent=1))
+    (out / "rejection_ablation.json").write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -39,6 +39,15 @@ def copy_bandwidth() -> float:
     return 2 * 2**31 / (ms * 1e-3)
 
 
+def out_dir() -> Path:
+    """The --out directory of a benchmark that takes no other argument, created."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    out: Path = parser.parse_args().out
+    out.mkdir(parents=True, exist_ok=True)
+    return out
+
+
 def make_inputs(batch: int, k: int, vocab: int, q_form: str) -> tuple[kernels.KernelInputs, int]:
     gen = torch.Generator(device="cuda").manual_seed(batch * 7 + k)
     rows, total = batch * (k + 1), batch * k

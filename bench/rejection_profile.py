@@ -6,7 +6,6 @@ Usage: python bench/rejection_profile.py --out DIR
 
 from __future__ import annotations
 
-import argparse
 import functools
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from triton.testing import do_bench
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.rejection_bench import copy_bandwidth, graph_time, make_inputs
+from bench.rejection_bench import copy_bandwidth, graph_time, make_inputs, out_dir
 from target_service import kernels
 
 
@@ -51,10 +50,7 @@ def profile(x: kernels.KernelInputs, shape: kernels.LaunchShape | None, label: s
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", type=Path, required=True)
-    args = parser.parse_args()
-    args.out.mkdir(parents=True, exist_ok=True)
+    folder = out_dir()
     bandwidth = copy_bandwidth()
     report = [f"{torch.cuda.get_device_name()} copy bandwidth {bandwidth / 1e12:.2f} TB/s"]
     for batch, k in ((64, 4), (256, 8), (1, 4)):
@@ -80,7 +76,7 @@ def main() -> None:
                           f"{t * 1e3:.1f} us, {gbps:.0f} GB/s")  # fmt: skip
     text = "\n".join(report)
     print(text)
-    (args.out / "rejection_profile.txt").write_text(text)
+    (folder / "rejection_profile.txt").write_text(text)
 
 
 if __name__ == "__main__":
