@@ -2,12 +2,13 @@
 
     python bench/transport_bench.py [--steps 300] [--out bench/results]
 
-Per step: pack q into a DraftBlock (draft side, `block_to_pb`: one buffer per q field for the
-whole block), serialise, send over a real gRPC stream (`specdec.serving` server: interceptor,
-message limits), parse and unpack into per-entry tensors (target side, `parse_block`, as the
-target servicer does), answer the verdicts as the columns of one VerifyResponse
-(`results_to_pb`), receive and decode them (`results_from_pb`, as the driver does). The model and
-the sampler are left out: this is the cost the split adds. V = 128,256 (Llama 3), k = 4.
+Per step: pack the draft's block (its columns and whole q tensors, as the draft engine builds
+them) into a DraftBlock (draft side, `ProposalBlock.to_pb`: one buffer per q field), serialise,
+send over a real gRPC stream (`specdec.serving` server: interceptor, message limits), parse it
+into columns and whole q tensors (target side, `ProposalBlock.from_pb`, as the target servicer
+does), answer the verdicts as the columns of one VerifyResponse (`Verdicts.to_pb`), receive and
+decode them (`Verdicts.from_pb`, as the driver does). The model and the sampler are left out:
+this is the cost the split adds. V = 128,256 (Llama 3), k = 4.
 
 The fraction of a verify step needs the 8B target's verify-step time on a GPU, produced by the
 runner's benchmark: put it in bench/results/verify_step_8b.json as
@@ -29,18 +30,10 @@ import grpc
 import torch
 
 from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
-from specdec.serving.blocks import (
-    DenseQ,
-    DraftProposal,
-    SparseQ,
-    VerifyResult,
-    block_to_pb,
-    results_from_pb,
-    results_to_pb,
-)
+from specdec.serving.blocks import DenseQ, DraftProposal, ProposalBlock, SparseQ
 from specdec.serving.client import LockstepStream, make_channel
 from specdec.serving.server import Server, ServerConfig
-from target_service.servicer import parse_block
+from specdec.serving.verdicts import Verdicts
 
 VOCAB = 128256
 K = 4
@@ -49,18 +42,18 @@ VERIFY_INPUT = "verify_step_8b.json"
 
 
 class EchoTarget(target_pb2_grpc.TargetServiceServicer):
-    """Parses every entry as the target does, then answers without scoring."""
+    """Parses the block as the target does, then accepts every draft without scoring."""
 
     def Verify(
         self, request_iterator: Iterator[common_pb2.DraftBlock], context: grpc.ServicerContext
     ) -> Iterator[target_pb2.VerifyResponse]:
         for block in request_iterator:
-            results = []
-            for p in parse_block(block):
-                assert isinstance(p, DraftProposal), p
-                tokens = (*p.draft_token_ids, 0)
-                results.append(VerifyResult(p.request_id, p.step, tokens, (True,) * K, 99))
-            yield results_to_pb(results)
+            parsed = ProposalBlock.from_pb(block)
+            assert not parsed.errors, parsed.errors
+            out = Verdicts.pending(parsed.request_ids, parsed.steps)
+            for i in range(len(parsed)):
+                out.commit(i, [*parsed.tokens(i), 0], K, K, 99)
+            yield out.to_pb()
 
 
 def proposals(batch: int, form: str) -> list[DraftProposal]:
@@ -78,13 +71,13 @@ def proposals(batch: int, form: str) -> list[DraftProposal]:
 
 
 def measure(stream: LockstepStream, batch: int, form: str, steps: int) -> dict[str, float]:
-    props = proposals(batch, form)
+    proposed = ProposalBlock.from_proposals(proposals(batch, form))
     times, sent, received = [], 0, 0
     for i in range(steps + 3):
         start = time.perf_counter()
-        block = block_to_pb(props)  # packing q is part of the draft's cost
+        block = proposed.to_pb()  # packing q is part of the draft's cost
         response = stream(block)
-        results_from_pb(response)  # decoding the verdicts is part of the driver's cost
+        Verdicts.from_pb(response)  # decoding the verdicts is part of the driver's cost
         elapsed = time.perf_counter() - start
         if i >= 3:  # warm-up
             times.append(elapsed)

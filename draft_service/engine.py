@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from itertools import chain
 
 import grpc
 import torch
@@ -22,7 +23,16 @@ from draft_service.sampling import sample_draft
 from specdec.errors import CacheFullError, InvalidInputError
 from specdec.runner import ForwardItem, ModelRunner
 from specdec.sampling_params import SamplingParams
-from specdec.serving.blocks import DenseQ, DraftProposal, DraftQ, ProposeAsk, SparseQ
+from specdec.serving.blocks import (
+    Q_DENSE,
+    Q_NONE,
+    Q_SPARSE,
+    DenseQ,
+    DraftQ,
+    ProposalBlock,
+    ProposeAsk,
+    SparseQ,
+)
 from specdec.serving.messages import Admission, ErrorReason, ModelInfo, RequestError
 
 Head = Callable[..., tuple[torch.Tensor, ...]]
@@ -113,8 +123,9 @@ class DraftEngine:
 
     def propose(
         self, asks: Sequence[ProposeAsk]
-    ) -> tuple[list[DraftProposal], list[tuple[str, RequestError]]]:
-        """Drafts for every valid ask (in order), and an error for each of the others."""
+    ) -> tuple[ProposalBlock, list[tuple[str, RequestError]]]:
+        """Drafts for every valid ask (in order, as one block), and an error for each of the
+        others."""
         with self._lock:
             counts: dict[str, int] = {}
             for a in asks:
@@ -190,28 +201,36 @@ class DraftEngine:
             )
         return None
 
-    def _draft_ngram(self, asks: list[ProposeAsk]) -> list[DraftProposal]:
-        out = []
-        for a in asks:
-            req = self._requests[a.request_id]
-            ids = propose_ngram(req.tokens, a.num_draft_tokens, self.config.ngram)
-            out.append(DraftProposal(a.request_id, a.step, len(req.tokens), tuple(ids)))
-        return out
+    def _draft_ngram(self, asks: list[ProposeAsk]) -> ProposalBlock:
+        ids = [propose_ngram(self._requests[a.request_id].tokens, a.num_draft_tokens,
+                             self.config.ngram) for a in asks]  # fmt: skip
+        return self._block(asks, ids, [Q_NONE] * len(asks))
 
-    def _draft_model(self, asks: list[ProposeAsk]) -> list[DraftProposal]:
+    def _draft_model(self, asks: list[ProposeAsk]) -> ProposalBlock:
         active = [a for a in asks if a.num_draft_tokens > 0]
-        drafts: dict[str, tuple[list[int], DraftQ]] = {}
+        drafts: dict[str, list[int]] = {}
+        q: DraftQ = None
+        sampled: set[str] = set()
         if active:
-            drafts = self._run_model(active)
-        out = []
-        for a in asks:
-            ids, q = drafts.get(a.request_id, ([], None))
-            n = len(self._requests[a.request_id].tokens)
-            out.append(DraftProposal(a.request_id, a.step, n, tuple(ids), q))
-        return out
+            drafts, q, sampled = self._run_model(active)
+        form = Q_SPARSE if self.config.q_form == "sparse" else Q_DENSE
+        forms = [form if a.request_id in sampled else Q_NONE for a in asks]
+        return self._block(asks, [drafts.get(a.request_id, []) for a in asks], forms, q)
 
-    def _run_model(self, asks: list[ProposeAsk]) -> dict[str, tuple[list[int], DraftQ]]:
-        """k_i tokens per request: one ragged catch-up pass, then k - 1 graph steps."""
+    def _block(
+        self, asks: list[ProposeAsk], ids: list[list[int]], forms: list[int], q: DraftQ = None
+    ) -> ProposalBlock:
+        return ProposalBlock.build(
+            [a.request_id for a in asks], [a.step for a in asks],
+            [len(self._requests[a.request_id].tokens) for a in asks], [len(t) for t in ids],
+            forms, list(chain.from_iterable(ids)),
+            q if isinstance(q, DenseQ) else None, q if isinstance(q, SparseQ) else None,
+        )  # fmt: skip
+
+    def _run_model(self, asks: list[ProposeAsk]) -> tuple[dict[str, list[int]], DraftQ, set[str]]:
+        """k_i tokens per request: one ragged catch-up pass, then k - 1 graph steps. Returns
+        the tokens by request, the q rows of the sampled (not greedy) requests in order, and
+        their ids."""
         runner = self.runner
         assert runner is not None
         reqs = [self._requests[a.request_id] for a in asks]
@@ -222,24 +241,25 @@ class DraftEngine:
             items.append(ForwardItem(a.request_id, req.tokens[keep:], 1))
             req.kv = list(req.tokens)
         inputs = self._head_inputs(reqs)  # temperature, top_k, top_p, seed, position
-        drafted: list[list[_Row]] = [[] for _ in asks]
-        _store(drafted, list(range(len(asks))), self._head(runner.forward(items)[:, None], *inputs))
+        drafted: list[list[int]] = [[] for _ in asks]
+        first = self._head(runner.forward(items)[:, None], *inputs)
+        outputs = [_store(drafted, list(range(len(asks))), first)]
         for j in range(1, max(a.num_draft_tokens for a in asks)):
             rows = [b for b in range(len(asks)) if asks[b].num_draft_tokens > j]
             idx = torch.tensor(rows, device=inputs[0].device)
             step_inputs = [t[idx] for t in inputs[:4]] + [inputs[4][idx] + j]
-            last = [drafted[b][-1].token_id for b in rows]
+            last = [drafted[b][-1] for b in rows]
             tokens = torch.tensor(last, dtype=torch.int32, device=idx.device)[:, None]
             ids = [asks[b].request_id for b in rows]
             out = runner.graph_step(ids, tokens, self._head, step_inputs)
             assert isinstance(out, tuple)
-            _store(drafted, rows, out)
+            outputs.append(_store(drafted, rows, out))
             for b, token in zip(rows, last, strict=True):
                 reqs[b].kv.append(token)
-        return {
-            a.request_id: ([r.token_id for r in rows], _q(rows, req.sampling.greedy))
-            for a, req, rows in zip(asks, reqs, drafted, strict=True)
-        }
+        sampled = [not r.sampling.greedy for r in reqs]
+        q = _gather_q(outputs, [a.num_draft_tokens for a in asks], sampled)
+        drafts = {a.request_id: d for a, d in zip(asks, drafted, strict=True)}
+        return drafts, q, {a.request_id for a, s in zip(asks, sampled, strict=True) if s}
 
     def _head_inputs(self, reqs: list[_Request]) -> list[torch.Tensor]:
         dev = torch.device(self.runner.config.device if self.runner else "cpu")
@@ -257,28 +277,38 @@ class DraftEngine:
         ]
 
 
-@dataclass(frozen=True, slots=True)
-class _Row:
-    """One drafted token and the q row it was sampled from."""
-
-    token_id: int
-    probs: torch.Tensor  # [K'] or [V] float32, on the CPU
-    support_ids: torch.Tensor | None  # [K'] int32 (sparse q)
+_StepOutput = tuple[list[int], torch.Tensor, torch.Tensor | None]  # rows, probs, support ids
 
 
-def _store(drafted: list[list[_Row]], rows: list[int], out: tuple[torch.Tensor, ...]) -> None:
-    """Copies one step's head outputs (maybe graph buffers) to the CPU, one _Row per request."""
-    token_ids = out[0].tolist()
-    probs = out[1].to("cpu", copy=True)
-    support = out[2].to("cpu", copy=True) if len(out) > 2 else None
-    for i, b in enumerate(rows):
-        drafted[b].append(_Row(token_ids[i], probs[i], None if support is None else support[i]))
+def _store(drafted: list[list[int]], rows: list[int], out: tuple[torch.Tensor, ...]) -> _StepOutput:
+    """Appends one step's drafted token to each of `rows`, and copies its q rows (maybe graph
+    buffers) to the CPU."""
+    for b, token in zip(rows, out[0].tolist(), strict=True):
+        drafted[b].append(token)
+    probs = out[1].to("cpu", copy=True)  # [len(rows), K' or V] float32
+    support = out[2].to("cpu", copy=True) if len(out) > 2 else None  # [len(rows), K'] int32
+    return rows, probs, support
 
 
-def _q(rows: list[_Row], greedy: bool) -> DraftQ:
-    if greedy or not rows:
+def _gather_q(outputs: list[_StepOutput], ks: list[int], sampled: list[bool]) -> DraftQ:
+    """The q rows of the sampled requests, request-major (request b's k_b rows together, as a
+    DraftBlock holds them), from the step-major head `outputs`: one gather per field, where a
+    q per request cost two stacks (~2 us each) and the block its concatenation again.
+
+    Example, ks [2, 1], both sampled: the steps hold rows [b0 j0, b1 j0] and [b0 j1], i.e.
+    rows 0, 1, 2 concatenated; the block's rows are [b0 j0, b0 j1, b1 j0] = rows [0, 2, 1].
+    """
+    where, start = {}, 0  # (request, step) → row of the concatenated step outputs
+    for j, (rows, _, _) in enumerate(outputs):
+        for pos, b in enumerate(rows):
+            where[b, j] = start + pos
+        start += len(rows)
+    index = [where[b, j] for b, k in enumerate(ks) if sampled[b] for j in range(k)]
+    if not index:
         return None
-    probs = torch.stack([r.probs for r in rows])
-    if rows[0].support_ids is None:
+    rows_index = torch.tensor(index, dtype=torch.long)
+    probs = torch.cat([p for _, p, _ in outputs])[rows_index]
+    supports = [s for _, _, s in outputs if s is not None]
+    if not supports:
         return DenseQ(probs)
-    return SparseQ(torch.stack([r.support_ids for r in rows if r.support_ids is not None]), probs)
+    return SparseQ(torch.cat(supports)[rows_index], probs)

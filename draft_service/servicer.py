@@ -8,7 +8,7 @@ import grpc
 
 from draft_service.engine import DraftEngine
 from specdec.pb import draft_pb2, draft_pb2_grpc
-from specdec.serving.blocks import ProposeAsk, block_to_pb
+from specdec.serving.blocks import ProposeAsk
 from specdec.serving.lifecycle import LifecycleServicer
 from specdec.serving.messages import ErrorReason, RequestError
 
@@ -40,4 +40,4 @@ class DraftServicer(LifecycleServicer, draft_pb2_grpc.DraftServiceServicer):
                     errors.append(_propose_error(pb.request_id, err))
             proposals, failed = self.engine.propose(asks)
             errors += [_propose_error(rid, err) for rid, err in failed]
-            yield draft_pb2.ProposeResponse(block=block_to_pb(proposals), errors=errors)
+            yield draft_pb2.ProposeResponse(block=proposals.to_pb(), errors=errors)

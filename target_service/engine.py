@@ -1,6 +1,7 @@
-"""The target's torch work: admission (prefill), and verify steps — align a block's proposals
-to per-request state, score them all in one ragged forward, run the rejection sampler once per
-q form, commit, and roll back rejected KV. No gRPC here.
+"""The target's torch work: admission (prefill), and verify steps — align a block's entries
+(its columns, `ProposalBlock`) to per-request state, score them all in one ragged forward, run the
+rejection sampler once per q form on the block's own q tensors, commit, and roll back rejected
+KV. The verdicts are written as columns (`Verdicts`). No gRPC here.
 
 KV invariant: a request with committed sequence S (length n) holds S[:n-1] in its KV cache. A
 verify step forwards [S[n-1], d_1 .. d_k] with k + 1 logits rows (row j scores the token at
@@ -10,6 +11,7 @@ absolute position n + j), then keeps S[:n-1] plus the accepted drafts.
 from __future__ import annotations
 
 import threading
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -19,8 +21,9 @@ import torch
 from specdec.errors import InvalidInputError
 from specdec.runner import ForwardItem, ModelRunner
 from specdec.sampling_params import SamplingParams
-from specdec.serving.blocks import DenseQ, DraftProposal, SparseQ, VerifyResult
+from specdec.serving.blocks import DenseQ, DraftQ, ProposalBlock, SparseQ
 from specdec.serving.messages import Admission, ErrorReason, ModelInfo, RequestError
+from specdec.serving.verdicts import Verdicts
 from target_service.config import TargetConfig
 from target_service.rejection_sampler import (
     DenseProbs,
@@ -32,6 +35,7 @@ from target_service.rejection_sampler import (
 )
 
 Code = grpc.StatusCode
+_INVALID = ErrorReason.INVALID_ARGUMENT, Code.INVALID_ARGUMENT
 # SampleStatus → (reason, code, the entry's field the message names)
 _SAMPLE_ERRORS = {
     SampleStatus.NONFINITE_LOGITS: (ErrorReason.NONFINITE_LOGITS, Code.INTERNAL, ""),
@@ -58,20 +62,13 @@ _SAMPLE_ERRORS = {
 }
 
 
-def error_result(
-    p: DraftProposal | tuple[str, int], reason: ErrorReason, code: grpc.StatusCode, msg: str
-) -> VerifyResult:
-    """A VerifyResult that carries only an error."""
-    rid, step = (p.request_id, p.step) if isinstance(p, DraftProposal) else p
-    return VerifyResult(rid, step, error=RequestError(reason, code, msg))
-
-
 @dataclass(slots=True)
 class _Request:
     tokens: list[int]  # prompt + committed tokens
     sampling: SamplingParams
     next_step: int
-    last: VerifyResult | None = None  # verdict of next_step - 1, repeated for a duplicate
+    # next_step - 1's verdict (tokens, num_accepted, k, committed_length), for a repeat
+    last: tuple[list[int], int, int, int] | None = None
 
 
 class TargetEngine:
@@ -130,81 +127,83 @@ class TargetEngine:
         with self._lock:
             return list(self._requests[request_id].tokens)
 
-    def verify(self, entries: Sequence[DraftProposal | VerifyResult]) -> list[VerifyResult]:
-        """One verdict per entry, in order; entries that are already errors pass through.
+    def verify(self, block: ProposalBlock) -> Verdicts:
+        """One verdict per entry, in the block's order.
 
-        Error messages name the entry by its index in `entries` (the block's order), e.g.
-        "entries[3].q: ...".
+        Error messages name the entry by its index in the block, e.g. "entries[3].q: ...".
         """
         with self._lock:
-            results: list[VerifyResult | None] = [
-                e if isinstance(e, VerifyResult) else None for e in entries
+            out = Verdicts.pending(block.request_ids, block.steps)
+            rids = block.request_ids
+            counts = Counter(rids) if len(set(rids)) < len(rids) else None
+            in_vocab = _in_vocab(block.draft_token_ids, self.vocab_size)
+            valid = [
+                i
+                for i, rid in enumerate(rids)
+                if self._check(block, i, counts[rid] if counts else 1, in_vocab, out)
             ]
-            counts: dict[str, int] = {}
-            for e in entries:
-                counts[e.request_id] = counts.get(e.request_id, 0) + 1
-            valid: list[tuple[int, DraftProposal]] = []
-            for i, e in enumerate(entries):
-                if isinstance(e, DraftProposal):
-                    results[i] = self._check(i, e, counts[e.request_id])
-                    if results[i] is None:
-                        valid.append((i, e))
             if valid:
-                for i, res in zip((i for i, _ in valid), self._score(valid), strict=True):
-                    results[i] = res
-            assert all(r is not None for r in results)
-            return [r for r in results if r is not None]
+                self._score(block, valid, out)
+            return out
 
-    def _check(self, i: int, p: DraftProposal, count: int) -> VerifyResult | None:
-        """An error result if entry i does not fit the request's state, else None."""
-        req = self._requests.get(p.request_id)
-        if count > 1:
-            return error_result(
-                p,
+    def _check(
+        self, block: ProposalBlock, i: int, count: int, in_vocab: bool, out: Verdicts
+    ) -> bool:
+        """True if entry i fits its request's state; else its error verdict goes into `out`."""
+        rid, step = block.request_ids[i], block.steps[i]
+        req = self._requests.get(rid)
+        error = None
+        if i in block.errors:  # malformed: the parser's message
+            error = RequestError(*_INVALID, block.errors[i])
+        elif count > 1:
+            error = RequestError(
                 ErrorReason.DUPLICATE_ENTRY,
                 Code.INVALID_ARGUMENT,
-                f"entries[{i}].request_id {p.request_id!r} appears {count} times in the block.",
+                f"entries[{i}].request_id {rid!r} appears {count} times in the block.",
             )
-        if req is None:
-            return error_result(
-                p,
+        elif req is None:
+            error = RequestError(
                 ErrorReason.UNKNOWN_REQUEST,
                 Code.NOT_FOUND,
-                f"entries[{i}].request_id {p.request_id!r} is not admitted.",
+                f"entries[{i}].request_id {rid!r} is not admitted.",
             )
-        if p.step != req.next_step:
-            return _step_error(i, p, req)
-        if p.committed_length != len(req.tokens):
-            return error_result(
-                p,
+        elif step != req.next_step:
+            error = _step_error(i, rid, step, req)
+            if req.last is not None and error.reason == ErrorReason.DUPLICATE_STEP:
+                out.commit(i, *req.last)
+        elif block.committed_lengths[i] != len(req.tokens):
+            error = RequestError(
                 ErrorReason.COMMITTED_LENGTH_MISMATCH,
                 Code.FAILED_PRECONDITION,
-                f"entries[{i}].committed_length is {p.committed_length} but request "
-                f"{p.request_id!r} has {len(req.tokens)} committed tokens.",
+                f"entries[{i}].committed_length is {block.committed_lengths[i]} but request "
+                f"{rid!r} has {len(req.tokens)} committed tokens.",
             )
-        return self._check_values(i, p, req)
+        else:
+            error = self._check_values(block, i, req, in_vocab)
+        if error is not None:
+            out.fail(i, error)
+        return error is None
 
-    def _check_values(self, i: int, p: DraftProposal, req: _Request) -> VerifyResult | None:
-        k, limit = p.num_draft_tokens, self.config.max_num_draft_tokens
+    def _check_values(
+        self, block: ProposalBlock, i: int, req: _Request, in_vocab: bool
+    ) -> RequestError | None:
+        k, limit = block.num_draft_tokens[i], self.config.max_num_draft_tokens
         if k > limit:
-            return error_result(
-                p,
+            return RequestError(
                 ErrorReason.INVALID_ARGUMENT,
                 Code.INVALID_ARGUMENT,
                 f"entries[{i}].draft_token_ids has {k} tokens; at most {limit} per step.",
             )
-        bad = [t for t in p.draft_token_ids if not 0 <= t < self.vocab_size]
+        bad = [] if in_vocab else [t for t in block.tokens(i) if not 0 <= t < self.vocab_size]
         if bad:
-            return error_result(
-                p,
+            return RequestError(
                 ErrorReason.TOKEN_OUT_OF_VOCAB,
                 Code.INVALID_ARGUMENT,
                 f"entries[{i}].draft_token_ids holds {bad[0]}, outside the vocabulary "
                 f"[0, {self.vocab_size}).",
             )
         if len(req.tokens) + k + 1 > self.config.runner.max_seq_len:
-            return error_result(
-                p,
+            return RequestError(
                 ErrorReason.CAPACITY,
                 Code.RESOURCE_EXHAUSTED,
                 f"entries[{i}]: {len(req.tokens)} committed + {k} draft tokens + 1 would pass "
@@ -212,119 +211,105 @@ class TargetEngine:
             )
         return None
 
-    def _score(self, entries: list[tuple[int, DraftProposal]]) -> list[VerifyResult]:
-        """Verdicts of (index in the block, proposal) pairs, in order."""
-        proposals = [p for _, p in entries]
+    def _score(self, block: ProposalBlock, entries: list[int], out: Verdicts) -> None:
+        """Scores `entries` (valid, ascending) in one ragged forward, then samples each q form."""
         items = []
-        for p in proposals:
-            req = self._requests[p.request_id]
-            assert self.runner.cached_length(p.request_id) == len(req.tokens) - 1
-            items.append(
-                ForwardItem(
-                    p.request_id, [req.tokens[-1], *p.draft_token_ids], p.num_draft_tokens + 1
-                )
-            )
+        for i in entries:
+            rid = block.request_ids[i]
+            req = self._requests[rid]
+            assert self.runner.cached_length(rid) == len(req.tokens) - 1
+            tokens = [req.tokens[-1], *block.tokens(i)]
+            items.append(ForwardItem(rid, tokens, block.num_draft_tokens[i] + 1))
         logits = self.runner.forward(items)  # [sum(k_i + 1), V]
-        rows = logits.split([p.num_draft_tokens + 1 for p in proposals])
-        results: list[VerifyResult | None] = [None] * len(proposals)
-        for group in _group_by_q(proposals).values():
-            outs = self._sample([entries[i] for i in group], [rows[i] for i in group])
-            for i, res in zip(group, outs, strict=True):
-                results[i] = res
-        return [r for r in results if r is not None]
+        groups: dict[int, list[int]] = {}  # q form → positions in `entries`
+        for pos, i in enumerate(entries):
+            groups.setdefault(block.q_forms[i], []).append(pos)
+        if len(groups) == 1:  # the usual case: the forward's rows are the sampler's as they are
+            self._sample(block, next(iter(groups)), entries, logits, out)
+            return
+        rows = logits.split([block.num_draft_tokens[i] + 1 for i in entries])
+        for form, positions in groups.items():
+            group = [entries[p] for p in positions]
+            self._sample(block, form, group, torch.cat([rows[p] for p in positions]), out)
 
     def _sample(
-        self, entries: list[tuple[int, DraftProposal]], rows: list[torch.Tensor]
-    ) -> list[VerifyResult]:
-        """Runs the rejection sampler on proposals sharing one q form, then commits."""
-        group = [p for _, p in entries]
-        reqs = [self._requests[p.request_id] for p in group]
+        self,
+        block: ProposalBlock,
+        form: int,
+        entries: list[int],
+        logits: torch.Tensor,  # [sum(k_i + 1), V] of `entries`
+        out: Verdicts,
+    ) -> None:
+        """Runs the rejection sampler on `entries` (ascending, of one q form), then commits."""
+        reqs = [self._requests[block.request_ids[i]] for i in entries]
+        ks = [block.num_draft_tokens[i] for i in entries]
         dev = self._device
-        out = rejection_sample(
-            torch.tensor([p.num_draft_tokens for p in group], dtype=torch.int32, device=dev),
-            torch.tensor(
-                [t for p in group for t in p.draft_token_ids], dtype=torch.int32, device=dev
-            ),
-            torch.cat(rows),
-            _draft_probs(group, dev),
+        sampled = rejection_sample(
+            torch.tensor(ks, dtype=torch.int32, device=dev),
+            torch.tensor(block.draft_tokens(entries), dtype=torch.int32, device=dev),
+            logits,
+            _draft_probs(block.q_rows(form, entries), dev),
             RequestSampling.from_params(
                 [r.sampling for r in reqs], [len(r.tokens) for r in reqs], dev
             ),
             vocab_size=self.vocab_size,
             impl=self.config.sampler_impl,
         )
-        status, accepted = out.status.tolist(), out.accepted.tolist()
-        return [
-            self._commit(i, p, req, out.committed(b), accepted[b][: p.num_draft_tokens], status[b])
-            for b, ((i, p), req) in enumerate(zip(entries, reqs, strict=True))
-        ]
+        status, counts = sampled.status.tolist(), sampled.num_committed.tolist()
+        tokens, accepted = sampled.token_ids.tolist(), sampled.accepted.tolist()
+        for b, (i, req) in enumerate(zip(entries, reqs, strict=True)):
+            committed, flags = tokens[b][: counts[b]], accepted[b][: ks[b]]
+            self._commit(block, i, req, committed, flags, status[b], out)
 
     def _commit(
         self,
+        block: ProposalBlock,
         i: int,
-        p: DraftProposal,
         req: _Request,
         tokens: list[int],
         accepted: list[bool],
         status: int,
-    ) -> VerifyResult:
-        n = len(req.tokens)
+        out: Verdicts,
+    ) -> None:
+        rid = block.request_ids[i]
         if status != SampleStatus.OK:
-            self.runner.truncate(p.request_id, n - 1)
+            self.runner.truncate(rid, len(req.tokens) - 1)
             reason, code, field = _SAMPLE_ERRORS[SampleStatus(status)]
-            return error_result(p, reason, code, f"entries[{i}]{field}: {status_message(status)}")
+            message = f"entries[{i}]{field}: {status_message(status)}"
+            out.fail(i, RequestError(reason, code, message))
+            return
+        num_accepted = accepted.count(True)
+        assert len(tokens) == num_accepted + 1, "the sampler stops at the first rejection"
         req.tokens.extend(tokens)
-        self.runner.truncate(p.request_id, len(req.tokens) - 1)
-        result = VerifyResult(p.request_id, p.step, tuple(tokens), tuple(accepted), len(req.tokens))
-        req.next_step, req.last = p.step + 1, result
-        return result
+        self.runner.truncate(rid, len(req.tokens) - 1)
+        req.next_step = block.steps[i] + 1
+        req.last = (tokens, num_accepted, len(accepted), len(req.tokens))
+        out.commit(i, *req.last)
 
 
-def _step_error(i: int, p: DraftProposal, req: _Request) -> VerifyResult:
-    if p.step == req.next_step - 1 and req.last is not None:
-        msg = (
-            f"entries[{i}].step {p.step} of request {p.request_id!r} was already verified; "
-            "its verdict repeats."
+def _step_error(i: int, rid: str, step: int, req: _Request) -> RequestError:
+    if step == req.next_step - 1 and req.last is not None:
+        return RequestError(
+            ErrorReason.DUPLICATE_STEP,
+            Code.ALREADY_EXISTS,
+            f"entries[{i}].step {step} of request {rid!r} was already verified; "
+            "its verdict repeats.",
         )
-        err = RequestError(ErrorReason.DUPLICATE_STEP, Code.ALREADY_EXISTS, msg)
-        last = req.last
-        return VerifyResult(
-            p.request_id, p.step, last.token_ids, last.accepted, last.committed_length, err
-        )
-    reason = ErrorReason.STALE_STEP if p.step < req.next_step else ErrorReason.FUTURE_STEP
-    return error_result(
-        p,
+    reason = ErrorReason.STALE_STEP if step < req.next_step else ErrorReason.FUTURE_STEP
+    return RequestError(
         reason,
         Code.FAILED_PRECONDITION,
-        f"entries[{i}].step is {p.step} but request {p.request_id!r} expects step {req.next_step}.",
+        f"entries[{i}].step is {step} but request {rid!r} expects step {req.next_step}.",
     )
 
 
-def _group_by_q(proposals: list[DraftProposal]) -> dict[object, list[int]]:
-    """Indices by q form; dense groups also by width, since one call takes one [T, Vq]."""
-    groups: dict[object, list[int]] = {}
-    for i, p in enumerate(proposals):
-        key: object = "none"
-        if isinstance(p.q, DenseQ):
-            key = ("dense", p.q.probs.shape[1])
-        elif isinstance(p.q, SparseQ):
-            key = "sparse"
-        groups.setdefault(key, []).append(i)
-    return groups
+def _in_vocab(token_ids: list[int], vocab_size: int) -> bool:
+    return not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size)
 
 
-def _draft_probs(group: list[DraftProposal], dev: torch.device) -> DenseProbs | SparseProbs | None:
-    qs = [p.q for p in group]
-    if all(isinstance(q, DenseQ) for q in qs):
-        return DenseProbs(torch.cat([q.probs for q in qs if isinstance(q, DenseQ)]).to(dev))
-    sparse = [q for q in qs if isinstance(q, SparseQ)]
-    if not sparse:
-        return None
-    width = max(q.probs.shape[1] for q in sparse)
-    pad = [width - q.probs.shape[1] for q in sparse]
-    ids = [
-        torch.nn.functional.pad(q.token_ids, (0, w), value=-1)
-        for q, w in zip(sparse, pad, strict=True)
-    ]
-    probs = [torch.nn.functional.pad(q.probs, (0, w)) for q, w in zip(sparse, pad, strict=True)]
-    return SparseProbs(torch.cat(ids).to(dev), torch.cat(probs).to(dev))
+def _draft_probs(q: DraftQ, dev: torch.device) -> DenseProbs | SparseProbs | None:
+    if isinstance(q, DenseQ):
+        return DenseProbs(q.probs.to(dev))
+    if isinstance(q, SparseQ):
+        return SparseProbs(q.token_ids.to(dev), q.probs.to(dev))
+    return None

@@ -10,7 +10,7 @@ import grpc
 from specdec.errors import CheckpointError
 from specdec.pb import common_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.runner import ModelRunner
-from specdec.serving.blocks import DraftProposal
+from specdec.serving.blocks import DraftProposal, ProposalBlock, block_to_pb
 from specdec.serving.client import make_channel
 from specdec.serving.messages import Admission, ModelInfo, check_compatible
 from specdec.serving.server import Server
@@ -27,7 +27,7 @@ def warm_up(engine: TargetEngine) -> None:
     """One admit → verify → release, so the first real step pays no compile or allocation."""
     engine.admit(Admission(WARMUP_ID, (0, 1)))
     try:
-        engine.verify([DraftProposal(WARMUP_ID, 0, 2, (1,))])
+        engine.verify(ProposalBlock.from_pb(block_to_pb([DraftProposal(WARMUP_ID, 0, 2, (1,))])))
     finally:
         engine.release([WARMUP_ID])
 

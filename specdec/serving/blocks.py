@@ -1,33 +1,36 @@
-"""The data plane: draft proposals (draft → target), verdicts (target → draft), propose asks.
+"""The draft → target half of the data plane: draft proposals and propose asks.
 
 A `DraftBlock` holds one entry per request, in any order, with k_i >= 0 draft tokens each and
 q dense, sparse or absent. It is columnar: one repeated field per entry attribute, and the
 draft token ids and q rows of all entries packed per block (one int32 buffer of ids, one int32
-and one float32 buffer for the whole block's sparse q), decoded with one `frombuffer` per field
-and split into per-entry views. Per-entry messages cost ~1 to 10 us of Python each, which at
-batch 32 was most of the transport time (bench/results/transport_notes.md). The verdicts come
-back the same way, as the columns of one `VerifyResponse` (`results_to_pb` / `results_from_pb`).
+and one float32 buffer for the whole block's sparse q). The draft builds it from per-request
+`DraftProposal`s (`block_to_pb`); the target reads it as columns (`ProposalBlock`): one
+`frombuffer` per field and whole [rows, S] q tensors that the rejection sampler takes as they
+are. Per-entry objects and tensor views cost ~1 to 3 us of Python each, which at batch 32 was
+most of the transport time (bench/results/transport_notes.md).
 
 The domain objects here are `slots` dataclasses but not frozen: a frozen dataclass's `__init__`
-costs ~0.45 us more per object, ~60 us per batch-32 step over its ~130 objects (measured).
+costs ~0.45 us more per object (measured).
 
-`proposals_from_pb` checks shapes once for the block; a malformed buffer is a `ValueError`
+`ProposalBlock.from_pb` checks shapes once for the block; a malformed buffer is a `ValueError`
 naming the field, answered as every entry's error. A malformed entry (empty request_id, ...) is
-returned as that entry's `ValueError`, and the target serves the rest of the block.
+recorded as that entry's error message, and the target serves the rest of the block.
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass
+from itertools import accumulate, chain
 
 import numpy as np
 import torch
 
-from specdec.pb import common_pb2, draft_pb2, target_pb2
+from specdec.pb import common_pb2, draft_pb2
 from specdec.serving.arrays import pack, unpack
-from specdec.serving.messages import RequestError
 
 Q_NONE, Q_DENSE, Q_SPARSE = 0, 1, 2  # specdec.v1.QForm
+_FORMS = (Q_NONE, Q_DENSE, Q_SPARSE)
 _INT32_WIRE = np.dtype("<i4")
 
 
@@ -81,46 +84,193 @@ class DraftProposal:
 
 
 _Q_FORMS: dict[type, int] = {type(None): Q_NONE, DenseQ: Q_DENSE, SparseQ: Q_SPARSE}
+_FORM_NAMES = {Q_DENSE: "dense", Q_SPARSE: "sparse"}
+_COLUMNS = ("steps", "committed_lengths", "num_draft_tokens", "q_forms")  # with request_ids
 
 
 def block_to_pb(proposals: list[DraftProposal]) -> common_pb2.DraftBlock:
-    """One columnar DraftBlock; draft token ids and q rows of each form concatenated in order."""
-    qs = [p.q for p in proposals]
-    pb = common_pb2.DraftBlock(
-        request_ids=[p.request_id for p in proposals],
-        steps=[p.step for p in proposals],
-        committed_lengths=[p.committed_length for p in proposals],
-        num_draft_tokens=[len(p.draft_token_ids) for p in proposals],
-        q_forms=[_Q_FORMS[type(q)] for q in qs],  # type: ignore[misc]
-        draft_token_ids=_pack_ints([t for p in proposals for t in p.draft_token_ids]),
-    )
-    dense = [q.probs for q in qs if type(q) is DenseQ]
-    if dense:
-        widths = {q.shape[1] for q in dense}
-        if len(widths) > 1:
-            raise ValueError(f"dense q rows of one block must share a width, got {widths}.")
-        pb.dense.vocab_size = widths.pop()
-        pb.dense.probs = pack(torch.cat(dense))
-    sparse = [q for q in qs if type(q) is SparseQ]
-    if sparse:
-        supports = [q.probs.shape[1] for q in sparse]
-        width = max(supports)
-        if min(supports) == width:  # the usual case: one support size for the whole block
-            sparse_ids, probs = [q.token_ids for q in sparse], [q.probs for q in sparse]
-        else:
-            pad = [width - w for w in supports]
-            sparse_ids = [torch.nn.functional.pad(q.token_ids, (0, w), value=-1)
-                          for q, w in zip(sparse, pad, strict=True)]  # fmt: skip
-            probs = [torch.nn.functional.pad(q.probs, (0, w))
-                     for q, w in zip(sparse, pad, strict=True)]  # fmt: skip
-        pb.sparse.support_size = width
-        pb.sparse.token_ids = pack(torch.cat(sparse_ids))
-        pb.sparse.probs = pack(torch.cat(probs))
-    return pb
+    """One columnar DraftBlock of per-request proposals (tests and the n-gram path)."""
+    return ProposalBlock.from_proposals(proposals).to_pb()
 
 
-def _pack_ints(values: list[int]) -> bytes:
-    return np.asarray(values, dtype=_INT32_WIRE).tobytes()
+@dataclass(slots=True)
+class ProposalBlock:
+    """One verify step's proposals for many requests as columns: a `specdec.v1.DraftBlock` as
+    the draft builds it and the target reads it, with all draft token ids in one list and the
+    q rows of each form in whole tensors.
+
+    Entry i's draft tokens are draft_token_ids[token_starts[i] : token_starts[i + 1]]; its q is
+    rows q_starts[i] .. q_starts[i] + k_i - 1 of `dense` or `sparse`, as q_forms[i] says.
+    Example, k = [2, 0, 1], forms [SPARSE, NONE, SPARSE]: token_starts [0, 2, 2, 3], q_starts
+    [0, 0, 2], and `sparse` has 3 rows. A malformed entry keeps its place, with its message in
+    `errors`.
+    """
+
+    request_ids: list[str]
+    steps: list[int]
+    committed_lengths: list[int]
+    num_draft_tokens: list[int]
+    q_forms: list[int]
+    draft_token_ids: list[int]  # [sum k_i]
+    token_starts: list[int]  # [n + 1]
+    q_starts: list[int]  # [n]: first row of entry i in its form's tensors
+    dense: DenseQ | None  # [rows of dense entries, vocab_size]
+    sparse: SparseQ | None  # [rows of sparse entries, support_size]
+    errors: dict[int, str]  # entry index → "entries[i].field ..." for malformed entries
+
+    @classmethod
+    def build(
+        cls,
+        request_ids: list[str],
+        steps: list[int],
+        committed_lengths: list[int],
+        num_draft_tokens: list[int],
+        q_forms: list[int],
+        draft_token_ids: list[int],
+        dense: DenseQ | None = None,
+        sparse: SparseQ | None = None,
+    ) -> ProposalBlock:
+        """A block of these columns; ValueError if they do not fit each other."""
+        _check_lengths(len(request_ids), steps, committed_lengths, num_draft_tokens, q_forms)
+        starts = list(accumulate(num_draft_tokens, initial=0))
+        if len(draft_token_ids) != starts[-1]:
+            raise ValueError(f"draft_token_ids has {len(draft_token_ids)} ids; the entries' "
+                             f"num_draft_tokens sum to {starts[-1]}.")  # fmt: skip
+        q_starts, rows = _q_starts(num_draft_tokens, q_forms, starts)
+        for form, q in ((Q_DENSE, dense), (Q_SPARSE, sparse)):
+            have, need = None if q is None else q.probs.shape[0], rows.get(form)
+            if have != need:
+                name = _FORM_NAMES[form]
+                has = "no tensor" if have is None else f"{have} rows"
+                entries = "no entries" if need is None else f"entries whose k_i sum to {need}"
+                raise ValueError(
+                    f"{name} q has {has}; the block has Q_FORM_{name.upper()} {entries}."
+                )
+        errors = _entry_errors(request_ids, committed_lengths)
+        return cls(request_ids, steps, committed_lengths, num_draft_tokens, q_forms,
+                   draft_token_ids, starts, q_starts, dense, sparse, errors)  # fmt: skip
+
+    @classmethod
+    def from_proposals(cls, proposals: list[DraftProposal]) -> ProposalBlock:
+        """The proposals' columns; their q rows of each form concatenated in order."""
+        qs = [p.q for p in proposals]
+        forms = [_Q_FORMS[type(q)] for q in qs]
+        dense = sparse = None
+        if Q_DENSE in forms:
+            probs = [q.probs for q in qs if type(q) is DenseQ]
+            widths = {p.shape[1] for p in probs}
+            if len(widths) > 1:
+                raise ValueError(f"dense q rows of one block must share a width, got {widths}.")
+            dense = DenseQ(torch.cat(probs))
+        if Q_SPARSE in forms:
+            sparse = _concat_sparse([q for q in qs if type(q) is SparseQ])
+        return cls.build(
+            [p.request_id for p in proposals], [p.step for p in proposals],
+            [p.committed_length for p in proposals], [len(p.draft_token_ids) for p in proposals],
+            forms, list(chain.from_iterable([p.draft_token_ids for p in proposals])), dense, sparse,
+        )  # fmt: skip
+
+    def to_pb(self) -> common_pb2.DraftBlock:
+        ids = self.draft_token_ids
+        pb = common_pb2.DraftBlock(
+            request_ids=self.request_ids,
+            steps=self.steps,
+            committed_lengths=self.committed_lengths,
+            num_draft_tokens=self.num_draft_tokens,
+            q_forms=self.q_forms,  # type: ignore[arg-type]
+            draft_token_ids=struct.pack(f"<{len(ids)}i", *ids),
+        )
+        if self.dense is not None:
+            pb.dense.vocab_size = self.dense.probs.shape[1]
+            pb.dense.probs = pack(self.dense.probs)
+        if self.sparse is not None:
+            pb.sparse.support_size = self.sparse.probs.shape[1]
+            pb.sparse.token_ids = pack(self.sparse.token_ids)
+            pb.sparse.probs = pack(self.sparse.probs)
+        return pb
+
+    @classmethod
+    def from_pb(cls, pb: common_pb2.DraftBlock) -> ProposalBlock:
+        """Raises ValueError (naming the field) when the block's columns or buffers do not fit
+        each other: e.g. sparse.probs must hold sum(k_i of sparse entries) x support_size
+        float32s."""
+        steps, lengths, ks, forms = _columns(pb)
+        starts = list(accumulate(ks, initial=0))
+        q_starts, rows = _q_starts(ks, forms, starts)
+        dense = sparse = None
+        if Q_DENSE in rows:
+            _check_present(pb, forms, Q_DENSE)
+            if pb.dense.vocab_size == 0:
+                raise ValueError("dense.vocab_size must be > 0.")
+            shape = (rows[Q_DENSE], pb.dense.vocab_size)
+            dense = DenseQ(_unpack(pb.dense.probs, torch.float32, shape, "dense.probs"))
+        if Q_SPARSE in rows:
+            _check_present(pb, forms, Q_SPARSE)
+            if pb.sparse.support_size == 0:
+                raise ValueError("sparse.support_size must be > 0.")
+            shape = (rows[Q_SPARSE], pb.sparse.support_size)
+            sparse = SparseQ(
+                _unpack(pb.sparse.token_ids, torch.int32, shape, "sparse.token_ids"),
+                _unpack(pb.sparse.probs, torch.float32, shape, "sparse.probs"),
+            )
+        ids = np.frombuffer(pb.draft_token_ids, dtype=_INT32_WIRE).tolist()
+        rids = pb.request_ids[:]
+        errors = _entry_errors(rids, lengths)
+        return cls(rids, steps, lengths, ks, forms, ids, starts, q_starts, dense, sparse, errors)
+
+    def __len__(self) -> int:
+        return len(self.request_ids)
+
+    def tokens(self, i: int) -> list[int]:
+        """Entry i's draft token ids."""
+        return self.draft_token_ids[self.token_starts[i] : self.token_starts[i + 1]]
+
+    def draft_tokens(self, entries: list[int]) -> list[int]:
+        """The draft token ids of `entries` (ascending), concatenated."""
+        if len(entries) == len(self.request_ids):
+            return self.draft_token_ids
+        return list(chain.from_iterable([self.tokens(i) for i in entries]))
+
+    def q(self, i: int) -> DraftQ:
+        """Entry i's q (a copy of its rows, unless it is the only entry of its form)."""
+        return self.q_rows(self.q_forms[i], [i])
+
+    def q_rows(self, form: int, entries: list[int]) -> DraftQ:
+        """q of `entries` (ascending, all of q form `form`), their rows concatenated: the
+        block's own tensors when `entries` are all its entries of that form."""
+        q = self.dense if form == Q_DENSE else self.sparse if form == Q_SPARSE else None
+        if q is None or len(entries) == self.q_forms.count(form):
+            return q
+        ks, starts = self.num_draft_tokens, self.q_starts
+        rows = [r for i in entries for r in range(starts[i], starts[i] + ks[i])]
+        index = torch.tensor(rows, dtype=torch.long)
+        if isinstance(q, DenseQ):
+            return DenseQ(q.probs[index])
+        return SparseQ(q.token_ids[index], q.probs[index])
+
+    def proposal(self, i: int) -> DraftProposal:
+        """Entry i as one DraftProposal (tests, debugging); ValueError if it is malformed."""
+        if i in self.errors:
+            raise ValueError(self.errors[i])
+        return DraftProposal(
+            self.request_ids[i], self.steps[i], self.committed_lengths[i],
+            tuple(self.tokens(i)), self.q(i),
+        )  # fmt: skip
+
+
+def _concat_sparse(sparse: list[SparseQ]) -> SparseQ:
+    """The rows of all `sparse` in order, narrower supports padded to the widest."""
+    probs = [q.probs for q in sparse]
+    try:  # the usual case: one support size for the whole block (torch.cat checks it)
+        cat = torch.cat(probs)
+        return SparseQ(torch.cat([q.token_ids for q in sparse]), cat)
+    except RuntimeError:
+        pass
+    width = max(p.shape[1] for p in probs)
+    pad = torch.nn.functional.pad
+    ids = [pad(q.token_ids, (0, width - q.probs.shape[1]), value=-1) for q in sparse]
+    padded = [pad(p, (0, width - p.shape[1])) for p in probs]
+    return SparseQ(torch.cat(ids), torch.cat(padded))
 
 
 def _unpack(data: bytes, dtype: torch.dtype, shape: tuple[int, int], field: str) -> torch.Tensor:
@@ -133,139 +283,65 @@ def _unpack(data: bytes, dtype: torch.dtype, shape: tuple[int, int], field: str)
         ) from e
 
 
-def _rows(ks: list[int], forms: list[int], form: int, name: str, present: bool) -> list[int]:
-    """k_i of the entries of one q form; ValueError if they need a buffer the block lacks."""
-    rows = [k for k, f in zip(ks, forms, strict=True) if f == form]
-    if rows and not present:
-        i = forms.index(form)
-        raise ValueError(f"entries[{i}].q_form is {name.upper()} but the block has no {name}.")
-    return rows
-
-
-def _split_q(pb: common_pb2.DraftBlock, ks: list[int], forms: list[int]) -> dict[int, list[DraftQ]]:
-    """Per-entry views of the block's dense and sparse q, by form (checked once per block)."""
-    out: dict[int, list[DraftQ]] = {}
-    bad = [i for i, f in enumerate(forms) if f not in (Q_NONE, Q_DENSE, Q_SPARSE)]
-    if bad:
-        raise ValueError(f"entries[{bad[0]}].q_form is {forms[bad[0]]}; "
-                         "expected Q_FORM_NONE, Q_FORM_DENSE or Q_FORM_SPARSE.")  # fmt: skip
-    rows = _rows(ks, forms, Q_DENSE, "dense", pb.HasField("dense"))
-    if rows:
-        if pb.dense.vocab_size == 0:
-            raise ValueError("dense.vocab_size must be > 0.")
-        shape = (sum(rows), pb.dense.vocab_size)
-        probs = _unpack(pb.dense.probs, torch.float32, shape, "dense.probs")
-        out[Q_DENSE] = [DenseQ(p) for p in probs.split(rows)]
-    rows = _rows(ks, forms, Q_SPARSE, "sparse", pb.HasField("sparse"))
-    if rows:
-        if pb.sparse.support_size == 0:
-            raise ValueError("sparse.support_size must be > 0.")
-        shape = (sum(rows), pb.sparse.support_size)
-        ids = _unpack(pb.sparse.token_ids, torch.int32, shape, "sparse.token_ids").split(rows)
-        probs = _unpack(pb.sparse.probs, torch.float32, shape, "sparse.probs").split(rows)
-        out[Q_SPARSE] = [SparseQ(i, p) for i, p in zip(ids, probs, strict=True)]
-    return out
-
-
 def _columns(pb: common_pb2.DraftBlock) -> tuple[list[int], list[int], list[int], list[int]]:
     """(steps, committed_lengths, num_draft_tokens, q_forms); ValueError if their lengths differ
     from request_ids' or draft_token_ids does not hold sum(num_draft_tokens) int32s."""
-    n = len(pb.request_ids)
-    names = ("steps", "committed_lengths", "num_draft_tokens", "q_forms")
-    columns = [list(getattr(pb, name)) for name in names]
-    for name, column in zip(names, columns, strict=True):
-        if len(column) != n:
-            raise ValueError(f"{name} has {len(column)} values for {n} request_ids; "
-                             "every column needs one per entry.")  # fmt: skip
-    total = sum(columns[2])
+    # [:] copies a repeated field into a list in half the time list() takes (measured)
+    steps, lengths, ks, forms = [getattr(pb, name)[:] for name in _COLUMNS]
+    _check_lengths(len(pb.request_ids), steps, lengths, ks, forms)
+    total = sum(ks)
     if len(pb.draft_token_ids) != 4 * total:
         raise ValueError(
             f"draft_token_ids has {len(pb.draft_token_ids)} bytes; expected {4 * total} (the "
             f"entries' num_draft_tokens sum to {total}, little-endian int32)."
         )
-    steps, lengths, ks, forms = columns
     return steps, lengths, ks, forms
 
 
-def proposals_from_pb(pb: common_pb2.DraftBlock) -> list[DraftProposal | ValueError]:
-    """The block's proposals in order; an entry that is malformed is its ValueError instead.
-
-    Raises ValueError (naming the field) when the block's columns or buffers do not fit each
-    other: e.g. sparse.probs must hold sum(k_i of sparse entries) x support_size float32s.
-    """
-    steps, lengths, ks, forms = _columns(pb)
-    flat = np.frombuffer(pb.draft_token_ids, dtype=_INT32_WIRE).tolist()
-    taken = {form: iter(q) for form, q in _split_q(pb, ks, forms).items()}
-    out: list[DraftProposal | ValueError] = []
-    start = 0
-    for i, (rid, step, length, k, form) in enumerate(
-        zip(pb.request_ids, steps, lengths, ks, forms, strict=True)
-    ):
-        tokens, start = tuple(flat[start : start + k]), start + k
-        q = next(taken[form]) if form != Q_NONE else None
-        try:
-            out.append(DraftProposal(rid, step, length, tokens, q))
-        except ValueError as err:
-            out.append(ValueError(f"entries[{i}].{err}"))
-    return out
+def _check_lengths(n: int, *columns: list[int]) -> None:
+    """ValueError unless steps, committed_lengths, num_draft_tokens and q_forms have n values."""
+    for name, column in zip(_COLUMNS, columns, strict=True):
+        if len(column) != n:
+            raise ValueError(f"{name} has {len(column)} values for {n} request_ids; "
+                             "every column needs one per entry.")  # fmt: skip
 
 
-@dataclass(slots=True)
-class VerifyResult:
-    """The verdict for one request of a block (one position of a `specdec.v1.VerifyResponse`)."""
-
-    request_id: str
-    step: int
-    token_ids: tuple[int, ...] = ()
-    accepted: tuple[bool, ...] = ()
-    committed_length: int = 0
-    error: RequestError | None = None
-
-    @property
-    def num_accepted(self) -> int:
-        return sum(self.accepted)
-
-
-def results_to_pb(results: list[VerifyResult]) -> target_pb2.VerifyResponse:
-    """The verdicts of one block as the columns of one VerifyResponse, in order."""
-    num_accepted = [a.count(True) for a in (r.accepted for r in results)]
-    prefixes = [r.accepted[:n] for r, n in zip(results, num_accepted, strict=True)]
-    assert all(False not in a for a in prefixes), (
-        "accepted drafts must be a prefix: the sampler stops at the first rejection"
-    )
-    pb = target_pb2.VerifyResponse(
-        request_ids=[r.request_id for r in results],
-        steps=[r.step for r in results],
-        num_accepted=num_accepted,
-        num_draft_tokens=[len(r.accepted) for r in results],
-        committed_lengths=[r.committed_length for r in results],
-        num_token_ids=[len(r.token_ids) for r in results],
-        token_ids=[t for r in results for t in r.token_ids],
-    )
-    for i, r in enumerate(results):
-        if r.error is not None:
-            pb.errors.add(index=i, error=r.error.to_pb())
-    return pb
+def _q_starts(
+    ks: list[int], forms: list[int], starts: list[int]
+) -> tuple[list[int], dict[int, int]]:
+    """(first q row of each entry in its form's tensors, rows per q form present)."""
+    if len(set(forms)) == 1 and forms[0] in _FORMS:  # the usual case: one q form in the block
+        return starts, {forms[0]: starts[-1]}
+    q_starts: list[int] = []
+    rows: dict[int, int] = {}
+    for i, (k, form) in enumerate(zip(ks, forms, strict=True)):
+        if form not in _FORMS:
+            raise ValueError(f"entries[{i}].q_form is {form}; "
+                             "expected Q_FORM_NONE, Q_FORM_DENSE or Q_FORM_SPARSE.")  # fmt: skip
+        q_starts.append(rows.get(form, 0))
+        rows[form] = q_starts[-1] + k
+    return q_starts, rows
 
 
-def results_from_pb(pb: target_pb2.VerifyResponse) -> list[VerifyResult]:
-    """The verdicts of a VerifyResponse, in order; ValueError if its columns disagree."""
-    rids, tokens = list(pb.request_ids), list(pb.token_ids)
-    columns = [list(c) for c in (pb.steps, pb.num_accepted, pb.num_draft_tokens,
-                                 pb.committed_lengths, pb.num_token_ids)]  # fmt: skip
-    if any(len(c) != len(rids) for c in columns) or len(tokens) != sum(columns[-1]):
-        raise ValueError("VerifyResponse columns have different lengths.")
-    errors = {e.index: RequestError.from_pb(e.error) for e in pb.errors}
-    flags: dict[tuple[int, int], tuple[bool, ...]] = {}
-    out, start = [], 0
-    for i, (rid, step, a, k, length, m) in enumerate(zip(rids, *columns, strict=True)):
-        accepted = flags.get((a, k))
-        if accepted is None:
-            accepted = flags[a, k] = (True,) * a + (False,) * (k - a)
-        out.append(VerifyResult(rid, step, tuple(tokens[start : start + m]), accepted, length,
-                                errors.get(i)))  # fmt: skip
-        start += m
-    return out
+def _check_present(pb: common_pb2.DraftBlock, forms: list[int], form: int) -> None:
+    name = _FORM_NAMES[form]
+    if not pb.HasField(name):  # type: ignore[arg-type]
+        i = forms.index(form)
+        raise ValueError(f"entries[{i}].q_form is {name.upper()} but the block has no {name}.")
+
+
+def _entry_errors(request_ids: list[str], committed_lengths: list[int]) -> dict[int, str]:
+    """Messages of the malformed entries, by index (the checks `DraftProposal` makes)."""
+    errors: dict[int, str] = {}
+    if committed_lengths and min(committed_lengths) < 1:
+        for i, n in enumerate(committed_lengths):
+            if n < 1:
+                errors[i] = f"entries[{i}].committed_length must be >= 1, got {n}."
+    if "" in request_ids:
+        for i, rid in enumerate(request_ids):
+            if not rid:
+                errors[i] = f"entries[{i}].request_id must be a non-empty string."
+    return errors
 
 
 @dataclass(frozen=True, slots=True)

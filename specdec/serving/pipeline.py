@@ -14,9 +14,10 @@ import grpc
 
 from specdec.pb import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2_grpc
 from specdec.sampling_params import SamplingParams
-from specdec.serving.blocks import ProposeAsk, VerifyResult, results_from_pb
+from specdec.serving.blocks import ProposeAsk
 from specdec.serving.client import LockstepStream
 from specdec.serving.messages import Admission
+from specdec.serving.verdicts import Verdicts
 
 
 @dataclass(slots=True)
@@ -60,8 +61,8 @@ class Pipeline:
         for rid in request_ids:
             self.requests.pop(rid, None)
 
-    def step(self, num_draft_tokens: Mapping[str, int]) -> dict[str, VerifyResult]:
-        """One propose → verify step for the given requests; verdicts by id."""
+    def step(self, num_draft_tokens: Mapping[str, int]) -> Verdicts:
+        """One propose → verify step for the given requests; the verdicts in the block's order."""
         asks = []
         for rid, k in num_draft_tokens.items():
             seq = self.requests[rid]
@@ -70,23 +71,20 @@ class Pipeline:
         proposed = self._propose(draft_pb2.ProposeBlock(entries=asks))
         if proposed.errors:
             raise RuntimeError(f"the draft refused: {proposed.errors[0]}")
-        verdicts = self._verify(proposed.block)
-        results = {}
-        ks = proposed.block.num_draft_tokens
-        for k, result in zip(ks, results_from_pb(verdicts), strict=True):
-            results[result.request_id] = result
-            if result.error is None:
-                self._record(result, k)
-        return results
+        verdicts = Verdicts.from_pb(self._verify(proposed.block))
+        for i, rid in enumerate(verdicts.request_ids):
+            if i not in verdicts.errors:
+                self._record(rid, verdicts, i)
+        return verdicts
 
-    def _record(self, result: VerifyResult, k: int) -> None:
-        seq = self.requests[result.request_id]
-        seq.tokens.extend(result.token_ids)
-        seq.new_tokens = list(result.token_ids)
-        seq.next_step = result.step + 1
+    def _record(self, rid: str, verdicts: Verdicts, i: int) -> None:
+        seq, tokens, k = self.requests[rid], verdicts.token_ids[i], verdicts.num_draft_tokens[i]
+        seq.tokens.extend(tokens)
+        seq.new_tokens = list(tokens)
+        seq.next_step = verdicts.steps[i] + 1
         seq.num_drafts += k > 0
         seq.num_draft_tokens += k
-        seq.num_accepted += result.num_accepted
+        seq.num_accepted += verdicts.num_accepted[i]
 
     def generate(self, num_draft_tokens: Mapping[str, int], max_new_tokens: int) -> None:
         """Steps until every request has at least `max_new_tokens` generated tokens."""
@@ -98,9 +96,11 @@ class Pipeline:
             }
             if not ks:
                 return
-            for rid, result in self.step(ks).items():
-                if result.error is not None:
-                    raise RuntimeError(f"request {rid}: {result.error.message}")
+            verdicts = self.step(ks)
+            if verdicts.errors:
+                i = min(verdicts.errors)
+                error = verdicts.errors[i]
+                raise RuntimeError(f"request {verdicts.request_ids[i]}: {error.message}")
 
     def close(self) -> None:
         self._propose.close()

@@ -15,15 +15,15 @@ from specdec.pb import common_pb2, generate, target_pb2
 from specdec.sampling_params import SamplingParams
 from specdec.serving.arrays import pack, unpack
 from specdec.serving.blocks import (
+    Q_DENSE,
+    Q_NONE,
+    Q_SPARSE,
     DenseQ,
     DraftProposal,
+    ProposalBlock,
     ProposeAsk,
     SparseQ,
-    VerifyResult,
     block_to_pb,
-    proposals_from_pb,
-    results_from_pb,
-    results_to_pb,
 )
 from specdec.serving.messages import (
     Admission,
@@ -32,6 +32,7 @@ from specdec.serving.messages import (
     RequestError,
     check_compatible,
 )
+from specdec.serving.verdicts import Verdicts, VerifyResult
 
 
 def test_error_reason_mirrors_proto_enum() -> None:
@@ -75,9 +76,10 @@ def _q(kind: str, k: int, vocab: int = 11, support: int = 4) -> DenseQ | SparseQ
     return None
 
 
-def _round_trip(proposals: list[DraftProposal]) -> list[DraftProposal | ValueError]:
+def _round_trip(proposals: list[DraftProposal]) -> list[DraftProposal]:
     wire = block_to_pb(proposals).SerializeToString()
-    return proposals_from_pb(common_pb2.DraftBlock.FromString(wire))
+    parsed = ProposalBlock.from_pb(common_pb2.DraftBlock.FromString(wire))
+    return [parsed.proposal(i) for i in range(len(parsed))]
 
 
 @pytest.mark.parametrize("kinds", [["dense"], ["sparse"], ["none"], ["sparse", "none", "dense"]])
@@ -115,7 +117,7 @@ def test_narrower_sparse_rows_are_padded_to_the_block_width() -> None:
     narrow = SparseQ(torch.tensor([[5, 6]], dtype=torch.int32), torch.tensor([[0.5, 0.5]]))
     back = _round_trip([DraftProposal("a", 0, 3, (5,), narrow), DraftProposal("b", 0, 3, (1,),
                         _q("sparse", 1))])  # fmt: skip
-    q = back[0].q if isinstance(back[0], DraftProposal) else None
+    q = back[0].q
     assert isinstance(q, SparseQ)
     assert q.token_ids.tolist() == [[5, 6, -1, -1]] and q.probs.tolist() == [[0.5, 0.5, 0, 0]]
 
@@ -155,10 +157,10 @@ def _block(kind: str) -> common_pb2.DraftBlock:
 )  # fmt: skip
 def test_block_shape_errors_name_the_field(kind, mutate, match) -> None:  # type: ignore[no-untyped-def]
     pb = _block(kind)
-    proposals_from_pb(pb)  # well-formed before the mutation
+    ProposalBlock.from_pb(pb)  # well-formed before the mutation
     mutate(pb)
     with pytest.raises(ValueError, match=match):
-        proposals_from_pb(pb)
+        ProposalBlock.from_pb(pb)
 
 
 @pytest.mark.parametrize(
@@ -173,12 +175,13 @@ def test_block_shape_errors_name_the_field(kind, mutate, match) -> None:  # type
 def test_malformed_entry_is_only_that_entrys_error(mutate, match) -> None:  # type: ignore[no-untyped-def]
     pb = _block("sparse")
     mutate(pb)
-    parsed = proposals_from_pb(pb)
-    assert [type(p) for p in parsed] == [DraftProposal, DraftProposal, ValueError, DraftProposal]
-    assert re.match(match, str(parsed[2]))
-    last = parsed[3]
-    assert isinstance(last, DraftProposal) and isinstance(last.q, SparseQ)
-    assert last.q.token_ids.data_ptr() != 0 and last.request_id == "r3"
+    parsed = ProposalBlock.from_pb(pb)
+    assert list(parsed.errors) == [2] and re.match(match, parsed.errors[2])
+    with pytest.raises(ValueError, match=match):
+        parsed.proposal(2)
+    last = parsed.proposal(3)
+    assert isinstance(last.q, SparseQ) and last.request_id == "r3"
+    assert parsed.sparse is not None and torch.equal(last.q.probs, parsed.sparse.probs[6:8])
 
 
 def test_q_rows_must_match_draft_tokens() -> None:
@@ -186,25 +189,43 @@ def test_q_rows_must_match_draft_tokens() -> None:
         DraftProposal("a", 0, 3, (1, 2), _q("dense", 3))
 
 
-def test_verify_results_round_trip_as_columns() -> None:
-    ok = VerifyResult("a", 3, (5, 6, 9), (True, True, False), 40)
+def test_verdicts_round_trip_as_columns() -> None:
     err = RequestError(ErrorReason.STALE_STEP, grpc.StatusCode.FAILED_PRECONDITION, "old step")
-    bad = VerifyResult("b", 1, error=err)
     dup_err = RequestError(ErrorReason.DUPLICATE_STEP, grpc.StatusCode.ALREADY_EXISTS, "again")
-    dup = VerifyResult("c", 0, (7,), (False,), 12, dup_err)
-    decode = VerifyResult("d", 9, (4,), (), 30)  # k = 0: one decoded token
-    results = [ok, bad, dup, decode]
-    pb = target_pb2.VerifyResponse.FromString(results_to_pb(results).SerializeToString())
+    verdicts = Verdicts.pending(["a", "b", "c", "d"], [3, 1, 0, 9])
+    verdicts.commit(0, [5, 6, 9], 2, 3, 40)
+    verdicts.fail(1, err)
+    verdicts.commit(2, [7], 0, 1, 12)
+    verdicts.fail(2, dup_err)
+    verdicts.commit(3, [4], 0, 0, 30)  # k = 0: one decoded token
+    pb = target_pb2.VerifyResponse.FromString(verdicts.to_pb().SerializeToString())
     assert list(pb.num_accepted) == [2, 0, 0, 0] and list(pb.token_ids) == [5, 6, 9, 7, 4]
     assert [e.index for e in pb.errors] == [1, 2]
-    assert results_from_pb(pb) == results
+    back = Verdicts.from_pb(pb)
+    assert back.results() == [
+        VerifyResult("a", 3, (5, 6, 9), (True, True, False), 40),
+        VerifyResult("b", 1, error=err),
+        VerifyResult("c", 0, (7,), (False,), 12, dup_err),
+        VerifyResult("d", 9, (4,), (), 30),
+    ]
+    assert back.errors == {1: err, 2: dup_err} and back.num_draft_tokens == [3, 0, 1, 0]
 
 
-def test_verify_response_with_inconsistent_columns_is_refused() -> None:
-    pb = results_to_pb([VerifyResult("a", 3, (5, 6), (True, False), 40)])
-    pb.token_ids.append(1)
-    with pytest.raises(ValueError, match="columns have different lengths"):
-        results_from_pb(pb)
+@pytest.mark.parametrize(
+    ("mutate", "match"),
+    [
+        (lambda pb: pb.token_ids.append(1), "columns have different lengths"),
+        (lambda pb: pb.steps.pop(), "columns have different lengths"),
+        (lambda pb: pb.errors.add(index=1), "errors name an index past its 1 verdicts"),
+    ],
+)  # fmt: skip
+def test_verify_response_with_inconsistent_columns_is_refused(mutate, match) -> None:  # type: ignore[no-untyped-def]
+    verdicts = Verdicts.pending(["a"], [3])
+    verdicts.commit(0, [5, 6], 1, 2, 40)
+    pb = verdicts.to_pb()
+    mutate(pb)
+    with pytest.raises(ValueError, match=match):
+        Verdicts.from_pb(pb)
 
 
 def test_admission_round_trip_and_sampling_defaults() -> None:
@@ -283,11 +304,84 @@ def test_runtime_floors_match_the_generated_modules() -> None:
 
 
 def test_block_with_a_short_column_is_every_entrys_error() -> None:
-    from target_service.servicer import parse_block
+    from target_service.servicer import block_error
 
     pb = _block("sparse")
     pb.steps.pop()
-    results = parse_block(pb)
-    assert [r.request_id for r in results] == ["r0", "r1", "r2", "r3"]
-    assert all(isinstance(r, VerifyResult) and r.error is not None for r in results)
-    assert all(r.error.reason == ErrorReason.INVALID_ARGUMENT for r in results if r.error)
+    with pytest.raises(ValueError, match="steps has 3 values") as info:
+        ProposalBlock.from_pb(pb)
+    verdicts = block_error(pb, info.value)
+    assert verdicts.request_ids == ["r0", "r1", "r2", "r3"] and verdicts.steps == [0, 0, 0, 0]
+    assert sorted(verdicts.errors) == [0, 1, 2, 3]
+    assert {e.reason for e in verdicts.errors.values()} == {ErrorReason.INVALID_ARGUMENT}
+
+
+def test_parsed_block_locates_each_entrys_tokens_and_q_rows() -> None:
+    forms = ["sparse", "none", "dense", "sparse", "dense", "sparse"]
+    ks = [2, 0, 1, 3, 0, 1]
+    proposals = [
+        DraftProposal(f"r{i}", i, 5, tuple(range(10 * i, 10 * i + k)), _q(form, k))
+        for i, (form, k) in enumerate(zip(forms, ks, strict=True))
+    ]
+    parsed = ProposalBlock.from_pb(block_to_pb(proposals))
+    assert parsed.q_forms == [Q_SPARSE, Q_NONE, Q_DENSE, Q_SPARSE, Q_DENSE, Q_SPARSE]
+    assert parsed.token_starts == [0, 2, 2, 3, 6, 6, 7] and parsed.q_starts == [0, 0, 0, 2, 1, 5]
+    assert parsed.sparse is not None and parsed.sparse.probs.shape == (6, 4)
+    assert parsed.dense is not None and parsed.dense.probs.shape == (1, 11)
+    assert parsed.draft_tokens([2, 3]) == [20, 30, 31, 32] and parsed.tokens(1) == []
+    assert parsed.q_rows(Q_SPARSE, [0, 3, 5]) is parsed.sparse  # all of its form: no copy
+    assert parsed.q_rows(Q_NONE, [1]) is None
+    subset = parsed.q_rows(Q_SPARSE, [0, 5])
+    assert isinstance(subset, SparseQ)
+    assert torch.equal(subset.probs, parsed.sparse.probs[[0, 1, 5]])
+    assert torch.equal(subset.token_ids, parsed.sparse.token_ids[[0, 1, 5]])
+    for i, p in enumerate(proposals):
+        back = parsed.proposal(i)
+        assert (back.request_id, back.step, back.draft_token_ids) == (f"r{i}", i, p.draft_token_ids)
+        if p.q is not None and back.q is not None:
+            assert torch.equal(back.q.probs, p.q.probs)
+
+
+def test_parsed_block_entry_errors() -> None:
+    pb = _block("sparse")
+    pb.committed_lengths[1] = 0
+    pb.request_ids[1] = ""  # the id is named first, as DraftProposal checks it first
+    pb.committed_lengths[3] = 0
+    parsed = ProposalBlock.from_pb(pb)
+    assert parsed.errors == {
+        1: "entries[1].request_id must be a non-empty string.",
+        3: "entries[3].committed_length must be >= 1, got 0.",
+    }
+
+
+def test_empty_block_parses() -> None:
+    parsed = ProposalBlock.from_pb(block_to_pb([]))
+    assert len(parsed) == 0 and parsed.sparse is None and parsed.dense is None
+    assert len(Verdicts.from_pb(Verdicts.pending([], []).to_pb())) == 0
+
+
+def test_block_built_from_columns_is_checked() -> None:
+    sparse = _q("sparse", 3)
+    assert isinstance(sparse, SparseQ)
+    block = ProposalBlock.build(["a", "b"], [0, 1], [3, 4], [2, 1], [Q_SPARSE, Q_SPARSE],
+                                [5, 6, 7], sparse=sparse)  # fmt: skip
+    back = ProposalBlock.from_pb(
+        common_pb2.DraftBlock.FromString(block.to_pb().SerializeToString())
+    )
+    assert back.tokens(1) == [7] and back.sparse is not None
+    assert torch.equal(back.sparse.probs, sparse.probs)
+    with pytest.raises(ValueError, match="committed_lengths has 1 values for 2 request_ids"):
+        ProposalBlock.build(["a", "b"], [0, 1], [3], [2, 1], [Q_SPARSE] * 2, [5, 6, 7])
+    with pytest.raises(ValueError, match="draft_token_ids has 2 ids; the entries' num_draft"):
+        ProposalBlock.build(["a", "b"], [0, 1], [3, 4], [2, 1], [Q_SPARSE] * 2, [5, 6])
+    with pytest.raises(
+        ValueError,
+        match="sparse q has no tensor; the block has Q_FORM_SPARSE entries whose k_i sum to 3",
+    ):
+        ProposalBlock.build(["a", "b"], [0, 1], [3, 4], [2, 1], [Q_SPARSE] * 2, [5, 6, 7])
+    with pytest.raises(
+        ValueError,
+        match="sparse q has 3 rows; the block has Q_FORM_SPARSE entries whose k_i sum to 2",
+    ):
+        ProposalBlock.build(["a", "b"], [0, 1], [3, 4], [2, 1], [Q_SPARSE, Q_NONE], [5, 6, 7],
+                            sparse=sparse)  # fmt: skip

@@ -16,18 +16,11 @@ from draft_service.server import start as start_draft
 from specdec.errors import CheckpointError
 from specdec.pb import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2_grpc
 from specdec.sampling_params import SamplingParams
-from specdec.serving.blocks import (
-    DenseQ,
-    DraftProposal,
-    DraftQ,
-    SparseQ,
-    VerifyResult,
-    block_to_pb,
-    results_from_pb,
-)
+from specdec.serving.blocks import DenseQ, DraftProposal, DraftQ, SparseQ, block_to_pb
 from specdec.serving.client import LockstepStream, make_channel
 from specdec.serving.messages import Admission, ErrorReason
 from specdec.serving.server import ServerConfig
+from specdec.serving.verdicts import Verdicts, VerifyResult
 from target_service.config import TargetConfig
 from target_service.server import start as start_target
 from tests.draft_service.models import (
@@ -111,7 +104,7 @@ def _verify(
     pb = block_to_pb(block) if isinstance(block, list) else block
     with LockstepStream(target.Verify) as stream:
         response = stream(pb)
-    return results_from_pb(response)
+    return Verdicts.from_pb(response).results()
 
 
 def test_any_order_and_k_2_0_1_each_against_its_own_q(
@@ -174,6 +167,58 @@ def test_steps_duplicates_unknown_ids(target: target_pb2_grpc.TargetServiceStub)
     twice = [DraftProposal(other, 0, n, *_q("none", 1))] * 2
     assert [_reason(r) for r in _verify(target, twice)] == [ErrorReason.DUPLICATE_ENTRY] * 2
     assert _verify(target, [DraftProposal(other, 0, n, *_q("none", 1))])[0].error is None
+
+
+def test_good_entries_among_every_kind_of_bad_one_are_exact(
+    target: target_pb2_grpc.TargetServiceStub,
+) -> None:
+    """One block mixing good entries of every q form with entries failing each check. The target
+    verifies the block's columns: the failing entries' q rows are left out of the sampler's
+    tensors, so each good verdict must equal the verdict of its entry alone."""
+    drafts = {"a": _q("sparse", 2, 1), "b": _q("dense", 3, 2), "c": _q("none", 1, 3),
+              "d": _q("sparse", 1, 4), "e": _q("dense", 2, 5)}  # fmt: skip
+    seeds = {x: 20 + i for i, x in enumerate(drafts)}
+    n, r = len(PROMPT), ErrorReason
+    good = {x: _admit(target, seeds[x]) for x in drafts}
+    dup_step, mismatch, future, twice, malformed, nan, oov = (_admit(target) for _ in range(7))
+    first = _verify(target, [DraftProposal(dup_step, 0, n, *_q("none", 1))])[0]
+    nan_tokens, nan_q = _q("sparse", 2, 6)
+    assert nan_q is not None
+    nan_q.probs[1, 0] = float("nan")
+    oov_tokens, oov_q = _q("dense", 2, 7)
+    entries = [
+        (DraftProposal("nobody", 0, n, *_q("sparse", 2, 8)), r.UNKNOWN_REQUEST),
+        (DraftProposal(good["a"], 0, n, *drafts["a"]), None),
+        (DraftProposal(twice, 0, n, *_q("sparse", 1, 9)), r.DUPLICATE_ENTRY),
+        (DraftProposal(mismatch, 0, n + 1, *_q("dense", 2, 10)), r.COMMITTED_LENGTH_MISMATCH),
+        (DraftProposal(good["b"], 0, n, *drafts["b"]), None),
+        (DraftProposal(future, 3, n, *_q("sparse", 2, 11)), r.FUTURE_STEP),
+        (DraftProposal(dup_step, 0, n, *_q("none", 1)), r.DUPLICATE_STEP),
+        (DraftProposal(good["c"], 0, n, *drafts["c"]), None),
+        (DraftProposal(twice, 0, n, *_q("sparse", 1, 9)), r.DUPLICATE_ENTRY),
+        (DraftProposal(malformed, 0, n, *_q("dense", 1, 12)), r.INVALID_ARGUMENT),
+        (DraftProposal(good["d"], 0, n, *drafts["d"]), None),
+        (DraftProposal(nan, 0, n, nan_tokens, nan_q), r.INVALID_DRAFT_PROBS),
+        (DraftProposal(oov, 0, n, (oov_tokens[0], 260), oov_q), r.TOKEN_OUT_OF_VOCAB),
+        (DraftProposal(good["e"], 0, n, *drafts["e"]), None),
+    ]
+    pb = block_to_pb([p for p, _ in entries])
+    pb.committed_lengths[9] = 0  # a malformed entry: only a DraftBlock can carry it
+    results = _verify(target, pb)
+    assert [_reason(res) for res in results] == [reason for _, reason in entries]
+    assert results[6].token_ids == first.token_ids  # the duplicate step repeats its verdict
+    messages = [res.error.message if res.error else "" for res in results]
+    assert messages[9].startswith("entries[9].committed_length must be >= 1")
+    assert messages[11].startswith("entries[11].q: draft_probs contain NaN")
+    assert messages[12].startswith("entries[12].draft_token_ids holds 260")
+    target.Release(common_pb2.ReleaseRequest(request_ids=_admitted))
+    position = {p.request_id: i for i, (p, _) in enumerate(entries)}
+    mixed = {x: results[position[rid]] for x, rid in good.items()}
+    for x, (tokens, q) in drafts.items():
+        alone = _verify(target, [DraftProposal(_admit(target, seeds[x]), 0, n, tokens, q)])[0]
+        assert alone.error is None and mixed[x].error is None
+        got = (mixed[x].token_ids, mixed[x].accepted, mixed[x].committed_length)
+        assert got == (alone.token_ids, alone.accepted, alone.committed_length), x
 
 
 def _bad_block(

@@ -100,7 +100,7 @@ def test_sampled_tokens_follow_target_distribution(
                 seed = 1000 + start + i
                 params = SamplingParams(SAMPLING.temperature, SAMPLING.top_k, SAMPLING.top_p, seed)
                 pipe.admit(rid, prompt, params)
-            for result in pipe.step(dict.fromkeys(ids, 2)).values():
+            for result in pipe.step(dict.fromkeys(ids, 2)).results():
                 assert result.error is None, result.error
                 counts[result.token_ids[0]] += 1
                 accepted += result.accepted[0]
