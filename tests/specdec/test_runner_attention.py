@@ -4,14 +4,13 @@ CPU), and the runner's kernel path against transformers."""
 import pytest
 import torch
 
-from specdec.runner import ForwardItem
 from specdec.runner.decode_attention import (
     decode_attention,
     decode_attention_reference,
     num_splits,
 )
-from tests.specdec._runner_models import hf_model, reference_logits
-from tests.specdec.test_runner_parity import TOL, make_runner, seqs
+from tests.specdec._runner_models import hf_model
+from tests.specdec.test_runner_parity import assert_ragged_then_graph_step, make_runner
 
 # ‖out - ref‖ / ‖ref‖ against the float64 reference, per input dtype (fp32: IEEE dots)
 REL_TOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
@@ -60,14 +59,4 @@ def test_kernel_path_matches_transformers() -> None:
     model = hf_model("mistral")  # GQA 4:1 and a sliding window of 6
     runner = make_runner(model)
     runner._backend._kernel = True  # type: ignore[union-attr]  # CUDA-only path, interpreted
-    a, b, _ = seqs(6)
-    for rid in "ab":
-        runner.add_request(rid)
-    runner.forward([ForwardItem("a", a[:8], 0), ForwardItem("b", b[:3], 0)])
-    out = runner.forward([ForwardItem("a", a[8:11], 3), ForwardItem("b", b[3:4], 1)])  # ragged
-    want = torch.cat([reference_logits(model, a[:11])[8:], reference_logits(model, b[:4])[3:]])
-    torch.testing.assert_close(out, want, atol=TOL, rtol=0)
-    logits = runner.graph_step(["a", "b"], torch.tensor([a[11:13], b[4:6]]))  # equal, eager
-    assert isinstance(logits, torch.Tensor)
-    torch.testing.assert_close(logits[0], reference_logits(model, a)[11:], atol=TOL, rtol=0)
-    torch.testing.assert_close(logits[1], reference_logits(model, b[:6])[4:], atol=TOL, rtol=0)
+    assert_ragged_then_graph_step(model, runner)

@@ -1,10 +1,11 @@
 """The fused pointwise kernels against their torch references in float64 (Triton's interpreter
 on the CPU), on odd shapes, and the whole runner on the kernels against transformers."""
 
+import functools
+
 import pytest
 import torch
 
-from specdec.runner import ForwardItem
 from specdec.runner.fused import (
     add_rms_norm,
     add_rms_norm_reference,
@@ -20,8 +21,8 @@ from specdec.runner.gemv import (
     skinny_linear_reference,
     skinny_shape,
 )
-from tests.specdec._runner_models import FAMILIES, hf_model, reference_logits
-from tests.specdec.test_runner_parity import TOL, make_runner, seqs
+from tests.specdec._runner_models import FAMILIES, hf_model
+from tests.specdec.test_runner_parity import assert_ragged_then_graph_step, make_runner
 
 # max |out - ref| / max |ref| against the float64 reference, per input dtype. bf16/fp16 follow
 # transformers' rounding order, which a float64 reference does not round at all: a few ulps.
@@ -89,8 +90,8 @@ def test_rope_store_matches_reference(
         x, c, s = (y.to(device, dtype) for y in (qkv, cos, sin))
         qn, kn = (None, None) if norms is None else norms.to(device, dtype)
         idx = token_slot.to(device), positions.to(device)
-        q = rope_store(x, c, s, qn, kn, 1e-6, cache, *idx)
-        ref_q = rope_store_reference(
+        reference = functools.partial(  # the same inputs in float64, the same cache
+            rope_store_reference,
             x.double(),
             c.double(),
             s.double(),
@@ -98,23 +99,12 @@ def test_rope_store_matches_reference(
             None if kn is None else kn.double(),
             1e-6,
             ref_cache,
-            *idx,
         )
-        _close(q, ref_q, dtype, "q")
+        q = rope_store(x, c, s, qn, kn, 1e-6, cache, *idx)
+        _close(q, reference(*idx), dtype, "q")
         one_slot = torch.tensor([2], device=device).expand(t)  # stride 0, as at batch 1
         q1 = rope_store(x, c, s, qn, kn, 1e-6, cache, one_slot, idx[1])
-        ref_q1 = rope_store_reference(
-            x.double(),
-            c.double(),
-            s.double(),
-            None if qn is None else qn.double(),
-            None if kn is None else kn.double(),
-            1e-6,
-            ref_cache,
-            one_slot,
-            idx[1],
-        )
-        _close(q1, ref_q1, dtype, "q (one slot)")
+        _close(q1, reference(one_slot, idx[1]), dtype, "q (one slot)")
         _close(cache, ref_cache, dtype, "cache")  # the new K/V, and nothing else moved
         untouched = torch.ones(slots, max_len, dtype=torch.bool)
         untouched[token_slot, positions] = False
@@ -178,14 +168,4 @@ def test_runner_on_kernels_matches_transformers(family: str) -> None:
     runner = make_runner(model)
     runner._backend._kernel = True  # type: ignore[union-attr]  # CUDA-only paths, interpreted
     runner._backend.model.use_kernels(True)  # type: ignore[union-attr]
-    a, b, _ = seqs(6)
-    for rid in "ab":
-        runner.add_request(rid)
-    runner.forward([ForwardItem("a", a[:8], 0), ForwardItem("b", b[:3], 0)])
-    out = runner.forward([ForwardItem("a", a[8:11], 3), ForwardItem("b", b[3:4], 1)])  # ragged
-    want = torch.cat([reference_logits(model, a[:11])[8:], reference_logits(model, b[:4])[3:]])
-    torch.testing.assert_close(out, want, atol=TOL, rtol=0)
-    logits = runner.graph_step(["a", "b"], torch.tensor([a[11:13], b[4:6]]))  # equal, eager
-    assert isinstance(logits, torch.Tensor)
-    torch.testing.assert_close(logits[0], reference_logits(model, a)[11:], atol=TOL, rtol=0)
-    torch.testing.assert_close(logits[1], reference_logits(model, b[:6])[4:], atol=TOL, rtol=0)
+    assert_ragged_then_graph_step(model, runner)

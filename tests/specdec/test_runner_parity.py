@@ -20,6 +20,22 @@ def seqs(seed: int = 0) -> list[list[int]]:
     return [torch.randint(0, 300, (n,), generator=g).tolist() for n in (13, 9, 17)]
 
 
+def assert_ragged_then_graph_step(model, runner: ModelRunner) -> None:
+    """Prefill two requests, score a ragged step (3 and 1 new tokens), then an equal-length
+    graph_step (2 tokens each): every logit against transformers' own model."""
+    a, b, _ = seqs(6)
+    for rid in "ab":
+        runner.add_request(rid)
+    runner.forward([ForwardItem("a", a[:8], 0), ForwardItem("b", b[:3], 0)])
+    out = runner.forward([ForwardItem("a", a[8:11], 3), ForwardItem("b", b[3:4], 1)])  # ragged
+    want = torch.cat([reference_logits(model, a[:11])[8:], reference_logits(model, b[:4])[3:]])
+    torch.testing.assert_close(out, want, atol=TOL, rtol=0)
+    logits = runner.graph_step(["a", "b"], torch.tensor([a[11:13], b[4:6]]))  # equal, eager
+    assert isinstance(logits, torch.Tensor)
+    torch.testing.assert_close(logits[0], reference_logits(model, a)[11:], atol=TOL, rtol=0)
+    torch.testing.assert_close(logits[1], reference_logits(model, b[:6])[4:], atol=TOL, rtol=0)
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_prefill_decode_and_ragged_verify_match_transformers(family: str) -> None:
     model = hf_model(family)
