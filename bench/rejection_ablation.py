@@ -23,7 +23,7 @@ from bench.rejection_bench import make_inputs, out_dir
 from target_service import kernels
 
 PHILOX = (
-    "bits = _vocab_bits(seed, off, pos.to(tl.uint32), stream, BLOCK)",
+    "bits = _vocab_bits(seed, off, pos, stream, BLOCK)",
     "bits = offs.to(tl.uint32) * 2654435761",
 )
 LOG = (

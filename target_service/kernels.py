@@ -15,15 +15,21 @@ Greedy requests (temperature 0) accept while x_j == argmax p_j and emit argmax p
 (n-gram or greedy drafts) q is one-hot at x_j. Every random number is Philox keyed by (seed,
 absolute position, stream[, vocabulary index]) (`specdec.rng`), never the batch slot.
 
-Three launches, so a big vocabulary is split across many programs:
+Two launches, so a big vocabulary is split across many programs:
 1. `_row_stats_kernel` [rows, stats splits]: per vocabulary split of each scored row, the
    online softmax max/sum of the tempered, thresholded logits (sampled rows) or the raw argmax
-   (greedy rows), non-finite counts and, for dense q, the q row's sum and invalid entries: the
-   only full read of logits and q.
+   (greedy rows) and non-finite counts: the only full read of the logits.
 2. `_decide_sample_kernel` [requests, race splits]: combines the row partials, runs all k
-   acceptance tests at once, finds the first rejection f, and races over its split of row f
-   (the second read of one row per request: the residual needs p normalised over the row).
-3. `_finalize_kernel` [requests]: combines the race partials and writes the outputs.
+   acceptance tests at once (they need q only at the draft tokens), finds the first rejection
+   f, and races over its split of row f (the second read of one logits row per request: the
+   residual needs p normalised over the row). For dense q the same programs read all k q rows
+   of the request, the only full read of q: the sums and invalid entries that validate them,
+   and row f's q for the residual. The stats pass is bound by memory bandwidth and the race by
+   latency, so q's bytes go where there is bandwidth to spare (the stats pass used to read q:
+   134.8 µs at batch 64, k 4, V 128256 on an H200; see BENCHMARKS.md). The last of a
+   request's programs to finish (a per-request counter) combines the race partials and the
+   q-row partials, settles the status and writes the outputs (`_finalize`): a third launch
+   cost more than its work.
 
 Example, k = [2, 0, 1]: logits rows [a0 a1 a2 | b0 | c0 c1]; if a rejects at position 1 and c
 accepts, the output is [[a0', r_a, -1], [bonus_b, -1, -1], [c0', bonus_c, -1]] with
@@ -39,6 +45,11 @@ import triton
 import triton.language as tl
 
 from specdec import rng
+
+try:  # grid dependency control (Hopper and later); absent from older Triton
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
 
 PLACEHOLDER = -1
 Q_NONE, Q_DENSE, Q_SPARSE = 0, 1, 2
@@ -133,35 +144,35 @@ def _row_stats_kernel(
     logits_stride,
     thr_ptr,  # [R] float32
     row_req_ptr,  # [R] int32
-    row_draft_ptr,  # [R] int32
     inv_temp_ptr,  # [B] float32
     greedy_ptr,  # [B] int32
-    q_ptr,  # [T, Vq] float32 (DENSE_Q only)
-    q_stride,
     part_max_ptr,  # [R, NUM_SPLITS] float32
     part_sum_ptr,  # [R, NUM_SPLITS] float32
     part_amax_val_ptr,  # [R, NUM_SPLITS] float32
     part_amax_idx_ptr,  # [R, NUM_SPLITS] int32
-    part_bad_ptr,  # [R, NUM_SPLITS] int32: non-finite logits + 65536 * invalid q entries
-    part_qsum_ptr,  # [R, NUM_SPLITS] float32
+    part_bad_ptr,  # [R, NUM_SPLITS] int32: non-finite logits
+    done_ptr,  # [B] int32 out: zeroed here for _decide_sample_kernel's per-request counters
     V,
-    Vq,
+    B,
     split_size,
     NUM_SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
-    DENSE_Q: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # _decide_sample_kernel may start its input-only prologue as this grid drains
+        gdc_launch_dependents()
     row = tl.program_id(0)
     split = tl.program_id(1)
+    if (row == 0) & (split == 0):
+        for i in range(0, B, BLOCK):
+            tl.store(done_ptr + i + tl.arange(0, BLOCK), 0, mask=i + tl.arange(0, BLOCK) < B)
     start = split * split_size
-    end = tl.minimum(start + split_size, tl.maximum(V, Vq))
+    end = tl.minimum(start + split_size, V)
     thr = tl.load(thr_ptr + row)
     req = tl.load(row_req_ptr + row)
     inv_t = tl.load(inv_temp_ptr + req)
     greedy = tl.load(greedy_ptr + req) != 0
-    draft = tl.load(row_draft_ptr + row)
     row_ptr = logits_ptr + row.to(tl.int64) * logits_stride
-    q_row_ptr = q_ptr + tl.maximum(draft, 0).to(tl.int64) * q_stride
     # Per-lane accumulators, reduced once after the loop: a cross-lane reduction per
     # iteration (max, sum, argmax) cost more than the loads on an H200.
     lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
@@ -169,10 +180,9 @@ def _row_stats_kernel(
     lane_best = tl.full((BLOCK,), float("-inf"), tl.float32)
     lane_best_idx = tl.zeros((BLOCK,), tl.int32)
     lane_bad = tl.zeros((BLOCK,), tl.int32)
-    lane_qsum = tl.zeros((BLOCK,), tl.float32)
     for off in range(start, end, BLOCK):
         offs = off + tl.arange(0, BLOCK)
-        mask = offs < tl.minimum(end, V)
+        mask = offs < end
         logit = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         lane_bad += (logit - logit != 0.0).to(tl.int32)  # NaN or +-inf (masked lanes read 0)
         if greedy:  # greedy rows need the raw argmax only, sampled rows the softmax only
@@ -188,26 +198,18 @@ def _row_stats_kernel(
             e = tl.exp(tl.minimum(lane_max, scaled) - safe)
             lane_sum = tl.where(scaled > lane_max, lane_sum * e + 1.0, lane_sum + e)
             lane_max = new_max
-        if DENSE_Q:
-            # scalar conditions folded into the bound: the interpreter rejects block & scalar
-            qmask = offs < tl.where(draft >= 0, tl.minimum(end, Vq), 0)
-            q = tl.load(q_row_ptr + offs, mask=qmask, other=0.0)
-            lane_qsum += q
-            lane_bad += 65536 * ((q - q != 0.0) | (q < 0.0)).to(tl.int32)  # NaN, inf, < 0
     run_max = tl.max(lane_max, 0)
     safe_max = tl.where(run_max == float("-inf"), 0.0, run_max)
     run_sum = tl.sum(lane_sum * tl.exp(lane_max - safe_max), 0)
     best = tl.max(lane_best, 0)
     best_idx = tl.min(tl.where(lane_best == best, lane_best_idx, 2147483647), 0)
     bad = tl.sum(lane_bad, 0)
-    qsum = tl.sum(lane_qsum, 0)
     out = row * NUM_SPLITS + split
     tl.store(part_max_ptr + out, run_max)
     tl.store(part_sum_ptr + out, run_sum)
     tl.store(part_amax_val_ptr + out, best)
     tl.store(part_amax_idx_ptr + out, best_idx)
     tl.store(part_bad_ptr + out, bad)
-    tl.store(part_qsum_ptr + out, qsum)
 
 
 @triton.jit
@@ -243,15 +245,21 @@ def _decide_sample_kernel(
     part_amax_val_ptr,
     part_amax_idx_ptr,
     part_bad_ptr,
-    part_qsum_ptr,
-    first_reject_ptr,  # [B] int32 out
+    done_ptr,  # [B] int32: programs of the request done (zeroed by _row_stats_kernel)
+    race_ptr,  # [B, RACE_SPLITS, 4] float32: (best r/E, its id, best p/E, its id)
+    part_qsum_ptr,  # [T, RACE_SPLITS] float32 (dense q): split sums of each q row
+    part_qmin_ptr,  # [B, RACE_SPLITS] float32 (dense q): split minimum, -1 for NaN/inf
+    token_ids_ptr,  # [B, max_k + 1] int32 out
+    num_committed_ptr,  # [B] int32 out
+    accepted_ptr,  # [B, max_k] int8 out
     status_ptr,  # [B] int32 out
-    race_ptr,  # [B, RACE_SPLITS, 4] float32 out: (best r/E, its id, best p/E, its id)
     V,
     Vq,
     S,
     race_split_size,
     n_splits,
+    n_race,
+    max_k,
     NUM_SPLITS: tl.constexpr,
     RACE_SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -259,6 +267,8 @@ def _decide_sample_kernel(
     Q_MODE: tl.constexpr,
     SYNTHETIC: tl.constexpr,
     K_P2: tl.constexpr,  # power of two > max_k
+    Q_ROWS: tl.constexpr,  # power of two >= max_k (dense q rows read per program)
+    PDL: tl.constexpr,  # launched as a programmatic dependent of _row_stats_kernel
 ):
     b = tl.program_id(0)
     split = tl.program_id(1)
@@ -275,6 +285,32 @@ def _decide_sample_kernel(
     is_row = j <= k
     is_draft = j < k
     rows = row0 + j
+    x = tl.load(draft_ids_ptr + d0 + j, mask=is_draft, other=0)
+    out_of_vocab = tl.sum((is_draft & ((x < 0) | (x >= V))).to(tl.int32), 0)
+    x = tl.minimum(tl.maximum(x, 0), V - 1)
+    t = d0 + j
+    if Q_MODE == 1:
+        q_x = tl.load(q_ptr + t.to(tl.int64) * q_stride + tl.minimum(x, Vq - 1), mask=is_draft)
+        q_x = tl.where(x < Vq, q_x, 0.0)
+    elif Q_MODE == 2:
+        support = tl.arange(0, S_P2)
+        entries = t[:, None] * S + support[None, :]
+        in_support = is_draft[:, None] & (support < S)[None, :]
+        ids = tl.load(q_ids_ptr + entries, mask=in_support, other=-1)
+        probs = tl.load(q_ptr + entries, mask=in_support, other=0.0)
+        q_x = tl.sum(tl.where(ids == x[:, None], probs, 0.0), 1)
+    else:
+        q_x = tl.full((K_P2,), 1.0, tl.float32)
+    out_of_support = tl.sum((is_draft & (q_x <= 0.0)).to(tl.int32), 0)
+    logit = tl.load(logits_ptr + rows.to(tl.int64) * logits_stride + x, mask=is_draft, other=0.0)
+    logit = logit.to(tl.float32)
+    keep = logit >= tl.load(thr_ptr + rows, mask=is_row, other=0.0)
+    zero = tl.zeros((K_P2,), tl.uint32)
+    u = _uniform(_philox(seed, zero, (pos + j).to(tl.uint32), zero))
+    if PDL:
+        # Everything above reads only inputs, so with programmatic dependent launch it runs
+        # while the stats kernel finishes; its partials are read from here on.
+        gdc_wait()
     cols = tl.arange(0, NUM_SPLITS)
     tile = rows[:, None] * NUM_SPLITS + cols[None, :]
     live = is_row[:, None] & (cols < n_splits)[None, :]
@@ -284,34 +320,7 @@ def _decide_sample_kernel(
     psum = tl.load(part_sum_ptr + tile, mask=live, other=0.0)
     row_sum = tl.sum(psum * tl.exp(pmax - row_max[:, None]), 1)
     bad = tl.sum(tl.sum(tl.load(part_bad_ptr + tile, mask=live, other=0), 1), 0)
-    x = tl.load(draft_ids_ptr + d0 + j, mask=is_draft, other=0)
-    out_of_vocab = tl.sum((is_draft & ((x < 0) | (x >= V))).to(tl.int32), 0)
-    x = tl.minimum(tl.maximum(x, 0), V - 1)
-    t = d0 + j
-    if Q_MODE == 1:
-        qsum = tl.sum(tl.load(part_qsum_ptr + tile, mask=live, other=0.0), 1)
-        unnormalized = is_draft & (tl.abs(qsum - 1.0) > 1e-4)  # Q_SUM_TOLERANCE
-        not_normalized = tl.sum(unnormalized.to(tl.int32), 0)
-        q_x = tl.load(q_ptr + t.to(tl.int64) * q_stride + tl.minimum(x, Vq - 1), mask=is_draft)
-        q_x = tl.where(x < Vq, q_x, 0.0)
-    elif Q_MODE == 2:
-        not_normalized = 0
-        support = tl.arange(0, S_P2)
-        entries = t[:, None] * S + support[None, :]
-        in_support = is_draft[:, None] & (support < S)[None, :]
-        ids = tl.load(q_ids_ptr + entries, mask=in_support, other=-1)
-        probs = tl.load(q_ptr + entries, mask=in_support, other=0.0)
-        q_x = tl.sum(tl.where(ids == x[:, None], probs, 0.0), 1)
-    else:
-        not_normalized = 0
-        q_x = tl.full((K_P2,), 1.0, tl.float32)
-    out_of_support = tl.sum((is_draft & (q_x <= 0.0)).to(tl.int32), 0)
-    logit = tl.load(logits_ptr + rows.to(tl.int64) * logits_stride + x, mask=is_draft, other=0.0)
-    logit = logit.to(tl.float32)
-    keep = logit >= tl.load(thr_ptr + rows, mask=is_row, other=0.0)
     p_x = tl.where(keep, tl.exp(logit * inv_t - row_max) / row_sum, 0.0)
-    zero = tl.zeros((K_P2,), tl.uint32)
-    u = _uniform(_philox(seed, zero, (pos + j).to(tl.uint32), zero))
     if SYNTHETIC:
         accept = u < tl.load(rates_ptr + j, mask=is_draft, other=0.0)
     else:
@@ -323,34 +332,133 @@ def _decide_sample_kernel(
     first_reject = tl.min(tl.where(is_draft & (accept == 0), j, k), 0)
     status = tl.load(status_in_ptr + b)
     status = tl.where((status == 0) & (out_of_vocab > 0), 5, status)
-    status = tl.where((status == 0) & ((bad & 65535) > 0), 1, status)
-    status = tl.where((status == 0) & (bad >= 65536), 2, status)
-    status = tl.where((status == 0) & (not_normalized > 0), 3, status)
-    status = tl.where((status == 0) & (out_of_support > 0), 4, status)
-    if split == 0:
-        tl.store(first_reject_ptr + b, first_reject)
-        tl.store(status_ptr + b, status)
-    if (status == 0) & (greedy == 0):
-        at_f = j == first_reject
-        f_max = tl.sum(tl.where(at_f, row_max, 0.0), 0)
-        f_sum = tl.sum(tl.where(at_f, row_sum, 0.0), 0)
-        _race(logits_ptr, logits_stride, thr_ptr, draft_ids_ptr, q_ptr, q_stride, q_ids_ptr,
+    status = tl.where((status == 0) & (bad > 0), 1, status)
+    race = (status == 0) & (out_of_support == 0) & (greedy == 0)
+    at_f = j == first_reject
+    f_max = tl.sum(tl.where(at_f, row_max, 0.0), 0)
+    f_sum = tl.sum(tl.where(at_f, row_sum, 0.0), 0)
+    if Q_MODE == 1:
+        # every q row is checked unless an earlier error already decides the status
+        if race:
+            _dense_q_pass(logits_ptr, logits_stride, thr_ptr, q_ptr, q_stride, f_max, f_sum,
+                          race_ptr, part_qsum_ptr, part_qmin_ptr, b, split, row0, d0, k,
+                          first_reject, inv_t, seed, pos, V, Vq, race_split_size, RACE_SPLITS,
+                          BLOCK, Q_ROWS, RACE=True)  # fmt: skip
+        elif status == 0:
+            _dense_q_pass(logits_ptr, logits_stride, thr_ptr, q_ptr, q_stride, f_max, f_sum,
+                          race_ptr, part_qsum_ptr, part_qmin_ptr, b, split, row0, d0, k,
+                          first_reject, inv_t, seed, pos, V, Vq, race_split_size, RACE_SPLITS,
+                          BLOCK, Q_ROWS, RACE=False)  # fmt: skip
+    elif race:
+        _race(logits_ptr, logits_stride, thr_ptr, draft_ids_ptr, q_ptr, q_ids_ptr,
               f_max, f_sum, race_ptr, b, split, row0 + first_reject,
               d0 + first_reject, first_reject < k, inv_t, seed, pos + first_reject,
-              V, Vq, S, race_split_size, n_splits, NUM_SPLITS, RACE_SPLITS, BLOCK, S_P2,
-              Q_MODE)  # fmt: skip
+              V, S, race_split_size, RACE_SPLITS, BLOCK, S_P2, Q_MODE)  # fmt: skip
+    # The request's last program to finish writes its outputs. The barrier and the counter's
+    # acquire-release order every program's partials before the last one reads them (the
+    # split-K semaphore pattern); those reads bypass L1 (.cg).
+    tl.debug_barrier()
+    if tl.atomic_add(done_ptr + b, 1, sem="acq_rel", scope="gpu") == n_race - 1:
+        _finalize(b, k, d0, row0 + first_reject, first_reject, status, out_of_support, greedy,
+                  draft_ids_ptr, race_ptr, part_qsum_ptr, part_qmin_ptr, part_amax_val_ptr,
+                  part_amax_idx_ptr, token_ids_ptr, num_committed_ptr, accepted_ptr, status_ptr,
+                  max_k, n_splits, n_race, NUM_SPLITS, RACE_SPLITS, K_P2, Q_ROWS,
+                  Q_MODE == 1)  # fmt: skip
+
+
+@triton.jit
+def _race_step(
+    logit, mask, offs, off, q, has_draft, thr, inv_t, row_max, row_sum, seed, pos, stream,
+    lane_best, lane_idx, lane_best_p, lane_idx_p, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """One block of the exponential race: residual max(0, p - q)/E (p/E for a bonus) and p/E
+    (the fallback if rounding left the residual empty), best of each per lane."""
+    p = tl.where(mask & (logit >= thr), tl.exp(logit * inv_t - row_max) / row_sum, 0.0)
+    bits = _vocab_bits(seed, off, pos, stream, BLOCK)
+    expo = -tl.log(((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0))  # rng.exponential
+    residual = tl.where(has_draft, tl.maximum(p - q, 0.0), p)
+    score = tl.where(mask, residual / expo, -1.0)
+    better = score > lane_best
+    lane_idx = tl.where(better, offs, lane_idx)
+    lane_best = tl.where(better, score, lane_best)
+    score_p = tl.where(mask, p / expo, -1.0)
+    better_p = score_p > lane_best_p
+    lane_idx_p = tl.where(better_p, offs, lane_idx_p)
+    lane_best_p = tl.where(better_p, score_p, lane_best_p)
+    return lane_best, lane_idx, lane_best_p, lane_idx_p
+
+
+@triton.jit
+def _store_race(race_ptr, b, split, lane_best, lane_idx, lane_best_p, lane_idx_p,
+                RACE_SPLITS: tl.constexpr):  # fmt: skip
+    best = tl.max(lane_best, 0)
+    best_p = tl.max(lane_best_p, 0)
+    out = race_ptr + (b * RACE_SPLITS + split) * 4
+    # ids < 2**24 travel exactly as float32
+    tl.store(out, best)
+    tl.store(out + 1, tl.min(tl.where(lane_best == best, lane_idx, 2147483647), 0).to(tl.float32))
+    tl.store(out + 2, best_p)
+    tl.store(
+        out + 3, tl.min(tl.where(lane_best_p == best_p, lane_idx_p, 2147483647), 0).to(tl.float32)
+    )
+
+
+@triton.jit
+def _dense_q_pass(
+    logits_ptr, logits_stride, thr_ptr, q_ptr, q_stride, row_max, row_sum, race_ptr,
+    part_qsum_ptr, part_qmin_ptr, b, split, row0, d0, k, f, inv_t, seed, pos, V, Vq, split_size,
+    RACE_SPLITS: tl.constexpr, BLOCK: tl.constexpr, Q_ROWS: tl.constexpr, RACE: tl.constexpr,
+):  # fmt: skip
+    """Dense q, this split of the vocabulary: all k q rows of request b (split sums and minimum
+    for their validation) and, with RACE, the race over row f, whose q comes from the same
+    tile."""
+    start = split * split_size
+    end = tl.minimum(start + split_size, tl.maximum(V, Vq))
+    q_end = tl.minimum(end, Vq)
+    race_end = tl.minimum(end, V)
+    j = tl.arange(0, Q_ROWS)
+    q_rows = q_ptr + (d0 + j).to(tl.int64) * q_stride
+    has_draft = f < k
+    row = row0 + f
+    thr = tl.load(thr_ptr + row)
+    stream = tl.where(has_draft, 1, 2).to(tl.uint32)
+    pos_f = (pos + f).to(tl.uint32)
+    lane_qsum = tl.zeros((Q_ROWS, BLOCK), tl.float32)
+    lane_qmin = tl.zeros((BLOCK,), tl.float32)
+    lane_best = tl.full((BLOCK,), -1.0, tl.float32)
+    lane_idx = tl.zeros((BLOCK,), tl.int32)
+    lane_best_p = tl.full((BLOCK,), -1.0, tl.float32)
+    lane_idx_p = tl.zeros((BLOCK,), tl.int32)
+    for off in range(start, end, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        q_mask = (j < k)[:, None] & (offs < q_end)[None, :]
+        q_tile = tl.load(q_rows[:, None] + offs[None, :], mask=q_mask, other=0.0)
+        lane_qsum += q_tile
+        # NaN and inf count as negative: one minimum flags every invalid entry
+        lane_qmin = tl.minimum(lane_qmin, tl.min(tl.where(q_tile - q_tile != 0.0, -1.0, q_tile), 0))
+        if RACE:
+            mask = offs < race_end
+            logit = tl.load(logits_ptr + row.to(tl.int64) * logits_stride + offs, mask=mask)
+            q = tl.sum(tl.where(j[:, None] == f, q_tile, 0.0), 0)
+            lane_best, lane_idx, lane_best_p, lane_idx_p = _race_step(
+                logit.to(tl.float32), mask, offs, off, q, has_draft, thr, inv_t, row_max,
+                row_sum, seed, pos_f, stream, lane_best, lane_idx, lane_best_p, lane_idx_p, BLOCK,
+            )  # fmt: skip
+    tl.store(part_qsum_ptr + (d0 + j) * RACE_SPLITS + split, tl.sum(lane_qsum, 1), mask=j < k)
+    tl.store(part_qmin_ptr + b * RACE_SPLITS + split, tl.min(lane_qmin, 0))
+    if RACE:
+        _store_race(race_ptr, b, split, lane_best, lane_idx, lane_best_p, lane_idx_p, RACE_SPLITS)
 
 
 @triton.jit
 def _race(
-    logits_ptr, logits_stride, thr_ptr, draft_ids_ptr, q_ptr, q_stride, q_ids_ptr,
+    logits_ptr, logits_stride, thr_ptr, draft_ids_ptr, q_ptr, q_ids_ptr,
     row_max, row_sum, race_ptr, b, split, row, t, has_draft, inv_t, seed, pos,
-    V, Vq, S, split_size, n_splits,
-    NUM_SPLITS: tl.constexpr, RACE_SPLITS: tl.constexpr, BLOCK: tl.constexpr,
-    S_P2: tl.constexpr, Q_MODE: tl.constexpr,
+    V, S, split_size,
+    RACE_SPLITS: tl.constexpr, BLOCK: tl.constexpr, S_P2: tl.constexpr, Q_MODE: tl.constexpr,
 ):  # fmt: skip
-    """Exponential race over this split of row `row`: best max(0, p - q)/E (p/E for a bonus)
-    and best p/E (the fallback if rounding left the residual empty)."""
+    """Exponential race over this split of row `row` for sparse q or no q (dense q:
+    `_dense_q_pass`)."""
     thr = tl.load(thr_ptr + row)
     stream = tl.where(has_draft, 1, 2).to(tl.uint32)
     t = tl.where(has_draft, t, 0)
@@ -369,12 +477,7 @@ def _race(
         offs = off + tl.arange(0, BLOCK)
         mask = offs < end
         logit = tl.load(logits_ptr + row.to(tl.int64) * logits_stride + offs, mask=mask)
-        logit = logit.to(tl.float32)
-        p = tl.where(mask & (logit >= thr), tl.exp(logit * inv_t - row_max) / row_sum, 0.0)
-        if Q_MODE == 1:
-            qmask = offs < tl.where(has_draft, tl.minimum(end, Vq), 0)
-            q = tl.load(q_ptr + t.to(tl.int64) * q_stride + offs, mask=qmask, other=0.0)
-        elif Q_MODE == 2:
+        if Q_MODE == 2:
             q = tl.zeros((BLOCK,), tl.float32)
             lo = tl.sum((sparse_ids < off).to(tl.int32), 0)
             hi = tl.sum((sparse_ids < off + BLOCK).to(tl.int32), 0)
@@ -382,74 +485,60 @@ def _race(
                 q = tl.where(offs == tl.load(q_ids_ptr + t * S + i), tl.load(q_ptr + t * S + i), q)
         else:
             q = tl.where(offs == x, 1.0, 0.0)
-        bits = _vocab_bits(seed, off, pos.to(tl.uint32), stream, BLOCK)
-        expo = -tl.log(((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0))  # rng.exponential
-        residual = tl.where(has_draft, tl.maximum(p - q, 0.0), p)
-        score = tl.where(mask, residual / expo, -1.0)
-        better = score > lane_best
-        lane_idx = tl.where(better, offs, lane_idx)
-        lane_best = tl.where(better, score, lane_best)
-        score_p = tl.where(mask, p / expo, -1.0)
-        better_p = score_p > lane_best_p
-        lane_idx_p = tl.where(better_p, offs, lane_idx_p)
-        lane_best_p = tl.where(better_p, score_p, lane_best_p)
-    best = tl.max(lane_best, 0)
-    best_p = tl.max(lane_best_p, 0)
-    out = race_ptr + (b * RACE_SPLITS + split) * 4
-    # ids < 2**24 travel exactly as float32
-    tl.store(out, best)
-    tl.store(out + 1, tl.min(tl.where(lane_best == best, lane_idx, 2147483647), 0).to(tl.float32))
-    tl.store(out + 2, best_p)
-    tl.store(
-        out + 3, tl.min(tl.where(lane_best_p == best_p, lane_idx_p, 2147483647), 0).to(tl.float32)
-    )
+        lane_best, lane_idx, lane_best_p, lane_idx_p = _race_step(
+            logit.to(tl.float32), mask, offs, off, q, has_draft, thr, inv_t, row_max, row_sum,
+            seed, pos.to(tl.uint32), stream, lane_best, lane_idx, lane_best_p, lane_idx_p, BLOCK,
+        )  # fmt: skip
+    _store_race(race_ptr, b, split, lane_best, lane_idx, lane_best_p, lane_idx_p, RACE_SPLITS)
 
 
 @triton.jit
-def _finalize_kernel(
-    num_draft_ptr,  # [B] int32
-    row_start_ptr,  # [B] int32
-    draft_start_ptr,  # [B] int32
-    draft_ids_ptr,  # [T] int32
-    greedy_ptr,  # [B] int32
-    first_reject_ptr,  # [B] int32
-    status_ptr,  # [B] int32
-    race_ptr,  # [B, RACE_SPLITS, 4] float32
-    part_amax_val_ptr,  # [R, NUM_SPLITS]
-    part_amax_idx_ptr,  # [R, NUM_SPLITS]
-    token_ids_ptr,  # [B, max_k + 1] int32 out
-    num_committed_ptr,  # [B] int32 out
-    accepted_ptr,  # [B, max_k] int8 out
-    max_k,
-    n_splits,
-    n_race,
-    NUM_SPLITS: tl.constexpr,
-    RACE_SPLITS: tl.constexpr,
-    COLS: tl.constexpr,  # power of two >= max_k + 1
-):
-    b = tl.program_id(0)
-    k = tl.load(num_draft_ptr + b)
-    first_reject = tl.load(first_reject_ptr + b)
-    ok = tl.load(status_ptr + b) == 0
-    target_row = tl.load(row_start_ptr + b) + first_reject
+def _finalize(
+    b, k, d0, target_row, first_reject, status, out_of_support, greedy, draft_ids_ptr, race_ptr,
+    part_qsum_ptr, part_qmin_ptr, part_amax_val_ptr, part_amax_idx_ptr, token_ids_ptr,
+    num_committed_ptr, accepted_ptr, status_ptr, max_k, n_splits, n_race,
+    NUM_SPLITS: tl.constexpr, RACE_SPLITS: tl.constexpr, COLS: tl.constexpr,
+    Q_ROWS: tl.constexpr, DENSE_Q: tl.constexpr,
+):  # fmt: skip
+    """Request b's outputs from the race partials and, for dense q, the q-row partials that
+    settle the status (errors in the order of the status codes: 5 and 1 came first)."""
+    if DENSE_Q:  # the q rows were read only where no earlier error had settled the status
+        j = tl.arange(0, Q_ROWS)
+        cols = tl.arange(0, RACE_SPLITS)
+        rows_read = tl.where(status == 0, k, 0)
+        tile = (d0 + j)[:, None] * RACE_SPLITS + cols[None, :]
+        live = (j < rows_read)[:, None] & (cols < n_race)[None, :]
+        qsum = tl.sum(tl.load(part_qsum_ptr + tile, mask=live, other=0.0, cache_modifier=".cg"), 1)
+        unnormalized = (j < rows_read) & (tl.abs(qsum - 1.0) > 1e-4)  # Q_SUM_TOLERANCE
+        mins = tl.load(
+            part_qmin_ptr + b * RACE_SPLITS + cols,
+            mask=cols < tl.where(rows_read > 0, n_race, 0),
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        status = tl.where((status == 0) & (tl.min(mins, 0) < 0.0), 2, status)
+        status = tl.where((status == 0) & (tl.sum(unnormalized.to(tl.int32), 0) > 0), 3, status)
+    status = tl.where((status == 0) & (out_of_support > 0), 4, status)
+    tl.store(status_ptr + b, status)
+    ok = status == 0
     greedy_token = _row_argmax(
         part_amax_val_ptr, part_amax_idx_ptr, target_row, n_splits, NUM_SPLITS
     )
     cols = tl.arange(0, RACE_SPLITS)
     race = race_ptr + (b * RACE_SPLITS + cols) * 4
     # race slots exist only for sampled requests without errors (never read garbage)
-    live = cols < tl.where(ok & (tl.load(greedy_ptr + b) == 0), n_race, 0)
-    score = tl.load(race, mask=live, other=-1.0)
-    score_id = tl.load(race + 1, mask=live, other=0.0).to(tl.int32)
-    score_p = tl.load(race + 2, mask=live, other=-1.0)
-    score_p_id = tl.load(race + 3, mask=live, other=0.0).to(tl.int32)
+    live = cols < tl.where(ok & (greedy == 0), n_race, 0)
+    score = tl.load(race, mask=live, other=-1.0, cache_modifier=".cg")
+    score_id = tl.load(race + 1, mask=live, other=0.0, cache_modifier=".cg").to(tl.int32)
+    score_p = tl.load(race + 2, mask=live, other=-1.0, cache_modifier=".cg")
+    score_p_id = tl.load(race + 3, mask=live, other=0.0, cache_modifier=".cg").to(tl.int32)
     best = tl.max(score, 0)
     token = tl.min(tl.where(score == best, score_id, 2147483647), 0)
     token_p = tl.min(tl.where(score_p == tl.max(score_p, 0), score_p_id, 2147483647), 0)
     token = tl.where(best > 0.0, token, token_p)
-    token = tl.where(tl.load(greedy_ptr + b) != 0, greedy_token, token)
+    token = tl.where(greedy != 0, greedy_token, token)
     cols = tl.arange(0, COLS)
-    drafts = tl.load(draft_ids_ptr + tl.load(draft_start_ptr + b) + cols, mask=cols < first_reject)
+    drafts = tl.load(draft_ids_ptr + d0 + cols, mask=cols < first_reject)
     out = tl.where(cols < first_reject, drafts, tl.where(cols == first_reject, token, -1))
     out = tl.where(ok, out, -1)
     tl.store(token_ids_ptr + b * (max_k + 1) + cols, out, mask=cols <= max_k)
@@ -458,10 +547,19 @@ def _finalize_kernel(
     tl.store(accepted_ptr + b * max_k + cols, accepted.to(tl.int8), mask=cols < max_k)
 
 
+def uses_pdl(device: torch.device) -> bool:
+    """Programmatic dependent launch: CUDA on Hopper or later, with a Triton that has it."""
+    return (
+        device.type == "cuda"
+        and gdc_wait is not None
+        and torch.cuda.get_device_capability(device)[0] >= 9
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class LaunchShape:
-    """BLOCK, vocabulary split size and warps of the stats kernel and, apart, of the race: the
-    stats pass is bound by memory bandwidth, the race by latency and instruction issue."""
+    """BLOCK, vocabulary split size, warps and stages of the stats kernel and, apart, of the
+    race (which also reads dense q), and whether the race is a programmatic dependent launch."""
 
     block: int
     stats_split: int
@@ -470,6 +568,8 @@ class LaunchShape:
     num_stages: int = 1
     race_block: int = 0  # 0: same as block
     race_warps: int = 0  # 0: same as num_warps
+    race_stages: int = 0  # 0: same as num_stages
+    pdl: bool = True  # programmatic dependent launch of the race where the GPU has it
 
 
 def launch_shape(
@@ -477,13 +577,15 @@ def launch_shape(
     batch: int,
     width: int,
     device: torch.device,
-    block: int = 512,
-    programs_per_sm: int = 24,
-    num_warps: int = 4,
+    block: int = 1024,
+    programs_per_sm: int = 6,
+    num_warps: int = 8,
     num_stages: int = 1,
     race_block: int = 512,
     race_programs_per_sm: int = 8,
     race_warps: int = 4,
+    race_stages: int = 1,
+    race_max_splits: int = 0,
 ) -> LaunchShape:
     """On a GPU, enough vocabulary splits for ~programs_per_sm programs per SM in the stats
     kernel (rows programs before splitting) and ~race_programs_per_sm in the race (batch
@@ -496,73 +598,79 @@ def launch_shape(
         return LaunchShape(block, whole, whole, num_warps, num_stages)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
 
-    def split(programs: int, per_sm: int, blk: int) -> int:
-        splits = max(1, min(triton.cdiv(per_sm * sms, programs), triton.cdiv(width, blk), 64))
+    def split(programs: int, per_sm: int, blk: int, cap: int) -> int:
+        splits = max(1, min(triton.cdiv(per_sm * sms, programs), triton.cdiv(width, blk), cap))
         return triton.cdiv(triton.cdiv(width, splits), blk) * blk
 
-    stats = split(rows, programs_per_sm, block)
-    race = split(batch, race_programs_per_sm, race_block)
-    return LaunchShape(block, stats, race, num_warps, num_stages, race_block, race_warps)
+    stats = split(rows, programs_per_sm, block, 64)
+    # small batches want more race splits (batch 1: 256; 64 from batch 4 on; H200 sweep)
+    race = split(batch, race_programs_per_sm, race_block, race_max_splits or max(64, 256 // batch))
+    return LaunchShape(
+        block, stats, race, num_warps, num_stages, race_block, race_warps, race_stages
+    )
 
 
 def rejection_sample_triton(
     inputs: KernelInputs, shape: LaunchShape | None = None
 ) -> KernelOutputs:
-    """Run the three kernels (launch shape from `launch_shape` unless given)."""
+    """Run the two kernels (launch shape from `launch_shape` unless given)."""
     x = inputs
     device = x.logits.device
     rows, batch = x.row_req.shape[0], x.num_draft.shape[0]
     width = max(x.vocab_size, x.q_vocab)
     shape = shape or launch_shape(rows, batch, width, device)
-    n_splits = triton.cdiv(width, shape.stats_split)
+    n_splits = triton.cdiv(x.vocab_size, shape.stats_split)
     num_splits = triton.next_power_of_2(n_splits)
-    n_race = triton.cdiv(x.vocab_size, shape.race_split)
+    n_race = triton.cdiv(width if x.q_mode == Q_DENSE else x.vocab_size, shape.race_split)
     race_splits = triton.next_power_of_2(n_race)
-    # One buffer for the split partials: max, sum, argmax value, argmax id, bad, q sum. Padded
-    # splits (>= n_splits) are never read: loads are masked, so no fill kernels are needed.
-    parts = torch.empty((6, rows, num_splits), dtype=torch.float32, device=device)
-    pmax, psum, pval, pqsum = parts[0], parts[1], parts[2], parts[5]
+    # One buffer for the split partials: max, sum, argmax value, argmax id, bad. Padded splits
+    # (>= n_splits) are never read: loads are masked, so no fill kernels are needed.
+    parts = torch.empty((5, rows, num_splits), dtype=torch.float32, device=device)
+    pmax, psum, pval = parts[0], parts[1], parts[2]
     pidx, pbad = parts[3].view(torch.int32), parts[4].view(torch.int32)
     dummy_f, dummy_i = x.thresholds, x.row_req  # never read: placeholders for absent inputs
     q = x.q_probs if x.q_probs is not None else dummy_f
     q_ids = x.q_ids if x.q_ids is not None else dummy_i
     draft_ids = x.draft_ids if x.draft_ids.numel() else dummy_i  # no null pointers
     sparse_width = q.shape[1] if x.q_mode == Q_SPARSE else 1
+    done = torch.empty(batch, dtype=torch.int32, device=device)
+    pdl = shape.pdl and uses_pdl(device)
     _row_stats_kernel[(rows, n_splits)](
-        x.logits, x.logits.stride(0), x.thresholds, x.row_req, x.row_draft, x.inv_temperature,
-        x.greedy, q, q.stride(0), pmax, psum, pval, pidx, pbad, pqsum, x.vocab_size, x.q_vocab,
-        shape.stats_split, NUM_SPLITS=num_splits, BLOCK=shape.block,
-        DENSE_Q=x.q_mode == Q_DENSE, num_warps=shape.num_warps, num_stages=shape.num_stages,
+        x.logits, x.logits.stride(0), x.thresholds, x.row_req, x.inv_temperature, x.greedy,
+        pmax, psum, pval, pidx, pbad, done, x.vocab_size, batch, shape.stats_split,
+        NUM_SPLITS=num_splits, BLOCK=shape.block, num_warps=shape.num_warps,
+        num_stages=shape.num_stages, PDL=pdl,
     )  # fmt: skip
-    first_reject = torch.empty(batch, dtype=torch.int32, device=device)
-    status = torch.empty(batch, dtype=torch.int32, device=device)
     race = torch.empty((batch, race_splits, 4), device=device)
+    # dense q: each q row's split sums [T, race splits], then each request's split minimum
+    # [B, race splits]
+    dense = x.q_mode == Q_DENSE
+    q_parts = torch.empty(((x.draft_ids.numel() + batch) * race_splits if dense else 1,),
+                          device=device)  # fmt: skip
+    q_mins = q_parts[x.draft_ids.numel() * race_splits :] if dense else q_parts
+    token_ids = torch.empty((batch, x.max_k + 1), dtype=torch.int32, device=device)
+    num_committed = torch.empty(batch, dtype=torch.int32, device=device)
+    accepted = torch.empty((batch, max(x.max_k, 1)), dtype=torch.int8, device=device)
+    status = torch.empty(batch, dtype=torch.int32, device=device)
     rates = x.synthetic_rates if x.synthetic_rates is not None else dummy_f
     _decide_sample_kernel[(batch, n_race)](
         x.logits, x.logits.stride(0), x.thresholds, x.num_draft, x.row_start, x.draft_start,
         draft_ids, x.inv_temperature, x.greedy, x.seed, x.position, x.status_in, rates,
-        q, q.stride(0), q_ids, pmax, psum, pval, pidx, pbad, pqsum, first_reject, status, race,
-        x.vocab_size, x.q_vocab, sparse_width, shape.race_split, n_splits, NUM_SPLITS=num_splits,
+        q, q.stride(0), q_ids, pmax, psum, pval, pidx, pbad, done, race, q_parts, q_mins,
+        token_ids, num_committed, accepted, status, x.vocab_size, x.q_vocab, sparse_width,
+        shape.race_split, n_splits, n_race, x.max_k, NUM_SPLITS=num_splits,
         RACE_SPLITS=race_splits, BLOCK=shape.race_block or shape.block,
         S_P2=triton.next_power_of_2(sparse_width), Q_MODE=x.q_mode,
         SYNTHETIC=x.synthetic_rates is not None, num_warps=shape.race_warps or shape.num_warps,
-        num_stages=shape.num_stages,
-        K_P2=triton.next_power_of_2(x.max_k + 1),
-    )  # fmt: skip
-    token_ids = torch.empty((batch, x.max_k + 1), dtype=torch.int32, device=device)
-    num_committed = torch.empty(batch, dtype=torch.int32, device=device)
-    accepted = torch.empty((batch, max(x.max_k, 1)), dtype=torch.int8, device=device)
-    _finalize_kernel[(batch,)](
-        x.num_draft, x.row_start, x.draft_start, draft_ids, x.greedy, first_reject, status,
-        race, pval, pidx, token_ids, num_committed, accepted, x.max_k, n_splits, n_race,
-        NUM_SPLITS=num_splits, RACE_SPLITS=race_splits,
-        COLS=triton.next_power_of_2(x.max_k + 1),
+        num_stages=shape.race_stages or shape.num_stages,
+        K_P2=triton.next_power_of_2(x.max_k + 1), Q_ROWS=triton.next_power_of_2(max(x.max_k, 1)),
+        PDL=pdl, **({"launch_pdl": True} if pdl else {}),
     )  # fmt: skip
     return KernelOutputs(token_ids, num_committed, accepted[:, : x.max_k].view(torch.bool), status)
 
 
 def rejection_sample_torch(inputs: KernelInputs) -> KernelOutputs:
-    """Pure-torch reference of the three kernels above: the same function, the same random
+    """Pure-torch reference of the two kernels above: the same function, the same random
     numbers, vectorised over requests (used on CPU services and to test the kernels)."""
     x = inputs
     device, vocab = x.logits.device, x.vocab_size

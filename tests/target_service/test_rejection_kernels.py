@@ -210,3 +210,39 @@ def test_seeded_output_is_independent_of_batch_makeup(q_form: str, device: torch
         width = alone.token_ids.shape[1]
         assert torch.equal(alone.token_ids[0].cpu(), shuffled.token_ids[at, :width].cpu())
         assert bool((shuffled.token_ids[at, width:] == PLACEHOLDER).all())
+
+
+@pytest.mark.parametrize("greedy_fraction", [0.0, 1.0])
+def test_dense_q_errors_in_any_split_and_their_order(
+    greedy_fraction: float, device: torch.device
+) -> None:
+    """Dense q rows are checked by the race programs, split by split, and the status is settled
+    by a request's last program: an error in any split is found, for greedy requests too, and
+    a request with several errors gets the first code in the order of the status codes."""
+    k = [2, 3, 1, 2, 0, 2, 2]
+    b = random_batch(k, 300, "dense", seed=13, greedy_fraction=greedy_fraction)
+    assert isinstance(b.q, DenseProbs)
+    q, starts = b.q.probs, [0, 2, 5, 6, 8, 8, 10]  # draft rows of each request
+    q[starts[0] + 1, 250] = float("nan")  # race split 2 of 4 (96 columns each)
+    q[starts[1] + 2, 299] += 0.01  # the last split: sums to 1.01
+    b.logits[2 + 5, 3] = float("nan")  # request 2's first row: non-finite logits ...
+    q[starts[2], 100] = -0.25  # ... win over its negative q
+    x3 = int(b.draft_ids[starts[3]])
+    q[starts[3], x3] = 0.0  # out of support, and no longer normalised: 3 wins over 4
+    x5 = int(b.draft_ids[starts[5] + 1])
+    q[starts[5] + 1, (x5 + 1) % 300] += q[starts[5] + 1, x5]
+    q[starts[5] + 1, x5] = 0.0  # out of support only
+    expected = [
+        SampleStatus.INVALID_DRAFT_PROBS,
+        SampleStatus.DRAFT_PROBS_NOT_NORMALIZED,
+        SampleStatus.NONFINITE_LOGITS,
+        SampleStatus.DRAFT_PROBS_NOT_NORMALIZED,
+        SampleStatus.OK,
+        SampleStatus.DRAFT_TOKEN_OUT_OF_SUPPORT,
+        SampleStatus.OK,
+    ]
+    for shape in (kernels.LaunchShape(32, 64, 96), None):
+        ref, tri = run_both(b, device, shape=shape)
+        assert_same(ref, tri)
+        assert tri.status.tolist() == [int(s) for s in expected]
+        assert tri.num_committed.tolist()[4] == 1 and tri.num_committed.tolist()[6] >= 1
