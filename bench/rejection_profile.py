@@ -21,6 +21,7 @@ from triton.testing import do_bench
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.rejection_bench import copy_bandwidth, graph_time, make_inputs, out_dir
+from specdec.gdc import pdl_enabled
 from target_service import kernels
 
 
@@ -79,7 +80,7 @@ def stream_ceiling(rows: int, vocab: int, bandwidth: float) -> list[str]:
         fn = functools.partial(_stream_kernel[(rows, n)], x, out, vocab, size, BLOCK=block,
                                STAGES=stages, num_warps=warps)  # fmt: skip
         timed(f"plain loads block={block} warps={warps} per_sm={per_sm} stages={stages}", fn, n)
-    if kernels.uses_pdl(x.device):  # Hopper: TMA as well
+    if pdl_enabled(x.device):  # Hopper: TMA as well
         from triton.tools.tensor_descriptor import TensorDescriptor
 
         triton.set_allocator(lambda size, align, stream: torch.empty(size, dtype=torch.int8,

@@ -45,11 +45,7 @@ import triton
 import triton.language as tl
 
 from specdec import rng
-
-try:  # grid dependency control (Hopper and later); absent from older Triton
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover
-    gdc_launch_dependents = gdc_wait = None
+from specdec.gdc import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
 
 PLACEHOLDER = -1
 Q_NONE, Q_DENSE, Q_SPARSE = 0, 1, 2
@@ -547,15 +543,6 @@ def _finalize(
     tl.store(accepted_ptr + b * max_k + cols, accepted.to(tl.int8), mask=cols < max_k)
 
 
-def uses_pdl(device: torch.device) -> bool:
-    """Programmatic dependent launch: CUDA on Hopper or later, with a Triton that has it."""
-    return (
-        device.type == "cuda"
-        and gdc_wait is not None
-        and torch.cuda.get_device_capability(device)[0] >= 9
-    )
-
-
 @dataclass(frozen=True, slots=True)
 class LaunchShape:
     """BLOCK, vocabulary split size, warps and stages of the stats kernel and, apart, of the
@@ -634,7 +621,7 @@ def rejection_sample_triton(
     draft_ids = x.draft_ids if x.draft_ids.numel() else dummy_i  # no null pointers
     sparse_width = q.shape[1] if x.q_mode == Q_SPARSE else 1
     done = torch.empty(batch, dtype=torch.int32, device=device)
-    pdl = shape.pdl and uses_pdl(device)
+    pdl = shape.pdl and pdl_enabled(device)
     _row_stats_kernel[(rows, n_splits)](
         x.logits, x.logits.stride(0), x.thresholds, x.row_req, x.inv_temperature, x.greedy,
         pmax, psum, pval, pidx, pbad, done, x.vocab_size, batch, shape.stats_split,
@@ -664,7 +651,7 @@ def rejection_sample_triton(
         SYNTHETIC=x.synthetic_rates is not None, num_warps=shape.race_warps or shape.num_warps,
         num_stages=shape.race_stages or shape.num_stages,
         K_P2=triton.next_power_of_2(x.max_k + 1), Q_ROWS=triton.next_power_of_2(max(x.max_k, 1)),
-        PDL=pdl, **({"launch_pdl": True} if pdl else {}),
+        PDL=pdl, **launch_options(pdl),
     )  # fmt: skip
     return KernelOutputs(token_ids, num_committed, accepted[:, : x.max_k].view(torch.bool), status)
 

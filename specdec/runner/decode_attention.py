@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from specdec.gdc import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
+
 BLOCK_N = 64  # keys per inner iteration
 MAX_ROWS = 128  # group * tokens per request the kernel takes; longer chunks go to SDPA
 
@@ -53,7 +55,11 @@ def _split_kernel(
     HEAD_DIM: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # specdec/gdc.py: nothing before this reads or writes what other kernels touch
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // KV_HEADS
@@ -136,7 +142,11 @@ def _combine_kernel(
     BLOCK_S: tl.constexpr,
     BLOCK_M: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # specdec/gdc.py: nothing before this reads or writes what other kernels touch
+        gdc_wait()
+        gdc_launch_dependents()
     pid = tl.program_id(0)
     row = tl.program_id(1)
     b = pid // KV_HEADS
@@ -201,6 +211,7 @@ def decode_attention(
     part_lse = q.new_empty((b, kv_heads, splits, block_m), dtype=torch.float32)
     out = q.new_empty((t, heads, d))
     ieee = q.dtype == torch.float32
+    pdl = pdl_enabled(q.device)
     _split_kernel[(b * kv_heads, splits)](
         q,
         cache,
@@ -223,6 +234,8 @@ def decode_attention(
         HEAD_DIM=head_dim,
         HAS_WINDOW=window is not None,
         IEEE=ieee,
+        PDL=pdl,
+        **launch_options(pdl),
     )
     _combine_kernel[(b * kv_heads, group * n_max)](
         part_out,
@@ -238,6 +251,8 @@ def decode_attention(
         BLOCK_S=triton.next_power_of_2(splits),
         BLOCK_M=block_m,
         HEAD_DIM=head_dim,
+        PDL=pdl,
+        **launch_options(pdl),
     )
     return out
 

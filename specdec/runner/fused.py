@@ -25,6 +25,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from specdec.gdc import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
+
 
 @triton.jit
 def _add_rms_norm_kernel(
@@ -39,7 +41,11 @@ def _add_rms_norm_kernel(
     N: tl.constexpr,
     BLOCK: tl.constexpr,
     HAS_DELTA: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # specdec/gdc.py: nothing before this reads or writes what other kernels touch
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -67,6 +73,7 @@ def add_rms_norm(
     assert delta is None or (delta.shape == x.shape and delta.stride(1) == 1)
     h = torch.empty((t, n), dtype=x.dtype, device=x.device)
     res = x if delta is None else torch.empty_like(h)
+    pdl = pdl_enabled(x.device)
     if t:
         _add_rms_norm_kernel[(t,)](
             x,
@@ -80,6 +87,8 @@ def add_rms_norm(
             N=n,
             BLOCK=triton.next_power_of_2(n),
             HAS_DELTA=delta is not None,
+            PDL=pdl,
+            **launch_options(pdl),
         )
     return h, res
 
@@ -104,7 +113,11 @@ def _silu_mul_kernel(
     stride_g,
     INTER: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # specdec/gdc.py: nothing before this reads or writes what other kernels touch
+        gdc_wait()
+        gdc_launch_dependents()
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < INTER
@@ -119,9 +132,16 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] -> [T, I]
     assert gate_up.stride(1) == 1 and two_i % 2 == 0
     out = gate_up.new_empty((t, two_i // 2))
     block = min(1024, triton.next_power_of_2(two_i // 2))
+    pdl = pdl_enabled(gate_up.device)
     if t:
         _silu_mul_kernel[(t, triton.cdiv(two_i // 2, block))](
-            gate_up, out, gate_up.stride(0), INTER=two_i // 2, BLOCK=block
+            gate_up,
+            out,
+            gate_up.stride(0),
+            INTER=two_i // 2,
+            BLOCK=block,
+            PDL=pdl,
+            **launch_options(pdl),
         )
     return out
 
@@ -157,7 +177,11 @@ def _rope_store_kernel(
     D: tl.constexpr,
     HALF: tl.constexpr,  # next power of two of D // 2
     QK_NORM: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # specdec/gdc.py: nothing before this reads or writes what other kernels touch
+        gdc_wait()
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)  # [0, HEADS) q, [HEADS, HEADS + KV_HEADS) k, then v
     i = tl.arange(0, HALF)
@@ -225,6 +249,7 @@ def rope_store(
     assert cache.stride(4) == 1 and token_slot.shape == positions.shape == (t,)
     assert (q_norm is None) == (k_norm is None)
     q = qkv.new_empty((t, heads, d))
+    pdl = pdl_enabled(qkv.device)
     if t:
         _rope_store_kernel[(t, heads + 2 * kv_heads)](
             qkv,
@@ -248,6 +273,8 @@ def rope_store(
             D=d,
             HALF=triton.next_power_of_2(d // 2),
             QK_NORM=q_norm is not None,
+            PDL=pdl,
+            **launch_options(pdl),
         )
     return q
 

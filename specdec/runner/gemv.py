@@ -23,6 +23,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from specdec.gdc import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
+
 MAX_TOKENS = 16  # wider products go to cuBLAS, which is at the bandwidth there
 
 
@@ -43,6 +45,7 @@ def _skinny_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     IEEE: tl.constexpr,  # float32 inputs: exact float32 products, not TF32
+    PDL: tl.constexpr,  # programmatic dependent launch (specdec/gdc.py)
 ):
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     tokens = tl.arange(0, BLOCK_T)
@@ -52,6 +55,9 @@ def _skinny_kernel(
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + tl.where(col_ok, cols, 0).to(tl.int64)[:, None] * stride_w
     acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
+    if PDL:  # specdec/gdc.py: nothing before this reads or writes what other kernels touch
+        gdc_wait()
+        gdc_launch_dependents()
     for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (skinny_linear checks)
         x = tl.load(x_rows + k0 + ks[None, :], mask=tok_ok[:, None], other=0.0)
         w = tl.load(w_rows + k0 + ks[None, :])
@@ -87,11 +93,12 @@ def skinny_linear(
     assert 0 < t <= MAX_TOKENS and k % shape.block_k == 0 and weight.shape[1] == k
     assert x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype
     out = x.new_empty((t, n))
+    pdl = pdl_enabled(x.device)
     _skinny_kernel[(triton.cdiv(n, shape.block_n),)](
         x, weight, bias if bias is not None else weight, out, t, n, x.stride(0),
         weight.stride(0), out.stride(0), K=k, HAS_BIAS=bias is not None, BLOCK_T=16,
         BLOCK_N=shape.block_n, BLOCK_K=shape.block_k, IEEE=x.dtype == torch.float32,
-        num_warps=shape.num_warps, num_stages=shape.num_stages,
+        num_warps=shape.num_warps, num_stages=shape.num_stages, PDL=pdl, **launch_options(pdl),
     )  # fmt: skip
     return out
 

@@ -1,0 +1,47 @@
+"""Programmatic dependent launch (PDL) for the Triton kernels, on Hopper GPUs and later.
+
+A kernel launched with PDL may start while the kernel before it on the stream is still running:
+its programs get an SM as soon as one frees up, do the work that reads only inputs nobody else
+writes (addresses, weights), and block in `gdc_wait()` until the previous grid has finished and
+its writes are visible. The previous kernel calls `gdc_launch_dependents()` to let that happen
+before it completes. This hides the gap and the ramp-up between two dependent launches, which
+is most of the cost of the small kernels of a decode step.
+
+The rule every PDL kernel here keeps: it calls `gdc_wait()` on every path, before it reads
+anything an earlier kernel wrote and before it writes anything. Waiting is transitive (the
+previous kernel waited on its own predecessor before it finished), so a kernel two launches
+back is finished as well. `SPECDEC_PDL=0` in the environment turns PDL off.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:  # absent from older Triton; the kernels reference these only under `if PDL:`
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
+
+__all__ = ["gdc_launch_dependents", "gdc_wait", "launch_options", "pdl_enabled"]
+
+
+@functools.cache
+def _capable(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 9
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """True on a CUDA device of compute capability 9 or later with a Triton that has PDL,
+    unless SPECDEC_PDL=0."""
+    if device.type != "cuda" or gdc_wait is None or os.environ.get("SPECDEC_PDL", "1") == "0":
+        return False
+    return _capable(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def launch_options(pdl: bool) -> dict[str, bool]:
+    """Extra keyword arguments of a Triton launch: launch_pdl only where PDL is on (older
+    Triton does not know the option)."""
+    return {"launch_pdl": True} if pdl else {}
