@@ -256,6 +256,7 @@ def _decide_sample_kernel(
     n_splits,
     n_race,
     max_k,
+    q_tolerance,  # Q_SUM_TOLERANCE
     NUM_SPLITS: tl.constexpr,
     RACE_SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -358,18 +359,20 @@ def _decide_sample_kernel(
         _finalize(b, k, d0, row0 + first_reject, first_reject, status, out_of_support, greedy,
                   draft_ids_ptr, race_ptr, part_qsum_ptr, part_qmin_ptr, part_amax_val_ptr,
                   part_amax_idx_ptr, token_ids_ptr, num_committed_ptr, accepted_ptr, status_ptr,
-                  max_k, n_splits, n_race, NUM_SPLITS, RACE_SPLITS, K_P2, Q_ROWS,
+                  max_k, n_splits, n_race, q_tolerance, NUM_SPLITS, RACE_SPLITS, K_P2, Q_ROWS,
                   Q_MODE == 1)  # fmt: skip
 
 
 @triton.jit
 def _race_step(
-    logit, mask, offs, off, q, has_draft, thr, inv_t, row_max, row_sum, seed, pos, stream,
+    logit, mask, offs, off, q, has_draft, thr, inv_t, row_max, row_sum, seed, pos,
     lane_best, lane_idx, lane_best_p, lane_idx_p, BLOCK: tl.constexpr,
 ):  # fmt: skip
     """One block of the exponential race: residual max(0, p - q)/E (p/E for a bonus) and p/E
-    (the fallback if rounding left the residual empty), best of each per lane."""
+    (the fallback if rounding left the residual empty), best of each per lane. E comes from
+    stream RECOVER after a rejection, BONUS otherwise."""
     p = tl.where(mask & (logit >= thr), tl.exp(logit * inv_t - row_max) / row_sum, 0.0)
+    stream = tl.where(has_draft, 1, 2).to(tl.uint32)
     bits = _vocab_bits(seed, off, pos, stream, BLOCK)
     expo = -tl.log(((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0))  # rng.exponential
     residual = tl.where(has_draft, tl.maximum(p - q, 0.0), p)
@@ -382,6 +385,13 @@ def _race_step(
     lane_idx_p = tl.where(better_p, offs, lane_idx_p)
     lane_best_p = tl.where(better_p, score_p, lane_best_p)
     return lane_best, lane_idx, lane_best_p, lane_idx_p
+
+
+@triton.jit
+def _race_lanes(BLOCK: tl.constexpr):
+    """Per-lane best residual score and its id, best p score and its id: nothing seen yet."""
+    best = tl.full((BLOCK,), -1.0, tl.float32)
+    return best, tl.zeros((BLOCK,), tl.int32), best, tl.zeros((BLOCK,), tl.int32)
 
 
 @triton.jit
@@ -417,14 +427,10 @@ def _dense_q_pass(
     has_draft = f < k
     row = row0 + f
     thr = tl.load(thr_ptr + row)
-    stream = tl.where(has_draft, 1, 2).to(tl.uint32)
     pos_f = (pos + f).to(tl.uint32)
     lane_qsum = tl.zeros((Q_ROWS, BLOCK), tl.float32)
     lane_qmin = tl.zeros((BLOCK,), tl.float32)
-    lane_best = tl.full((BLOCK,), -1.0, tl.float32)
-    lane_idx = tl.zeros((BLOCK,), tl.int32)
-    lane_best_p = tl.full((BLOCK,), -1.0, tl.float32)
-    lane_idx_p = tl.zeros((BLOCK,), tl.int32)
+    lane_best, lane_idx, lane_best_p, lane_idx_p = _race_lanes(BLOCK)
     for off in range(start, end, BLOCK):
         offs = off + tl.arange(0, BLOCK)
         q_mask = (j < k)[:, None] & (offs < q_end)[None, :]
@@ -438,7 +444,7 @@ def _dense_q_pass(
             q = tl.sum(tl.where(j[:, None] == f, q_tile, 0.0), 0)
             lane_best, lane_idx, lane_best_p, lane_idx_p = _race_step(
                 logit.to(tl.float32), mask, offs, off, q, has_draft, thr, inv_t, row_max,
-                row_sum, seed, pos_f, stream, lane_best, lane_idx, lane_best_p, lane_idx_p, BLOCK,
+                row_sum, seed, pos_f, lane_best, lane_idx, lane_best_p, lane_idx_p, BLOCK,
             )  # fmt: skip
     tl.store(part_qsum_ptr + (d0 + j) * RACE_SPLITS + split, tl.sum(lane_qsum, 1), mask=j < k)
     tl.store(part_qmin_ptr + b * RACE_SPLITS + split, tl.min(lane_qmin, 0))
@@ -456,7 +462,6 @@ def _race(
     """Exponential race over this split of row `row` for sparse q or no q (dense q:
     `_dense_q_pass`)."""
     thr = tl.load(thr_ptr + row)
-    stream = tl.where(has_draft, 1, 2).to(tl.uint32)
     t = tl.where(has_draft, t, 0)
     x = tl.where(has_draft, tl.load(draft_ids_ptr + t), -1)
     start = split * split_size
@@ -465,10 +470,7 @@ def _race(
     sparse_ids = tl.load(
         q_ids_ptr + t * S + cols, mask=cols < tl.where(has_draft, S, 0), other=2147483647
     )
-    lane_best = tl.full((BLOCK,), -1.0, tl.float32)
-    lane_idx = tl.zeros((BLOCK,), tl.int32)
-    lane_best_p = tl.full((BLOCK,), -1.0, tl.float32)
-    lane_idx_p = tl.zeros((BLOCK,), tl.int32)
+    lane_best, lane_idx, lane_best_p, lane_idx_p = _race_lanes(BLOCK)
     for off in range(start, end, BLOCK):
         offs = off + tl.arange(0, BLOCK)
         mask = offs < end
@@ -483,7 +485,7 @@ def _race(
             q = tl.where(offs == x, 1.0, 0.0)
         lane_best, lane_idx, lane_best_p, lane_idx_p = _race_step(
             logit.to(tl.float32), mask, offs, off, q, has_draft, thr, inv_t, row_max, row_sum,
-            seed, pos.to(tl.uint32), stream, lane_best, lane_idx, lane_best_p, lane_idx_p, BLOCK,
+            seed, pos.to(tl.uint32), lane_best, lane_idx, lane_best_p, lane_idx_p, BLOCK,
         )  # fmt: skip
     _store_race(race_ptr, b, split, lane_best, lane_idx, lane_best_p, lane_idx_p, RACE_SPLITS)
 
@@ -492,7 +494,7 @@ def _race(
 def _finalize(
     b, k, d0, target_row, first_reject, status, out_of_support, greedy, draft_ids_ptr, race_ptr,
     part_qsum_ptr, part_qmin_ptr, part_amax_val_ptr, part_amax_idx_ptr, token_ids_ptr,
-    num_committed_ptr, accepted_ptr, status_ptr, max_k, n_splits, n_race,
+    num_committed_ptr, accepted_ptr, status_ptr, max_k, n_splits, n_race, q_tolerance,
     NUM_SPLITS: tl.constexpr, RACE_SPLITS: tl.constexpr, COLS: tl.constexpr,
     Q_ROWS: tl.constexpr, DENSE_Q: tl.constexpr,
 ):  # fmt: skip
@@ -505,7 +507,7 @@ def _finalize(
         tile = (d0 + j)[:, None] * RACE_SPLITS + cols[None, :]
         live = (j < rows_read)[:, None] & (cols < n_race)[None, :]
         qsum = tl.sum(tl.load(part_qsum_ptr + tile, mask=live, other=0.0, cache_modifier=".cg"), 1)
-        unnormalized = (j < rows_read) & (tl.abs(qsum - 1.0) > 1e-4)  # Q_SUM_TOLERANCE
+        unnormalized = (j < rows_read) & (tl.abs(qsum - 1.0) > q_tolerance)
         mins = tl.load(
             part_qmin_ptr + b * RACE_SPLITS + cols,
             mask=cols < tl.where(rows_read > 0, n_race, 0),
@@ -645,7 +647,7 @@ def rejection_sample_triton(
         draft_ids, x.inv_temperature, x.greedy, x.seed, x.position, x.status_in, rates,
         q, q.stride(0), q_ids, pmax, psum, pval, pidx, pbad, done, race, q_parts, q_mins,
         token_ids, num_committed, accepted, status, x.vocab_size, x.q_vocab, sparse_width,
-        shape.race_split, n_splits, n_race, x.max_k, NUM_SPLITS=num_splits,
+        shape.race_split, n_splits, n_race, x.max_k, Q_SUM_TOLERANCE, NUM_SPLITS=num_splits,
         RACE_SPLITS=race_splits, BLOCK=shape.race_block or shape.block,
         S_P2=triton.next_power_of_2(sparse_width), Q_MODE=x.q_mode,
         SYNTHETIC=x.synthetic_rates is not None, num_warps=shape.race_warps or shape.num_warps,
