@@ -35,8 +35,10 @@ def _capable(index: int) -> bool:
 
 def pdl_enabled(device: torch.device) -> bool:
     """True on a CUDA device of compute capability 9 or later with a Triton that has PDL,
-    unless SPECDEC_PDL=0."""
-    if device.type != "cuda" or gdc_wait is None or os.environ.get("SPECDEC_PDL", "1") == "0":
+    unless SPECDEC_PDL=0, and never under Triton's interpreter (TRITON_INTERPRET=1), which has
+    no grid dependency control."""
+    off = os.environ.get("SPECDEC_PDL", "1") == "0" or os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type != "cuda" or gdc_wait is None or off:
         return False
     return _capable(device.index if device.index is not None else torch.cuda.current_device())
 

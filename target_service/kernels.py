@@ -422,6 +422,8 @@ def _dense_q_pass(
     end = tl.minimum(start + split_size, tl.maximum(V, Vq))
     q_end = tl.minimum(end, Vq)
     race_end = tl.minimum(end, V)
+    if not RACE:  # the q rows only
+        end = q_end
     j = tl.arange(0, Q_ROWS)
     q_rows = q_ptr + (d0 + j).to(tl.int64) * q_stride
     has_draft = f < k
@@ -499,7 +501,9 @@ def _finalize(
     Q_ROWS: tl.constexpr, DENSE_Q: tl.constexpr,
 ):  # fmt: skip
     """Request b's outputs from the race partials and, for dense q, the q-row partials that
-    settle the status (errors in the order of the status codes: 5 and 1 came first)."""
+    settle the status. Dense q: 5 and 1 came first, then 2, 3, 4 here. Sparse q is checked
+    before the kernels (`status_in`), so its 2 and 3 come before 5 and 1; the reference
+    agrees."""
     if DENSE_Q:  # the q rows were read only where no earlier error had settled the status
         j = tl.arange(0, Q_ROWS)
         cols = tl.arange(0, RACE_SPLITS)
@@ -559,6 +563,20 @@ class LaunchShape:
     race_warps: int = 0  # 0: same as num_warps
     race_stages: int = 0  # 0: same as num_stages
     pdl: bool = True  # programmatic dependent launch of the race where the GPU has it
+
+    def __post_init__(self) -> None:
+        # Philox serves four ids per call (_vocab_bits): every block must start at a
+        # multiple of 4, or the race would draw other numbers than the reference.
+        for name in ("block", "stats_split", "race_split", "race_block"):
+            value = getattr(self, name)
+            if value < 0 or value % 4 or (value == 0 and name != "race_block"):
+                raise ValueError(
+                    f"LaunchShape.{name} must be a positive multiple of 4, got {value}."
+                )
+        for name in ("block", "race_block"):
+            value = getattr(self, name)
+            if value and value & (value - 1):
+                raise ValueError(f"LaunchShape.{name} must be a power of two, got {value}.")
 
 
 def launch_shape(

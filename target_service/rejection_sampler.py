@@ -268,9 +268,9 @@ def _prepare_q(
         return kernels.Q_NONE, None, None
     if isinstance(draft_probs, DenseProbs):
         q = draft_probs.probs
-        if q.dim() != 2 or q.shape[0] != total or q.dtype != torch.float32:
+        if q.dim() != 2 or q.shape[0] != total or q.shape[1] < 1 or q.dtype != torch.float32:
             raise ValueError(
-                f"draft_probs.probs must be float32 [{total}, vocab], got "
+                f"draft_probs.probs must be float32 [{total}, vocab] with vocab >= 1, got "
                 f"{tuple(q.shape)} {q.dtype}."
             )
         return kernels.Q_DENSE, q.contiguous(), None

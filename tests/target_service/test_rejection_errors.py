@@ -170,6 +170,7 @@ def call(**overrides: object) -> None:
         ({"target_logits": torch.zeros(6, 32, dtype=torch.float64)}, "float32, bf16 or fp16"),
         ({"draft_probs": DenseProbs(torch.zeros(2, 32))}, r"draft_probs.probs .*\[3, vocab\]"),
         ({"draft_probs": DenseProbs(torch.zeros(3, 32, dtype=torch.float64))}, "float32"),
+        ({"draft_probs": DenseProbs(torch.zeros(3, 0))}, r"vocab >= 1"),
         (
             {"draft_probs": SparseProbs(torch.zeros(3, 4, dtype=torch.int32), torch.zeros(3, 5))},
             "shape",

@@ -246,3 +246,22 @@ def test_dense_q_errors_in_any_split_and_their_order(
         assert_same(ref, tri)
         assert tri.status.tolist() == [int(s) for s in expected]
         assert tri.num_committed.tolist()[4] == 1 and tri.num_committed.tolist()[6] >= 1
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"block": 32, "stats_split": 64, "race_split": 6}, "race_split"),
+        ({"block": 32, "stats_split": 66, "race_split": 96}, "stats_split"),
+        ({"block": 48, "stats_split": 96, "race_split": 96}, "block"),
+        ({"block": 32, "stats_split": 64, "race_split": 96, "race_block": 24}, "race_block"),
+        ({"block": 32, "stats_split": 0, "race_split": 96}, "stats_split"),
+    ],
+)
+def test_launch_shapes_that_would_change_the_random_numbers_are_refused(
+    kwargs: dict, field: str
+) -> None:
+    """Philox serves four vocabulary ids per call: a split or block that does not start at a
+    multiple of 4 would draw other numbers than the reference, so it is an error."""
+    with pytest.raises(ValueError, match=f"LaunchShape.{field}"):
+        kernels.LaunchShape(**kwargs)
