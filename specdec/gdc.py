@@ -19,13 +19,32 @@ import functools
 import os
 
 import torch
+import triton
+import triton.language as tl
 
 try:  # absent from older Triton; the kernels reference these only under `if PDL:`
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover
     gdc_launch_dependents = gdc_wait = None
 
-__all__ = ["gdc_launch_dependents", "gdc_wait", "launch_options", "pdl_enabled"]
+__all__ = [
+    "gdc_launch_dependents",
+    "gdc_wait",
+    "launch_options",
+    "pdl_enabled",
+    "wait_then_release",
+]
+
+
+@triton.jit
+def wait_then_release(PDL: tl.constexpr):
+    """A PDL kernel's entry: wait for the previous grid, then let the next one launch. In this
+    order only: released before its own wait, each kernel would let its successor in while
+    still waiting itself, and a chain of waiting programs would fill the SMs (the 8B decode
+    step took 19% longer)."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
 
 
 @functools.cache

@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from specdec.gdc import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
+from specdec.gdc import launch_options, pdl_enabled, wait_then_release
 
 BLOCK_N = 64  # keys per inner iteration
 MAX_ROWS = 128  # group * tokens per request the kernel takes; longer chunks go to SDPA
@@ -57,9 +57,7 @@ def _split_kernel(
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # specdec/gdc.py: nothing before this reads or writes what other kernels touch
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_then_release(PDL)  # nothing before this reads or writes what other kernels touch
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // KV_HEADS
@@ -144,9 +142,7 @@ def _combine_kernel(
     HEAD_DIM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # specdec/gdc.py: nothing before this reads or writes what other kernels touch
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_then_release(PDL)  # nothing before this reads or writes what other kernels touch
     pid = tl.program_id(0)
     row = tl.program_id(1)
     b = pid // KV_HEADS

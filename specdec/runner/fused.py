@@ -25,7 +25,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from specdec.gdc import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
+from specdec.gdc import launch_options, pdl_enabled, wait_then_release
 
 
 @triton.jit
@@ -43,9 +43,7 @@ def _add_rms_norm_kernel(
     HAS_DELTA: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # specdec/gdc.py: nothing before this reads or writes what other kernels touch
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_then_release(PDL)  # nothing before this reads or writes what other kernels touch
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     ok = cols < N
@@ -115,9 +113,7 @@ def _silu_mul_kernel(
     BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # specdec/gdc.py: nothing before this reads or writes what other kernels touch
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_then_release(PDL)  # nothing before this reads or writes what other kernels touch
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = cols < INTER
@@ -179,9 +175,7 @@ def _rope_store_kernel(
     QK_NORM: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    if PDL:  # specdec/gdc.py: nothing before this reads or writes what other kernels touch
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_then_release(PDL)  # nothing before this reads or writes what other kernels touch
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)  # [0, HEADS) q, [HEADS, HEADS + KV_HEADS) k, then v
     i = tl.arange(0, HALF)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from specdec.gdc import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
+from specdec.gdc import launch_options, pdl_enabled, wait_then_release
 
 MAX_TOKENS = 16  # wider products go to cuBLAS, which is at the bandwidth there
 
@@ -55,9 +55,7 @@ def _skinny_kernel(
     x_rows = x_ptr + tokens.to(tl.int64)[:, None] * stride_x
     w_rows = w_ptr + tl.where(col_ok, cols, 0).to(tl.int64)[:, None] * stride_w
     acc = tl.zeros((BLOCK_T, BLOCK_N), tl.float32)
-    if PDL:  # specdec/gdc.py: nothing before this reads or writes what other kernels touch
-        gdc_wait()
-        gdc_launch_dependents()
+    wait_then_release(PDL)  # nothing before this reads or writes what other kernels touch
     for k0 in range(0, K, BLOCK_K):  # K % BLOCK_K == 0 (skinny_linear checks)
         x = tl.load(x_rows + k0 + ks[None, :], mask=tok_ok[:, None], other=0.0)
         w = tl.load(w_rows + k0 + ks[None, :])
