@@ -4,14 +4,18 @@ python -m draft_service --proposer ngram --tokenizer DIR [--ngram-min 1 --ngram-
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 from draft_service.config import DraftConfig
 from draft_service.ngram import NgramConfig
 from draft_service.server import start
-from specdec.errors import SpecdecError
-from specdec.serving.cli import add_runner_args, add_server_args, runner_config, server_config
+from specdec.serving.cli import (
+    add_runner_args,
+    add_server_args,
+    runner_config,
+    serve,
+    server_config,
+)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,24 +30,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--support-size", type=int, default=32)
     parser.add_argument("--max-num-draft-tokens", type=int, default=16)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    try:
-        config = DraftConfig(
-            proposer=args.proposer,
-            runner=runner_config(args) if args.model else None,
-            tokenizer_path=args.tokenizer,
-            ngram=NgramConfig(args.ngram_min, args.ngram_max),
-            q_form=args.q_form,
-            support_size=args.support_size,
-            max_num_draft_tokens=args.max_num_draft_tokens,
-            server=server_config(args),
-        )
-        server, _ = start(config)
-    except (ValueError, SpecdecError) as e:
-        print(f"draft_service: {e}", file=sys.stderr)
-        return 2
-    server.serve_until_signal()
-    return 0
+    return serve(
+        "draft_service",
+        lambda: start(
+            DraftConfig(
+                proposer=args.proposer,
+                runner=runner_config(args) if args.model else None,
+                tokenizer_path=args.tokenizer,
+                ngram=NgramConfig(args.ngram_min, args.ngram_max),
+                q_form=args.q_form,
+                support_size=args.support_size,
+                max_num_draft_tokens=args.max_num_draft_tokens,
+                server=server_config(args),
+            )
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
-from specdec.errors import SpecdecError
-from specdec.serving.cli import add_runner_args, add_server_args, runner_config, server_config
+from specdec.serving.cli import (
+    add_runner_args,
+    add_server_args,
+    runner_config,
+    serve,
+    server_config,
+)
 from target_service.config import TargetConfig
 from target_service.server import start
 
@@ -19,20 +23,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-num-draft-tokens", type=int, default=16)
     parser.add_argument("--draft-address", help="check this draft's tokenizer at start-up")
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    try:
-        config = TargetConfig(
-            runner=runner_config(args),
-            server=server_config(args),
-            max_num_draft_tokens=args.max_num_draft_tokens,
-            draft_address=args.draft_address,
-        )
-        server, _ = start(config)
-    except (ValueError, SpecdecError) as e:
-        print(f"target_service: {e}", file=sys.stderr)
-        return 2
-    server.serve_until_signal()
-    return 0
+    return serve(
+        "target_service",
+        lambda: start(
+            TargetConfig(
+                runner=runner_config(args),
+                server=server_config(args),
+                max_num_draft_tokens=args.max_num_draft_tokens,
+                draft_address=args.draft_address,
+            )
+        ),
+    )
 
 
 if __name__ == "__main__":

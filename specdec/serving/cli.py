@@ -3,10 +3,29 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+from specdec.errors import SpecdecError
 from specdec.runner import RunnerConfig
-from specdec.serving.server import DEFAULT_MAX_MESSAGE_BYTES, ServerConfig
+from specdec.serving.server import DEFAULT_MAX_MESSAGE_BYTES, Server, ServerConfig
+
+
+def serve(prog: str, start: Callable[[], tuple[Server, Any]]) -> int:
+    """A service's main after its arguments are parsed: logging, then `start` (which builds
+    the config and starts the server); a bad config or checkpoint is one line on stderr and exit
+    code 2, otherwise it serves until SIGTERM or SIGINT and returns 0."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        server, _ = start()
+    except (ValueError, SpecdecError) as e:
+        print(f"{prog}: {e}", file=sys.stderr)
+        return 2
+    server.serve_until_signal()
+    return 0
 
 
 def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
