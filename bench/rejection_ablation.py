@@ -1,8 +1,7 @@
-"""Where the stats pass's time goes (GPU): `_row_stats_kernel` time with parts of the race it
-runs over every row replaced by cheap stand-ins, so each part's cost shows as the difference.
-The variants are copies of target_service/kernels.py with one or more source lines replaced
-(their outputs are wrong on purpose; only their timing is read). Also reports registers and
-spills of the stats kernel.
+"""Where the race's time goes (GPU): `_decide_sample_kernel` time with parts of the race
+replaced by cheap stand-ins, so each part's cost shows as the difference. The variants are
+copies of target_service/kernels.py with one or more source lines replaced (their outputs are
+wrong on purpose; only their timing is read). Also reports registers and spills.
 
 Usage: python bench/rejection_ablation.py --out DIR
 """
@@ -23,22 +22,28 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.rejection_bench import make_inputs, out_dir
 from target_service import kernels
 
-KEY = "key = _gumbel_key(scaled, _vocab_bits(seed, off, pos, stream, BLOCK))"
-PHILOX = (KEY, "key = _gumbel_key(scaled, offs.to(tl.uint32) * 2654435761)")
-LOGS = (
-    "    return scaled - tl.log(expo)",
-    "    return scaled - (bits >> 9).to(tl.float32)",
+PHILOX = (
+    "bits = _vocab_bits(seed, off, pos, stream, BLOCK)",
+    "bits = offs.to(tl.uint32) * 2654435761",
 )
-NO_RACE = (KEY, "key = scaled")
+LOG = (
+    "expo = -tl.log(((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0))",
+    "expo = ((bits >> 9).to(tl.float32) + 0.5)",
+)
+EXP = (
+    "p = tl.where(mask & (logit >= thr), tl.exp(logit * inv_t - row_max) / row_sum, 0.0)",
+    "p = tl.where(mask & (logit >= thr), logit, 0.0)",
+)
 VARIANTS = {
     "as is": [],
     "no Philox (multiply-hash)": [PHILOX],
-    "no logs in the key": [LOGS],
-    "no race (key = scaled logit)": [NO_RACE],
+    "no log in E": [LOG],
+    "no exp in p": [EXP],
+    "none of the three": [PHILOX, LOG, EXP],
 }
-CAPTURE = (  # keep the stats launch's compiled kernel, for its register count
-    "    _row_stats_kernel[(rows, n_splits)](",
-    "    global LAST\n    LAST = _row_stats_kernel[(rows, n_splits)](",
+CAPTURE = (  # keep the decide launch's compiled kernel, for its register count
+    "    _decide_sample_kernel[(batch, n_race)](",
+    "    global LAST\n    LAST = _decide_sample_kernel[(batch, n_race)](",
 )
 
 

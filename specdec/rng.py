@@ -38,11 +38,9 @@ class Stream(IntEnum):
     """Independent random streams; one draw per (seed, position, stream[, vocabulary index])."""
 
     ACCEPT = 0  # acceptance test u < p(x) / q(x)
-    RECOVER = 1  # exponential race after a rejection (dense q: over p, the proposal)
+    RECOVER = 1  # exponential race over the residual max(0, p - q) after a rejection
     BONUS = 2  # exponential race over p after all drafts were accepted
     DRAFT = 3  # the draft model's own sampling
-    PROPOSAL = 4  # dense q: the proposal y ~ p is kept with probability max(0, 1 - q(y) / p(y))
-    FALLBACK = 5  # dense q: race over the residual max(0, p - q) when the proposal was not kept
 
 
 def _mulhilo(a: torch.Tensor, b: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -135,49 +135,24 @@ def _uniform(bits):
 
 
 @triton.jit
-def _gumbel_key(scaled, bits):
-    """log(p~ / E) for the exponential race in the log domain, p~ = exp(scaled) unnormalised
-    (`rng.exponential` for E): the same argmax as p / E, with no row sum needed yet."""
-    expo = -tl.log(((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0))
-    return scaled - tl.log(expo)
-
-
-@triton.jit
 def _row_stats_kernel(
     logits_ptr,  # [R, >= V] float32 | bf16 | fp16
     logits_stride,
     thr_ptr,  # [R] float32
     row_req_ptr,  # [R] int32
-    row_draft_ptr,  # [R] int32, draft token of the row, -1 for the last row
-    num_draft_ptr,  # [B] int32
-    draft_start_ptr,  # [B] int32
-    draft_ids_ptr,  # [T] int32
     inv_temp_ptr,  # [B] float32
     greedy_ptr,  # [B] int32
-    seed_ptr,  # [B] int64
-    position_ptr,  # [B] int64
-    q_ptr,  # dense [T, Vq] | sparse [T, S] float32
-    q_stride,
-    q_ids_ptr,  # sparse [T, S] int32, sorted ascending
     part_max_ptr,  # [R, NUM_SPLITS] float32
     part_sum_ptr,  # [R, NUM_SPLITS] float32
     part_amax_val_ptr,  # [R, NUM_SPLITS] float32
     part_amax_idx_ptr,  # [R, NUM_SPLITS] int32
     part_bad_ptr,  # [R, NUM_SPLITS] int32: non-finite logits
-    part_key_ptr,  # [R, NUM_SPLITS] float32: best race key log(p~ / E)
-    part_key_idx_ptr,  # [R, NUM_SPLITS] int32: its id
-    part_qsum_ptr,  # [R, NUM_SPLITS] float32 (dense q): split sum of the row's q row
-    part_qmin_ptr,  # [R, NUM_SPLITS] float32 (dense q): split minimum, -1 for NaN/inf
     done_ptr,  # [B] int32 out: zeroed here for _decide_sample_kernel's per-request counters
     V,
-    Vq,
-    S,
     B,
     split_size,
     NUM_SPLITS: tl.constexpr,
     BLOCK: tl.constexpr,
-    S_P2: tl.constexpr,
-    Q_MODE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     if PDL:  # _decide_sample_kernel may start its input-only prologue as this grid drains
@@ -193,41 +168,17 @@ def _row_stats_kernel(
     req = tl.load(row_req_ptr + row)
     inv_t = tl.load(inv_temp_ptr + req)
     greedy = tl.load(greedy_ptr + req) != 0
-    t = tl.load(row_draft_ptr + row)
-    has_draft = t >= 0
-    t = tl.maximum(t, 0)
-    j = tl.where(has_draft, t - tl.load(draft_start_ptr + req), tl.load(num_draft_ptr + req))
-    seed = tl.load(seed_ptr + req)
-    pos = (tl.load(position_ptr + req) + j).to(tl.uint32)
-    stream = tl.where(has_draft, 1, 2).to(tl.uint32)  # RECOVER, BONUS
-    # ids the race leaves to _decide_sample_kernel: the draft token (no q; its residual is 0)
-    # or the sparse support (its residual needs the row sum)
-    excluded_id = tl.where(has_draft, tl.load(draft_ids_ptr + t), -1)
-    support = tl.arange(0, S_P2)
-    support_ids = tl.load(
-        q_ids_ptr + t * S + support, mask=support < tl.where(has_draft, S, 0), other=2147483647
-    )
-    q_end = end
-    if Q_MODE == 1:  # dense q: this program also validates its split of the row's q row
-        end = tl.minimum(start + split_size, tl.maximum(V, Vq))
-        q_end = tl.where(has_draft, tl.minimum(end, Vq), start)
-    logit_end = tl.minimum(end, V)
     row_ptr = logits_ptr + row.to(tl.int64) * logits_stride
-    q_row = q_ptr + t.to(tl.int64) * q_stride
     # Per-lane accumulators, reduced once after the loop: a cross-lane reduction per
     # iteration (max, sum, argmax) cost more than the loads on an H200.
     lane_max = tl.full((BLOCK,), float("-inf"), tl.float32)
     lane_sum = tl.zeros((BLOCK,), tl.float32)
     lane_best = tl.full((BLOCK,), float("-inf"), tl.float32)
     lane_best_idx = tl.zeros((BLOCK,), tl.int32)
-    lane_key = tl.full((BLOCK,), float("-inf"), tl.float32)
-    lane_key_idx = tl.zeros((BLOCK,), tl.int32)
     lane_bad = tl.zeros((BLOCK,), tl.int32)
-    lane_qsum = tl.zeros((BLOCK,), tl.float32)
-    lane_qmin = tl.zeros((BLOCK,), tl.float32)
     for off in range(start, end, BLOCK):
         offs = off + tl.arange(0, BLOCK)
-        mask = offs < logit_end
+        mask = offs < end
         logit = tl.load(row_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         lane_bad += (logit - logit != 0.0).to(tl.int32)  # NaN or +-inf (masked lanes read 0)
         if greedy:  # greedy rows need the raw argmax only, sampled rows the softmax only
@@ -243,31 +194,11 @@ def _row_stats_kernel(
             e = tl.exp(tl.minimum(lane_max, scaled) - safe)
             lane_sum = tl.where(scaled > lane_max, lane_sum * e + 1.0, lane_sum + e)
             lane_max = new_max
-            # The race over p: the bonus token, or after a rejection the recovered token (no
-            # q, sparse q: p outside the excluded ids is the residual) or the proposal (dense).
-            key = _gumbel_key(scaled, _vocab_bits(seed, off, pos, stream, BLOCK))
-            if Q_MODE == 0:
-                key = tl.where(offs == excluded_id, float("-inf"), key)
-            elif Q_MODE == 2:
-                lo = tl.sum((support_ids < off).to(tl.int32), 0)
-                hi = tl.sum((support_ids < off + BLOCK).to(tl.int32), 0)
-                for i in range(lo, hi):
-                    key = tl.where(offs == tl.load(q_ids_ptr + t * S + i), float("-inf"), key)
-            better = key > lane_key
-            lane_key_idx = tl.where(better, offs, lane_key_idx)
-            lane_key = tl.where(better, key, lane_key)
-        if Q_MODE == 1:
-            q = tl.load(q_row + offs, mask=offs < q_end, other=0.0)
-            lane_qsum += q
-            # NaN and inf count as negative: one minimum flags every invalid entry
-            lane_qmin = tl.minimum(lane_qmin, tl.where(q - q != 0.0, -1.0, q))
     run_max = tl.max(lane_max, 0)
     safe_max = tl.where(run_max == float("-inf"), 0.0, run_max)
     run_sum = tl.sum(lane_sum * tl.exp(lane_max - safe_max), 0)
     best = tl.max(lane_best, 0)
     best_idx = tl.min(tl.where(lane_best == best, lane_best_idx, 2147483647), 0)
-    best_key = tl.max(lane_key, 0)
-    best_key_idx = tl.min(tl.where(lane_key == best_key, lane_key_idx, 2147483647), 0)
     bad = tl.sum(lane_bad, 0)
     out = row * NUM_SPLITS + split
     tl.store(part_max_ptr + out, run_max)
@@ -275,11 +206,6 @@ def _row_stats_kernel(
     tl.store(part_amax_val_ptr + out, best)
     tl.store(part_amax_idx_ptr + out, best_idx)
     tl.store(part_bad_ptr + out, bad)
-    tl.store(part_key_ptr + out, best_key)
-    tl.store(part_key_idx_ptr + out, best_key_idx)
-    if Q_MODE == 1:
-        tl.store(part_qsum_ptr + out, tl.sum(lane_qsum, 0))
-        tl.store(part_qmin_ptr + out, tl.min(lane_qmin, 0))
 
 
 @triton.jit
@@ -315,12 +241,10 @@ def _decide_sample_kernel(
     part_amax_val_ptr,
     part_amax_idx_ptr,
     part_bad_ptr,
-    part_key_ptr,
-    part_key_idx_ptr,
-    part_qsum_ptr,
-    part_qmin_ptr,
     done_ptr,  # [B] int32: programs of the request done (zeroed by _row_stats_kernel)
     race_ptr,  # [B, RACE_SPLITS, 4] float32: (best r/E, its id, best p/E, its id)
+    part_qsum_ptr,  # [T, RACE_SPLITS] float32 (dense q): split sums of each q row
+    part_qmin_ptr,  # [B, RACE_SPLITS] float32 (dense q): split minimum, -1 for NaN/inf
     token_ids_ptr,  # [B, max_k + 1] int32 out
     num_committed_ptr,  # [B] int32 out
     accepted_ptr,  # [B, max_k] int8 out
@@ -340,6 +264,7 @@ def _decide_sample_kernel(
     Q_MODE: tl.constexpr,
     SYNTHETIC: tl.constexpr,
     K_P2: tl.constexpr,  # power of two > max_k
+    Q_ROWS: tl.constexpr,  # power of two >= max_k (dense q rows read per program)
     PDL: tl.constexpr,  # launched as a programmatic dependent of _row_stats_kernel
 ):
     b = tl.program_id(0)
@@ -401,83 +326,41 @@ def _decide_sample_kernel(
         best = tl.max(pval, 1)
         argmax = tl.min(tl.where(pval == best[:, None], pidx, 2147483647), 1)
         accept = tl.where(greedy != 0, x == argmax, u * q_x < p_x)
-    f = tl.min(tl.where(is_draft & (accept == 0), j, k), 0)
+    first_reject = tl.min(tl.where(is_draft & (accept == 0), j, k), 0)
     status = tl.load(status_in_ptr + b)
     status = tl.where((status == 0) & (out_of_vocab > 0), 5, status)
     status = tl.where((status == 0) & (bad > 0), 1, status)
-    if Q_MODE == 1:  # the q rows, validated by the stats kernel's programs
-        q_live = is_draft[:, None] & (cols < n_splits)[None, :]
-        qsum = tl.sum(tl.load(part_qsum_ptr + tile, mask=q_live, other=0.0), 1)
-        qmin = tl.min(tl.min(tl.load(part_qmin_ptr + tile, mask=q_live, other=0.0), 1), 0)
-        unnormalized = tl.sum((is_draft & (tl.abs(qsum - 1.0) > q_tolerance)).to(tl.int32), 0)
-        status = tl.where((status == 0) & (qmin < 0.0), 2, status)
-        status = tl.where((status == 0) & (unnormalized > 0), 3, status)
-    status = tl.where((status == 0) & (out_of_support > 0), 4, status)
-    # Row f's race winner from the stats kernel: the bonus token, or after a rejection the
-    # recovered token (no q, sparse q, once the support is raced here) or the proposal (dense q)
-    row_f = row0 + f
-    has_draft = f < k
-    f_max = tl.sum(tl.where(j == f, row_max, 0.0), 0)
-    f_sum = tl.sum(tl.where(j == f, row_sum, 0.0), 0)
-    keys = tl.load(part_key_ptr + row_f * NUM_SPLITS + cols, mask=cols < n_splits,
-                   other=float("-inf"))  # fmt: skip
-    key = tl.max(keys, 0)
-    key_ids = tl.load(part_key_idx_ptr + row_f * NUM_SPLITS + cols, mask=cols < n_splits,
-                      other=2147483647)  # fmt: skip
-    token = tl.min(tl.where(keys == key, key_ids, 2147483647), 0)
-    sampled = (status == 0) & (greedy == 0)
-    t_f = tl.where(has_draft, d0 + f, 0)
-    pos_f = (pos + f).to(tl.uint32)
-    thr_f = tl.load(thr_ptr + row_f)
-    kept = f >= 0
-    if Q_MODE == 2:  # the support's residual keys, in the race's log domain
-        support = tl.arange(0, S_P2)
-        in_support = support < tl.where(has_draft & sampled, S, 0)
-        sup_ids = tl.load(q_ids_ptr + t_f * S + support, mask=in_support, other=2147483647)
-        in_support = in_support & (sup_ids < V)
-        sup_ids = tl.where(in_support, sup_ids, 0)
-        sup_q = tl.load(q_ptr + t_f * S + support, mask=in_support, other=0.0)
-        sup_logit = tl.load(logits_ptr + row_f.to(tl.int64) * logits_stride + sup_ids,
-                            mask=in_support, other=0.0).to(tl.float32)  # fmt: skip
-        sup_p = tl.where(sup_logit >= thr_f, tl.exp(sup_logit * inv_t - f_max) / f_sum, 0.0)
-        w0, w1, w2, w3 = _philox4(seed, (sup_ids // 4).to(tl.uint32), pos_f, tl.full(
-            (S_P2,), 1, tl.uint32))  # fmt: skip
-        lane = sup_ids % 4
-        bits = tl.where(lane == 0, w0, tl.where(lane == 1, w1, tl.where(lane == 2, w2, w3)))
-        resid = tl.maximum(sup_p - sup_q, 0.0)
-        sup_key = _gumbel_key(tl.log(resid) + f_max + tl.log(f_sum), bits)
-        sup_key = tl.where(in_support & (resid > 0.0), sup_key, float("-inf"))
-        sup_best = tl.max(sup_key, 0)
-        sup_token = tl.min(tl.where(sup_key == sup_best, sup_ids, 2147483647), 0)
-        take = (sup_best > key) | ((sup_best == key) & (sup_token < token))
-        token = tl.where(take, sup_token, token)
-        key = tl.maximum(key, sup_best)
-    elif Q_MODE == 1:  # keep the proposal y ~ p with probability max(0, 1 - q(y) / p(y))
-        y = tl.minimum(token, V - 1)
-        y_logit = tl.load(logits_ptr + row_f.to(tl.int64) * logits_stride + y).to(tl.float32)
-        y_p = tl.where(y_logit >= thr_f, tl.exp(y_logit * inv_t - f_max) / f_sum, 0.0)
-        y_q = tl.load(q_ptr + t_f.to(tl.int64) * q_stride + tl.minimum(y, Vq - 1),
-                      mask=has_draft & (y < Vq), other=0.0)  # fmt: skip
-        v = _uniform(_philox(seed, pos_f * 0, pos_f, pos_f * 0 + 4))  # stream PROPOSAL
-        kept = (f >= k) | (v * y_p < y_p - y_q)
-    race = sampled & ((key == float("-inf")) | (kept == 0))
-    if race:  # the fallback: the residual race over row f, split across the programs
-        _race(logits_ptr, logits_stride, thr_f, q_ptr, q_stride, q_ids_ptr, f_max, f_sum,
-              race_ptr, b, split, row_f, t_f, has_draft, draft_ids_ptr, inv_t, seed, pos_f, V,
-              Vq, S, race_split_size, RACE_SPLITS, BLOCK, S_P2, Q_MODE)  # fmt: skip
-        # The request's last program to finish writes its outputs. The barrier and the
-        # counter's acquire-release order every program's partials before the last one reads
-        # them (the split-K semaphore pattern); those reads bypass L1 (.cg).
-        tl.debug_barrier()
-        if tl.atomic_add(done_ptr + b, 1, sem="acq_rel", scope="gpu") == n_race - 1:
-            token = _race_token(race_ptr, b, n_race, RACE_SPLITS)
-            _write_outputs(b, k, d0, f, token, status, draft_ids_ptr, token_ids_ptr,
-                           num_committed_ptr, accepted_ptr, status_ptr, max_k, K_P2)  # fmt: skip
-    elif split == 0:
-        token = tl.where(greedy != 0, _row_argmax(part_amax_val_ptr, part_amax_idx_ptr, row_f,
-                                                  n_splits, NUM_SPLITS), token)  # fmt: skip
-        _write_outputs(b, k, d0, f, token, status, draft_ids_ptr, token_ids_ptr,
-                       num_committed_ptr, accepted_ptr, status_ptr, max_k, K_P2)  # fmt: skip
+    race = (status == 0) & (out_of_support == 0) & (greedy == 0)
+    at_f = j == first_reject
+    f_max = tl.sum(tl.where(at_f, row_max, 0.0), 0)
+    f_sum = tl.sum(tl.where(at_f, row_sum, 0.0), 0)
+    if Q_MODE == 1:
+        # every q row is checked unless an earlier error already decides the status
+        if race:
+            _dense_q_pass(logits_ptr, logits_stride, thr_ptr, q_ptr, q_stride, f_max, f_sum,
+                          race_ptr, part_qsum_ptr, part_qmin_ptr, b, split, row0, d0, k,
+                          first_reject, inv_t, seed, pos, V, Vq, race_split_size, RACE_SPLITS,
+                          BLOCK, Q_ROWS, RACE=True)  # fmt: skip
+        elif status == 0:
+            _dense_q_pass(logits_ptr, logits_stride, thr_ptr, q_ptr, q_stride, f_max, f_sum,
+                          race_ptr, part_qsum_ptr, part_qmin_ptr, b, split, row0, d0, k,
+                          first_reject, inv_t, seed, pos, V, Vq, race_split_size, RACE_SPLITS,
+                          BLOCK, Q_ROWS, RACE=False)  # fmt: skip
+    elif race:
+        _race(logits_ptr, logits_stride, thr_ptr, draft_ids_ptr, q_ptr, q_ids_ptr,
+              f_max, f_sum, race_ptr, b, split, row0 + first_reject,
+              d0 + first_reject, first_reject < k, inv_t, seed, pos + first_reject,
+              V, S, race_split_size, RACE_SPLITS, BLOCK, S_P2, Q_MODE)  # fmt: skip
+    # The request's last program to finish writes its outputs. The barrier and the counter's
+    # acquire-release order every program's partials before the last one reads them (the
+    # split-K semaphore pattern); those reads bypass L1 (.cg).
+    tl.debug_barrier()
+    if tl.atomic_add(done_ptr + b, 1, sem="acq_rel", scope="gpu") == n_race - 1:
+        _finalize(b, k, d0, row0 + first_reject, first_reject, status, out_of_support, greedy,
+                  draft_ids_ptr, race_ptr, part_qsum_ptr, part_qmin_ptr, part_amax_val_ptr,
+                  part_amax_idx_ptr, token_ids_ptr, num_committed_ptr, accepted_ptr, status_ptr,
+                  max_k, n_splits, n_race, q_tolerance, NUM_SPLITS, RACE_SPLITS, K_P2, Q_ROWS,
+                  Q_MODE == 1)  # fmt: skip
 
 
 @triton.jit
@@ -485,11 +368,12 @@ def _race_step(
     logit, mask, offs, off, q, has_draft, thr, inv_t, row_max, row_sum, seed, pos,
     lane_best, lane_idx, lane_best_p, lane_idx_p, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """One block of the fallback race: residual max(0, p - q)/E (p/E without a draft) and p/E
-    (the last resort if rounding left the residual empty), best of each per lane; E from
-    stream FALLBACK."""
+    """One block of the exponential race: residual max(0, p - q)/E (p/E for a bonus) and p/E
+    (the fallback if rounding left the residual empty), best of each per lane. E comes from
+    stream RECOVER after a rejection, BONUS otherwise."""
     p = tl.where(mask & (logit >= thr), tl.exp(logit * inv_t - row_max) / row_sum, 0.0)
-    bits = _vocab_bits(seed, off, pos, (pos * 0 + 5).to(tl.uint32), BLOCK)
+    stream = tl.where(has_draft, 1, 2).to(tl.uint32)
+    bits = _vocab_bits(seed, off, pos, stream, BLOCK)
     expo = -tl.log(((bits >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0))  # rng.exponential
     residual = tl.where(has_draft, tl.maximum(p - q, 0.0), p)
     score = tl.where(mask, residual / expo, -1.0)
@@ -504,42 +388,15 @@ def _race_step(
 
 
 @triton.jit
-def _race(
-    logits_ptr, logits_stride, thr, q_ptr, q_stride, q_ids_ptr, row_max, row_sum, race_ptr, b,
-    split, row, t, has_draft, draft_ids_ptr, inv_t, seed, pos, V, Vq, S, split_size,
-    RACE_SPLITS: tl.constexpr, BLOCK: tl.constexpr, S_P2: tl.constexpr, Q_MODE: tl.constexpr,
-):  # fmt: skip
-    """The fallback race over this split of row `row` (its draft token t): stores the best
-    residual and p scores and their ids for `_race_token`."""
-    x = tl.where(has_draft, tl.load(draft_ids_ptr + t), -1)
-    start = split * split_size
-    end = tl.minimum(start + split_size, V)
-    cols = tl.arange(0, S_P2)
-    sparse_ids = tl.load(
-        q_ids_ptr + t * S + cols, mask=cols < tl.where(has_draft, S, 0), other=2147483647
-    )
-    q_end = tl.where(has_draft, Vq, 0)
-    none_yet = tl.full((BLOCK,), -1.0, tl.float32)
-    ids = tl.zeros((BLOCK,), tl.int32)
-    lane_best, lane_idx, lane_best_p, lane_idx_p = none_yet, ids, none_yet, ids
-    for off in range(start, end, BLOCK):
-        offs = off + tl.arange(0, BLOCK)
-        mask = offs < end
-        logit = tl.load(logits_ptr + row.to(tl.int64) * logits_stride + offs, mask=mask)
-        if Q_MODE == 1:
-            q = tl.load(q_ptr + t.to(tl.int64) * q_stride + offs, mask=offs < q_end, other=0.0)
-        elif Q_MODE == 2:
-            q = tl.zeros((BLOCK,), tl.float32)
-            lo = tl.sum((sparse_ids < off).to(tl.int32), 0)
-            hi = tl.sum((sparse_ids < off + BLOCK).to(tl.int32), 0)
-            for i in range(lo, hi):
-                q = tl.where(offs == tl.load(q_ids_ptr + t * S + i), tl.load(q_ptr + t * S + i), q)
-        else:
-            q = tl.where(offs == x, 1.0, 0.0)
-        lane_best, lane_idx, lane_best_p, lane_idx_p = _race_step(
-            logit.to(tl.float32), mask, offs, off, q, has_draft, thr, inv_t, row_max, row_sum,
-            seed, pos, lane_best, lane_idx, lane_best_p, lane_idx_p, BLOCK,
-        )  # fmt: skip
+def _race_lanes(BLOCK: tl.constexpr):
+    """Per-lane best residual score and its id, best p score and its id: nothing seen yet."""
+    best = tl.full((BLOCK,), -1.0, tl.float32)
+    return best, tl.zeros((BLOCK,), tl.int32), best, tl.zeros((BLOCK,), tl.int32)
+
+
+@triton.jit
+def _store_race(race_ptr, b, split, lane_best, lane_idx, lane_best_p, lane_idx_p,
+                RACE_SPLITS: tl.constexpr):  # fmt: skip
     best = tl.max(lane_best, 0)
     best_p = tl.max(lane_best_p, 0)
     out = race_ptr + (b * RACE_SPLITS + split) * 4
@@ -553,12 +410,126 @@ def _race(
 
 
 @triton.jit
-def _race_token(race_ptr, b, n_race, RACE_SPLITS: tl.constexpr):
-    """The fallback race's token from its split partials: the residual's winner, or p's if
-    rounding left the residual empty."""
+def _dense_q_pass(
+    logits_ptr, logits_stride, thr_ptr, q_ptr, q_stride, row_max, row_sum, race_ptr,
+    part_qsum_ptr, part_qmin_ptr, b, split, row0, d0, k, f, inv_t, seed, pos, V, Vq, split_size,
+    RACE_SPLITS: tl.constexpr, BLOCK: tl.constexpr, Q_ROWS: tl.constexpr, RACE: tl.constexpr,
+):  # fmt: skip
+    """Dense q, this split of the vocabulary: all k q rows of request b (split sums and minimum
+    for their validation) and, with RACE, the race over row f, whose q comes from the same
+    tile."""
+    start = split * split_size
+    end = tl.minimum(start + split_size, tl.maximum(V, Vq))
+    q_end = tl.minimum(end, Vq)
+    race_end = tl.minimum(end, V)
+    if not RACE:  # the q rows only
+        end = q_end
+    j = tl.arange(0, Q_ROWS)
+    q_rows = q_ptr + (d0 + j).to(tl.int64) * q_stride
+    has_draft = f < k
+    row = row0 + f
+    thr = tl.load(thr_ptr + row)
+    pos_f = (pos + f).to(tl.uint32)
+    lane_qsum = tl.zeros((Q_ROWS, BLOCK), tl.float32)
+    lane_qmin = tl.zeros((BLOCK,), tl.float32)
+    lane_best, lane_idx, lane_best_p, lane_idx_p = _race_lanes(BLOCK)
+    for off in range(start, end, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        q_mask = (j < k)[:, None] & (offs < q_end)[None, :]
+        q_tile = tl.load(q_rows[:, None] + offs[None, :], mask=q_mask, other=0.0)
+        lane_qsum += q_tile
+        # NaN and inf count as negative: one minimum flags every invalid entry
+        lane_qmin = tl.minimum(lane_qmin, tl.min(tl.where(q_tile - q_tile != 0.0, -1.0, q_tile), 0))
+        if RACE:
+            mask = offs < race_end
+            logit = tl.load(logits_ptr + row.to(tl.int64) * logits_stride + offs, mask=mask)
+            q = tl.sum(tl.where(j[:, None] == f, q_tile, 0.0), 0)
+            lane_best, lane_idx, lane_best_p, lane_idx_p = _race_step(
+                logit.to(tl.float32), mask, offs, off, q, has_draft, thr, inv_t, row_max,
+                row_sum, seed, pos_f, lane_best, lane_idx, lane_best_p, lane_idx_p, BLOCK,
+            )  # fmt: skip
+    tl.store(part_qsum_ptr + (d0 + j) * RACE_SPLITS + split, tl.sum(lane_qsum, 1), mask=j < k)
+    tl.store(part_qmin_ptr + b * RACE_SPLITS + split, tl.min(lane_qmin, 0))
+    if RACE:
+        _store_race(race_ptr, b, split, lane_best, lane_idx, lane_best_p, lane_idx_p, RACE_SPLITS)
+
+
+@triton.jit
+def _race(
+    logits_ptr, logits_stride, thr_ptr, draft_ids_ptr, q_ptr, q_ids_ptr,
+    row_max, row_sum, race_ptr, b, split, row, t, has_draft, inv_t, seed, pos,
+    V, S, split_size,
+    RACE_SPLITS: tl.constexpr, BLOCK: tl.constexpr, S_P2: tl.constexpr, Q_MODE: tl.constexpr,
+):  # fmt: skip
+    """Exponential race over this split of row `row` for sparse q or no q (dense q:
+    `_dense_q_pass`)."""
+    thr = tl.load(thr_ptr + row)
+    t = tl.where(has_draft, t, 0)
+    x = tl.where(has_draft, tl.load(draft_ids_ptr + t), -1)
+    start = split * split_size
+    end = tl.minimum(start + split_size, V)
+    cols = tl.arange(0, S_P2)
+    sparse_ids = tl.load(
+        q_ids_ptr + t * S + cols, mask=cols < tl.where(has_draft, S, 0), other=2147483647
+    )
+    lane_best, lane_idx, lane_best_p, lane_idx_p = _race_lanes(BLOCK)
+    for off in range(start, end, BLOCK):
+        offs = off + tl.arange(0, BLOCK)
+        mask = offs < end
+        logit = tl.load(logits_ptr + row.to(tl.int64) * logits_stride + offs, mask=mask)
+        if Q_MODE == 2:
+            q = tl.zeros((BLOCK,), tl.float32)
+            lo = tl.sum((sparse_ids < off).to(tl.int32), 0)
+            hi = tl.sum((sparse_ids < off + BLOCK).to(tl.int32), 0)
+            for i in range(lo, hi):
+                q = tl.where(offs == tl.load(q_ids_ptr + t * S + i), tl.load(q_ptr + t * S + i), q)
+        else:
+            q = tl.where(offs == x, 1.0, 0.0)
+        lane_best, lane_idx, lane_best_p, lane_idx_p = _race_step(
+            logit.to(tl.float32), mask, offs, off, q, has_draft, thr, inv_t, row_max, row_sum,
+            seed, pos.to(tl.uint32), lane_best, lane_idx, lane_best_p, lane_idx_p, BLOCK,
+        )  # fmt: skip
+    _store_race(race_ptr, b, split, lane_best, lane_idx, lane_best_p, lane_idx_p, RACE_SPLITS)
+
+
+@triton.jit
+def _finalize(
+    b, k, d0, target_row, first_reject, status, out_of_support, greedy, draft_ids_ptr, race_ptr,
+    part_qsum_ptr, part_qmin_ptr, part_amax_val_ptr, part_amax_idx_ptr, token_ids_ptr,
+    num_committed_ptr, accepted_ptr, status_ptr, max_k, n_splits, n_race, q_tolerance,
+    NUM_SPLITS: tl.constexpr, RACE_SPLITS: tl.constexpr, COLS: tl.constexpr,
+    Q_ROWS: tl.constexpr, DENSE_Q: tl.constexpr,
+):  # fmt: skip
+    """Request b's outputs from the race partials and, for dense q, the q-row partials that
+    settle the status. Dense q: 5 and 1 came first, then 2, 3, 4 here. Sparse q is checked
+    before the kernels (`status_in`), so its 2 and 3 come before 5 and 1; the reference
+    agrees."""
+    if DENSE_Q:  # the q rows were read only where no earlier error had settled the status
+        j = tl.arange(0, Q_ROWS)
+        cols = tl.arange(0, RACE_SPLITS)
+        rows_read = tl.where(status == 0, k, 0)
+        tile = (d0 + j)[:, None] * RACE_SPLITS + cols[None, :]
+        live = (j < rows_read)[:, None] & (cols < n_race)[None, :]
+        qsum = tl.sum(tl.load(part_qsum_ptr + tile, mask=live, other=0.0, cache_modifier=".cg"), 1)
+        unnormalized = (j < rows_read) & (tl.abs(qsum - 1.0) > q_tolerance)
+        mins = tl.load(
+            part_qmin_ptr + b * RACE_SPLITS + cols,
+            mask=cols < tl.where(rows_read > 0, n_race, 0),
+            other=0.0,
+            cache_modifier=".cg",
+        )
+        status = tl.where((status == 0) & (tl.min(mins, 0) < 0.0), 2, status)
+        status = tl.where((status == 0) & (tl.sum(unnormalized.to(tl.int32), 0) > 0), 3, status)
+    status = tl.where((status == 0) & (out_of_support > 0), 4, status)
+    tl.store(status_ptr + b, status)
+    ok = status == 0
+    greedy_token = _row_argmax(
+        part_amax_val_ptr, part_amax_idx_ptr, target_row, n_splits, NUM_SPLITS
+    )
     cols = tl.arange(0, RACE_SPLITS)
     race = race_ptr + (b * RACE_SPLITS + cols) * 4
-    live = cols < n_race
+    # race slots exist only for sampled requests without errors (never read garbage)
+    live = cols < tl.where(ok & (greedy == 0), n_race, 0)
     score = tl.load(race, mask=live, other=-1.0, cache_modifier=".cg")
     score_id = tl.load(race + 1, mask=live, other=0.0, cache_modifier=".cg").to(tl.int32)
     score_p = tl.load(race + 2, mask=live, other=-1.0, cache_modifier=".cg")
@@ -566,25 +537,15 @@ def _race_token(race_ptr, b, n_race, RACE_SPLITS: tl.constexpr):
     best = tl.max(score, 0)
     token = tl.min(tl.where(score == best, score_id, 2147483647), 0)
     token_p = tl.min(tl.where(score_p == tl.max(score_p, 0), score_p_id, 2147483647), 0)
-    return tl.where(best > 0.0, token, token_p)
-
-
-@triton.jit
-def _write_outputs(
-    b, k, d0, f, token, status, draft_ids_ptr, token_ids_ptr, num_committed_ptr, accepted_ptr,
-    status_ptr, max_k, COLS: tl.constexpr,
-):  # fmt: skip
-    """Request b's row: drafts before the first rejection f, then `token`, then placeholders;
-    all placeholders and 0 committed on an error."""
-    tl.store(status_ptr + b, status)
-    ok = status == 0
+    token = tl.where(best > 0.0, token, token_p)
+    token = tl.where(greedy != 0, greedy_token, token)
     cols = tl.arange(0, COLS)
-    drafts = tl.load(draft_ids_ptr + d0 + cols, mask=cols < f)
-    out = tl.where(cols < f, drafts, tl.where(cols == f, token, -1))
+    drafts = tl.load(draft_ids_ptr + d0 + cols, mask=cols < first_reject)
+    out = tl.where(cols < first_reject, drafts, tl.where(cols == first_reject, token, -1))
     out = tl.where(ok, out, -1)
     tl.store(token_ids_ptr + b * (max_k + 1) + cols, out, mask=cols <= max_k)
-    tl.store(num_committed_ptr + b, tl.where(ok, f + 1, 0))
-    accepted = ok & (cols < f) & (cols < k)
+    tl.store(num_committed_ptr + b, tl.where(ok, first_reject + 1, 0))
+    accepted = ok & (cols < first_reject) & (cols < k)
     tl.store(accepted_ptr + b * max_k + cols, accepted.to(tl.int8), mask=cols < max_k)
 
 
@@ -665,35 +626,35 @@ def rejection_sample_triton(
     rows, batch = x.row_req.shape[0], x.num_draft.shape[0]
     width = max(x.vocab_size, x.q_vocab)
     shape = shape or launch_shape(rows, batch, width, device)
-    n_splits = triton.cdiv(width, shape.stats_split)
+    n_splits = triton.cdiv(x.vocab_size, shape.stats_split)
     num_splits = triton.next_power_of_2(n_splits)
-    n_race = triton.cdiv(x.vocab_size, shape.race_split)
+    n_race = triton.cdiv(width if x.q_mode == Q_DENSE else x.vocab_size, shape.race_split)
     race_splits = triton.next_power_of_2(n_race)
-    dense = x.q_mode == Q_DENSE
-    # One buffer for the split partials: max, sum, argmax value, argmax id, bad, race key, its
-    # id (and for dense q the q row's sum and minimum). Padded splits (>= n_splits) are never
-    # read: loads are masked, so no fill kernels are needed.
-    parts = torch.empty((9 if dense else 7, rows, num_splits), dtype=torch.float32, device=device)
-    pmax, psum, pval, pkey = parts[0], parts[1], parts[2], parts[5]
-    pidx, pbad, pkey_idx = (parts[i].view(torch.int32) for i in (3, 4, 6))
-    pqsum, pqmin = (parts[7], parts[8]) if dense else (pkey, pkey)
+    # One buffer for the split partials: max, sum, argmax value, argmax id, bad. Padded splits
+    # (>= n_splits) are never read: loads are masked, so no fill kernels are needed.
+    parts = torch.empty((5, rows, num_splits), dtype=torch.float32, device=device)
+    pmax, psum, pval = parts[0], parts[1], parts[2]
+    pidx, pbad = parts[3].view(torch.int32), parts[4].view(torch.int32)
     dummy_f, dummy_i = x.thresholds, x.row_req  # never read: placeholders for absent inputs
-    q = x.q_probs if x.q_probs is not None and x.q_probs.numel() else dummy_f
-    q_ids = x.q_ids if x.q_ids is not None and x.q_ids.numel() else dummy_i
+    q = x.q_probs if x.q_probs is not None else dummy_f
+    q_ids = x.q_ids if x.q_ids is not None else dummy_i
     draft_ids = x.draft_ids if x.draft_ids.numel() else dummy_i  # no null pointers
-    sparse_width = x.q_probs.shape[1] if x.q_mode == Q_SPARSE and x.q_probs is not None else 1
-    s_p2 = triton.next_power_of_2(sparse_width)
+    sparse_width = q.shape[1] if x.q_mode == Q_SPARSE else 1
     done = torch.empty(batch, dtype=torch.int32, device=device)
     pdl = shape.pdl and pdl_enabled(device)
     _row_stats_kernel[(rows, n_splits)](
-        x.logits, x.logits.stride(0), x.thresholds, x.row_req, x.row_draft, x.num_draft,
-        x.draft_start, draft_ids, x.inv_temperature, x.greedy, x.seed, x.position, q,
-        q.stride(0), q_ids, pmax, psum, pval, pidx, pbad, pkey, pkey_idx, pqsum, pqmin, done,
-        x.vocab_size, x.q_vocab, sparse_width, batch, shape.stats_split, NUM_SPLITS=num_splits,
-        BLOCK=shape.block, S_P2=s_p2, Q_MODE=x.q_mode, num_warps=shape.num_warps,
+        x.logits, x.logits.stride(0), x.thresholds, x.row_req, x.inv_temperature, x.greedy,
+        pmax, psum, pval, pidx, pbad, done, x.vocab_size, batch, shape.stats_split,
+        NUM_SPLITS=num_splits, BLOCK=shape.block, num_warps=shape.num_warps,
         num_stages=shape.num_stages, PDL=pdl,
     )  # fmt: skip
     race = torch.empty((batch, race_splits, 4), device=device)
+    # dense q: each q row's split sums [T, race splits], then each request's split minimum
+    # [B, race splits]
+    dense = x.q_mode == Q_DENSE
+    q_parts = torch.empty(((x.draft_ids.numel() + batch) * race_splits if dense else 1,),
+                          device=device)  # fmt: skip
+    q_mins = q_parts[x.draft_ids.numel() * race_splits :] if dense else q_parts
     token_ids = torch.empty((batch, x.max_k + 1), dtype=torch.int32, device=device)
     num_committed = torch.empty(batch, dtype=torch.int32, device=device)
     accepted = torch.empty((batch, max(x.max_k, 1)), dtype=torch.int8, device=device)
@@ -702,14 +663,15 @@ def rejection_sample_triton(
     _decide_sample_kernel[(batch, n_race)](
         x.logits, x.logits.stride(0), x.thresholds, x.num_draft, x.row_start, x.draft_start,
         draft_ids, x.inv_temperature, x.greedy, x.seed, x.position, x.status_in, rates,
-        q, q.stride(0), q_ids, pmax, psum, pval, pidx, pbad, pkey, pkey_idx, pqsum, pqmin, done,
-        race, token_ids, num_committed, accepted, status, x.vocab_size, x.q_vocab, sparse_width,
+        q, q.stride(0), q_ids, pmax, psum, pval, pidx, pbad, done, race, q_parts, q_mins,
+        token_ids, num_committed, accepted, status, x.vocab_size, x.q_vocab, sparse_width,
         shape.race_split, n_splits, n_race, x.max_k, Q_SUM_TOLERANCE, NUM_SPLITS=num_splits,
-        RACE_SPLITS=race_splits, BLOCK=shape.race_block or shape.block, S_P2=s_p2,
-        Q_MODE=x.q_mode, SYNTHETIC=x.synthetic_rates is not None,
-        num_warps=shape.race_warps or shape.num_warps,
+        RACE_SPLITS=race_splits, BLOCK=shape.race_block or shape.block,
+        S_P2=triton.next_power_of_2(sparse_width), Q_MODE=x.q_mode,
+        SYNTHETIC=x.synthetic_rates is not None, num_warps=shape.race_warps or shape.num_warps,
         num_stages=shape.race_stages or shape.num_stages,
-        K_P2=triton.next_power_of_2(x.max_k + 1), PDL=pdl, **launch_options(pdl),
+        K_P2=triton.next_power_of_2(x.max_k + 1), Q_ROWS=triton.next_power_of_2(max(x.max_k, 1)),
+        PDL=pdl, **launch_options(pdl),
     )  # fmt: skip
     return KernelOutputs(token_ids, num_committed, accepted[:, : x.max_k].view(torch.bool), status)
 
@@ -717,16 +679,6 @@ def rejection_sample_triton(
 def rejection_sample_torch(inputs: KernelInputs) -> KernelOutputs:
     """Pure-torch reference of the two kernels above: the same function, the same random
     numbers, vectorised over requests (used on CPU services and to test the kernels)."""
-    return _reference(inputs)[0]
-
-
-def fallback_requests(inputs: KernelInputs) -> torch.Tensor:
-    """[B] bool: the requests whose token came from the fallback race (dense q: the proposal
-    was not kept), by the reference; for benchmarks and tests."""
-    return _reference(inputs)[1]
-
-
-def _reference(inputs: KernelInputs) -> tuple[KernelOutputs, torch.Tensor]:
     x = inputs
     device, vocab = x.logits.device, x.vocab_size
     req, k = x.row_req.long(), x.num_draft.long()
@@ -736,8 +688,7 @@ def _reference(inputs: KernelInputs) -> tuple[KernelOutputs, torch.Tensor]:
     row_max = scaled.max(dim=1).values
     row_max = torch.where(row_max == float("-inf"), 0.0, row_max)
     probs = torch.exp(scaled - row_max[:, None])
-    row_sum = probs.sum(dim=1)
-    probs = probs / row_sum[:, None]
+    probs = probs / probs.sum(dim=1, keepdim=True)
     argmax = logits.argmax(dim=1)
     bad_rows = ~torch.isfinite(logits).all(dim=1)
 
@@ -773,13 +724,9 @@ def _reference(inputs: KernelInputs) -> tuple[KernelOutputs, torch.Tensor]:
         status = torch.where((status == 0) & any_per_request(flags, owner), code, status)
 
     target_row = x.row_start.long() + first_reject
-    token, fallback = _reference_token(
-        x, scaled[target_row], probs[target_row], row_max[target_row], row_sum[target_row],
-        first_reject,
-    )  # fmt: skip
-    greedy = x.greedy != 0
-    token = torch.where(greedy, argmax[target_row], token)
-    return _assemble(x, first_reject, token, status), fallback & ~greedy & (status == 0)
+    token = _reference_race(x, probs[target_row], first_reject)
+    token = torch.where(x.greedy != 0, argmax[target_row], token)
+    return _assemble(x, first_reject, token, status)
 
 
 def _reference_draft_prob(
@@ -801,74 +748,34 @@ def _reference_draft_prob(
     return torch.ones_like(draft, dtype=torch.float32), none, none
 
 
-def _reference_q_row(x: KernelInputs, t: torch.Tensor, vocab: int) -> torch.Tensor:
-    """Draft token t's q as a dense [B, vocab] row (one-hot at the draft without q)."""
-    q = torch.zeros((t.numel(), vocab), device=t.device)
-    if not x.draft_ids.numel():
-        return q
-    if x.q_mode == Q_DENSE and x.q_probs is not None:
-        width = min(vocab, x.q_probs.shape[1])
-        q[:, :width] = x.q_probs[t, :width]
-    elif x.q_mode == Q_SPARSE and x.q_probs is not None and x.q_ids is not None:
-        ids = x.q_ids[t].long()
-        inside = ids < vocab
-        q.scatter_add_(1, torch.where(inside, ids, 0), torch.where(inside, x.q_probs[t], 0.0))
-    else:
-        q.scatter_(1, x.draft_ids.long()[t].clamp(0, vocab - 1)[:, None], 1.0)
-    return q
-
-
-def _reference_token(
-    x: KernelInputs,
-    scaled: torch.Tensor,
-    p: torch.Tensor,
-    row_max: torch.Tensor,
-    row_sum: torch.Tensor,
-    first_reject: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token, fallback) per sampled request from row first_reject: the bonus or the
-    recovered token, and whether it came from the fallback race.
-
-    The race argmax log(p~ / E) over the row (`_row_stats_kernel`), E from stream RECOVER
-    after a rejection and BONUS otherwise. After a rejection: no q leaves the draft token out
-    (its residual is 0) and sparse q races its support with the residual's keys, so the winner
-    is the residual's; dense q keeps the winner y ~ p with probability max(0, 1 - q(y) / p(y))
-    (stream PROPOSAL) and otherwise races the residual afresh (stream FALLBACK)."""
+def _reference_race(x: KernelInputs, p: torch.Tensor, first_reject: torch.Tensor) -> torch.Tensor:
+    """Token per request from the exponential race over row first_reject: the residual
+    max(0, p - q) after a rejection, p itself for a bonus."""
     vocab = p.shape[1]
     k = x.num_draft.long()
     has_draft = first_reject < k
     t = (x.draft_start.long() + first_reject).clamp(max=max(x.draft_ids.numel() - 1, 0))
-    pos = x.position + first_reject
-    q = _reference_q_row(x, t, vocab)
-    stream = torch.where(has_draft, int(rng.Stream.RECOVER), int(rng.Stream.BONUS))
-    expo = rng.exponential(rng.vocab_bits(x.seed, pos, stream, vocab))
-    key = scaled - torch.log(expo)
-    if x.q_mode == Q_SPARSE and x.q_ids is not None and x.draft_ids.numel():
+    q = torch.zeros_like(p)
+    if x.q_mode == Q_DENSE and x.q_probs is not None and x.draft_ids.numel():
+        width = min(vocab, x.q_probs.shape[1])
+        q[:, :width] = x.q_probs[t, :width]
+    elif (
+        x.q_mode == Q_SPARSE
+        and x.q_probs is not None
+        and x.q_ids is not None
+        and x.draft_ids.numel()
+    ):
         ids = x.q_ids[t].long()
-        support = torch.zeros_like(key, dtype=torch.bool)
-        support.scatter_(1, torch.where(ids < vocab, ids, 0), ids < vocab)
-        support &= has_draft[:, None]
-        residual_key = (
-            torch.log((p - q).clamp(min=0.0))
-            + (row_max + torch.log(row_sum))[:, None]
-            - torch.log(expo)
-        )
-        key = torch.where(support, residual_key, key)
-    elif x.q_mode == Q_NONE and x.draft_ids.numel():
-        key = torch.where(has_draft[:, None] & (q > 0), float("-inf"), key)
-    best, token = key.max(dim=1)
-    fallback = best == float("-inf")
-    if x.q_mode == Q_DENSE:
-        p_y = p.gather(1, token[:, None])[:, 0]
-        q_y = q.gather(1, token[:, None])[:, 0]
-        v = rng.position_uniform(x.seed, pos, rng.Stream.PROPOSAL)
-        fallback |= has_draft & ~(v * p_y < p_y - q_y)
-    expo = rng.exponential(
-        rng.vocab_bits(x.seed, pos, torch.full_like(pos, int(rng.Stream.FALLBACK)), vocab)
-    )
-    score = torch.where(has_draft[:, None], (p - q).clamp(min=0.0), p) / expo
-    raced = torch.where(score.max(dim=1).values > 0, score.argmax(dim=1), (p / expo).argmax(dim=1))
-    return torch.where(fallback, raced, token), fallback
+        inside = ids < vocab
+        q.scatter_add_(1, torch.where(inside, ids, 0), torch.where(inside, x.q_probs[t], 0.0))
+    elif x.draft_ids.numel():
+        q.scatter_(1, x.draft_ids.long()[t].clamp(0, vocab - 1)[:, None], 1.0)
+    stream = torch.where(has_draft, int(rng.Stream.RECOVER), int(rng.Stream.BONUS))
+    expo = rng.exponential(rng.vocab_bits(x.seed, x.position + first_reject, stream, vocab))
+    residual = torch.where(has_draft[:, None], (p - q).clamp(min=0.0), p)
+    score = residual / expo
+    token = score.argmax(dim=1)
+    return torch.where(score.max(dim=1).values > 0, token, (p / expo).argmax(dim=1))
 
 
 def _assemble(

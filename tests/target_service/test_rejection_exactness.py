@@ -145,8 +145,6 @@ def shared_noise_rng() -> types.SimpleNamespace:
         RECOVER = 0
         BONUS = 2
         DRAFT = 3
-        PROPOSAL = 4
-        FALLBACK = 5
 
     return types.SimpleNamespace(
         philox=rng.philox,
