@@ -7,12 +7,9 @@ and the rope variant (inverse frequencies come from transformers' own rope funct
 llama3, linear and yarn scaling match it exactly).
 
 q/k/v and gate/up are fused into one matrix each, and the pointwise work between GEMMs runs as
-Triton kernels on CUDA (`fused`: residual add + RMSNorm, q/k norm + rope + K/V store,
+three Triton kernels on CUDA (`fused`: residual add + RMSNorm, q/k norm + rope + K/V store,
 silu * up), to keep the kernel count of a decode step low: at batch 1 a step is a few hundred
-small kernels and their launch gaps are what separates it from the memory floor. In decode and
-verify steps the add + norm before q/k/v and before gate/up, and silu * up before down, run
-inside the skinny products' launches (`gemv.norm_linear`, `gemv.gated_linear`): five launches
-per layer instead of eight.
+small kernels and their launch gaps are what separates it from the memory floor.
 """
 
 import functools
@@ -160,9 +157,6 @@ class Transformer:
         self._silu_mul = fused.silu_mul if on else fused.silu_mul_reference
         self._rope_store = fused.rope_store if on else fused.rope_store_reference
         self._linear = gemv.linear if on else F.linear
-        # the norms before q/k/v and gate/up, and silu * up, fused into the products' launches
-        self._norm_linear = gemv.norm_linear if on else self._norm_then_linear
-        self._gated_linear = gemv.gated_linear if on else self._silu_then_linear
 
     def compile_pointwise(self) -> None:
         """The torch references of the pointwise pieces (norms, rope, silu * up) fused by
@@ -172,32 +166,13 @@ class Transformer:
         self._add_norm = torch.compile(fused.add_rms_norm_reference, dynamic=True)
         self._silu_mul = torch.compile(fused.silu_mul_reference, dynamic=True)
         self._rope_store = functools.partial(fused.rope_store_reference, qk_rope=compiled_rope)
-        self._norm_linear = self._norm_then_linear
-        self._gated_linear = self._silu_then_linear
-
-    def _norm_then_linear(
-        self,
-        x: torch.Tensor,
-        delta: torch.Tensor | None,
-        norm_weight: torch.Tensor,
-        eps: float,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        h, res = self._add_norm(x, delta, norm_weight, eps)
-        return self._linear(h, weight, bias), res
-
-    def _silu_then_linear(
-        self, gate_up: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        return self._linear(self._silu_mul(gate_up), weight, bias)
 
     def _attention(
-        self, i: int, qkv: torch.Tensor, meta: AttnMeta, cache: torch.Tensor
+        self, i: int, h: torch.Tensor, meta: AttnMeta, cache: torch.Tensor
     ) -> torch.Tensor:
-        # qkv [T, (heads + 2 * kv_heads) * head_dim]
-        # cache [slots, 2, kv_heads, max_seq_len, head_dim]
+        # h [T, hidden] (normed); cache [slots, 2, kv_heads, max_seq_len, head_dim]
         w = self.w
+        qkv = self._linear(h, w[f"{i}.qkv_w"], w.get(f"{i}.qkv_b"))
         q = self._rope_store(
             qkv,
             meta.cos[:, 0],
@@ -212,24 +187,24 @@ class Transformer:
         out = attention(q, cache, meta, self.args.windows[i])  # [T, heads * head_dim]
         return self._linear(out, w[f"{i}.o_w"], w.get(f"{i}.o_b"))
 
+    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
+        w = self.w
+        gate_up = self._linear(h, w[f"{i}.gate_up_w"], w.get(f"{i}.gate_up_b"))
+        return self._linear(self._silu_mul(gate_up), w[f"{i}.down_w"], w.get(f"{i}.down_b"))
+
     def hidden(
         self, token_ids: torch.Tensor, meta: AttnMeta, caches: list[torch.Tensor]
     ) -> torch.Tensor:
         """Final hidden states [T, hidden] for token_ids [T]; writes their K/V into `caches`.
 
-        Each block's output `delta` is added to the residual stream `x` by the next norm, which
-        runs inside the next product's launch (`gemv.norm_linear`)."""
+        Each block's output `delta` is added to the residual stream `x` by the next norm."""
         eps, w = self.args.rms_norm_eps, self.w
         x, delta = F.embedding(token_ids, w["embed"]), None
         for i in range(self.args.num_layers):
-            qkv, x = self._norm_linear(
-                x, delta, w[f"{i}.in_norm"], eps, w[f"{i}.qkv_w"], w.get(f"{i}.qkv_b")
-            )
-            delta = self._attention(i, qkv, meta, caches[i])
-            gate_up, x = self._norm_linear(
-                x, delta, w[f"{i}.post_norm"], eps, w[f"{i}.gate_up_w"], w.get(f"{i}.gate_up_b")
-            )
-            delta = self._gated_linear(gate_up, w[f"{i}.down_w"], w.get(f"{i}.down_b"))
+            h, x = self._add_norm(x, delta, w[f"{i}.in_norm"], eps)
+            delta = self._attention(i, h, meta, caches[i])
+            h, x = self._add_norm(x, delta, w[f"{i}.post_norm"], eps)
+            delta = self._mlp(i, h)
         return self._add_norm(x, delta, w["norm"], eps)[0]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -15,11 +15,8 @@ from specdec.runner.fused import (
     silu_mul_reference,
 )
 from specdec.runner.gemv import (
-    MAX_TOKENS,
     SkinnyShape,
-    gated_linear,
     linear,
-    norm_linear,
     skinny_linear,
     skinny_linear_reference,
     skinny_shape,
@@ -154,60 +151,6 @@ def test_skinny_shapes_fit_in_shared_memory(
     w = (torch.randn(n, k, device=device, generator=g) / k**0.5).to(dtype)
     out = skinny_linear(x, w, None, shape)
     _close(out, skinny_linear_reference(x.double(), w.double()), dtype, f"{shape}", MATMUL_TOL)
-
-
-@pytest.mark.parametrize(
-    ("t", "n", "k", "with_delta", "bias"),
-    [(1, 50, 64, True, False), (5, 96, 256, True, True), (16, 40, 96, False, False)],
-)
-def test_norm_linear_is_add_norm_then_linear(
-    t: int, n: int, k: int, with_delta: bool, bias: bool, device: torch.device
-) -> None:
-    """One launch for RMSNorm(x + delta) then the product, against the two references in
-    float64; the new residual x + delta exactly as the separate add + norm rounds it."""
-    g = torch.Generator().manual_seed(t * n + k)
-    x, d = torch.randn(t, k, generator=g), torch.randn(t, k, generator=g)
-    nw, w = torch.rand(k, generator=g) + 0.5, torch.randn(n, k, generator=g) / k**0.5
-    b = torch.randn(n, generator=g) if bias else None
-    for dtype in _dtypes(device):
-        xd, wd, nwd = x.to(device, dtype), w.to(device, dtype), nw.to(device, dtype)
-        dd = d.to(device, dtype) if with_delta else None
-        bd = None if b is None else b.to(device, dtype)
-        out, res = norm_linear(xd, dd, nwd, 1e-5, wd, bd)
-        h_ref = add_rms_norm_reference(
-            xd.double(), None if dd is None else dd.double(), nwd.double(), 1e-5
-        )[0]
-        ref = skinny_linear_reference(h_ref, wd.double(), None if bd is None else bd.double())
-        _close(out, ref, dtype, "norm_linear", MATMUL_TOL)
-        assert torch.equal(res, xd if dd is None else xd + dd)
-
-
-@pytest.mark.parametrize(("t", "n", "inter"), [(1, 48, 64), (5, 64, 96), (16, 33, 256)])
-def test_gated_linear_is_silu_mul_then_linear(
-    t: int, n: int, inter: int, device: torch.device
-) -> None:
-    g = torch.Generator().manual_seed(t * n + inter)
-    gate_up, w = torch.randn(t, 2 * inter, generator=g), torch.randn(n, inter, generator=g)
-    for dtype in _dtypes(device):
-        gd, wd = gate_up.to(device, dtype), (w / inter**0.5).to(device, dtype)
-        out = gated_linear(gd, wd)
-        ref = skinny_linear_reference(silu_mul_reference(gd.double()), wd.double())
-        _close(out, ref, dtype, "gated_linear", MATMUL_TOL)
-
-
-def test_fused_products_fall_back_to_separate_launches(device: torch.device) -> None:
-    """More than MAX_TOKENS rows (prefill) or a K no tile divides: the same results from the
-    separate kernels (or references) and F.linear."""
-    g = torch.Generator().manual_seed(5)
-    for t, k in ((MAX_TOKENS + 1, 64), (3, 100)):
-        x, d = torch.randn(t, k, generator=g).to(device), torch.randn(t, k, generator=g).to(device)
-        nw, w = torch.rand(k, generator=g).to(device), torch.randn(24, k, generator=g).to(device)
-        out, res = norm_linear(x, d, nw, 1e-6, w)
-        h, res_ref = add_rms_norm(x, d, nw, 1e-6)
-        assert torch.equal(res, res_ref)
-        assert torch.equal(out, torch.nn.functional.linear(h, w))
-        gate_up = torch.randn(t, 2 * k, generator=g).to(device)
-        assert torch.equal(gated_linear(gate_up, w), linear(silu_mul(gate_up), w))
 
 
 def test_linear_takes_cublas_beyond_the_skinny_shapes(device: torch.device) -> None:
