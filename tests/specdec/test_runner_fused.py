@@ -121,6 +121,8 @@ def test_rope_store_matches_reference(
         (1, 50, 512, True, SkinnyShape(16, 128)),  # n not a multiple of BLOCK_N
         (5, 64, 256, False, SkinnyShape(32, 256)),  # a verify step: k + 1 = 5 tokens
         (16, 33, 1024, True, SkinnyShape(64, 256, 4, 2)),  # MAX_TOKENS rows
+        (1, 50, 512, True, SkinnyShape(16, 64, 4, 2, split_k=4)),  # K split, partials summed
+        (5, 33, 1024, False, SkinnyShape(32, 128, 4, 3, split_k=2)),
     ],
 )
 def test_skinny_linear_matches_reference(
@@ -151,6 +153,27 @@ def test_skinny_shapes_fit_in_shared_memory(
     w = (torch.randn(n, k, device=device, generator=g) / k**0.5).to(dtype)
     out = skinny_linear(x, w, None, shape)
     _close(out, skinny_linear_reference(x.double(), w.double()), dtype, f"{shape}", MATMUL_TOL)
+
+
+def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(device: torch.device) -> None:
+    """The last split of a column block adds the partials in split order: the same bits on
+    every call and for a row alone or among others, and the counters are ready for the next."""
+    from specdec.runner import gemv
+
+    g = torch.Generator().manual_seed(11)
+    x, w = torch.randn(6, 1024, generator=g).to(device), torch.randn(70, 1024, generator=g)
+    w = (w / 32).to(device)
+    shape = SkinnyShape(16, 128, 4, 2, split_k=4)
+    first = skinny_linear(x, w, None, shape)
+    assert torch.equal(first, skinny_linear(x, w, None, shape))
+    assert torch.equal(first[2:3], skinny_linear(x[2:3], w, None, shape))
+    assert not gemv._COUNTERS[x.device].any()
+    # the rule splits the 1B's down projection (2048 x 8192): here a narrow slice of that shape
+    assert skinny_shape(2048, 8192).split_k == 4
+    x_long = torch.randn(2, 8192, generator=g).to(device)
+    w_long = torch.randn(20, 8192, generator=g).to(device) / 90
+    ref = skinny_linear_reference(x_long.double(), w_long.double())
+    _close(linear(x_long, w_long), ref, torch.float32, "split linear", MATMUL_TOL)
 
 
 def test_linear_takes_cublas_beyond_the_skinny_shapes(device: torch.device) -> None:
