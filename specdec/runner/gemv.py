@@ -113,9 +113,12 @@ def skinny_linear(
     weight: torch.Tensor,
     bias: torch.Tensor | None = None,
     shape: SkinnyShape | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """F.linear(x, weight, bias) by the skinny kernel: x [T, K] with 1 <= T <= MAX_TOKENS,
-    K a multiple of shape.block_k * shape.split_k, unit inner strides."""
+    K a multiple of shape.block_k * shape.split_k, unit inner strides. A split shape needs
+    int32 `counters` (one per BLOCK_N columns, zero, left zero; see `split_counters`); without
+    them a zeroed set is made for this call."""
     shape = shape or SkinnyShape()
     t, k = x.shape
     n = weight.shape[0]
@@ -125,9 +128,9 @@ def skinny_linear(
     out = x.new_empty((t, n))
     blocks = triton.cdiv(n, shape.block_n)
     split = shape.split_k
-    counters = _split_counters(x.device, blocks) if split > 1 else None
-    if counters is None:
-        split = 1
+    if split > 1 and counters is None:
+        counters = torch.zeros(blocks, dtype=torch.int32, device=x.device)
+    assert counters is None or (counters.numel() >= blocks and counters.dtype == torch.int32)
     parts = torch.empty((split, 16, n), dtype=torch.float32, device=x.device) if split > 1 else out
     pdl = pdl_enabled(x.device)
     _skinny_kernel[(blocks, split)](
@@ -140,22 +143,15 @@ def skinny_linear(
     return out
 
 
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-_MIN_COUNTERS = 4096
+SPLIT_COUNTERS = 4096  # column blocks a model's split products may use
 
 
-def _split_counters(device: torch.device, blocks: int) -> torch.Tensor | None:
-    """The device's split-K counters (zero between launches: the last split of a column block
-    zeroes its own), allocated on first use; None while a CUDA graph is being captured and
-    none are big enough (an allocation there would belong to the graph's pool), so the caller
-    runs unsplit."""
-    counters = _COUNTERS.get(device)
-    if counters is None or counters.numel() < blocks:
-        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-            return None
-        counters = torch.zeros(max(blocks, _MIN_COUNTERS), dtype=torch.int32, device=device)
-        _COUNTERS[device] = counters
-    return counters
+def split_counters(device: torch.device) -> torch.Tensor:
+    """Zeroed counters for the split products of one model (`linear(..., counters=)`). Each
+    launch leaves them zero (the last split of a column block zeroes its own), so one set
+    serves every product of the model's steps, eager or graphed, as long as two of its
+    products never run at the same time on different streams."""
+    return torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
 
 
 def skinny_shape(n: int, k: int, itemsize: int = 2) -> SkinnyShape:
@@ -180,16 +176,23 @@ def skinny_shape(n: int, k: int, itemsize: int = 2) -> SkinnyShape:
     return shape
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    counters: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The runner's linear layer on CUDA: the skinny kernel for decode and verify steps (up to
-    MAX_TOKENS rows), cuBLAS for wider batches and for shapes the kernel does not take."""
+    MAX_TOKENS rows), cuBLAS for wider batches and for shapes the kernel does not take. Split
+    shapes are used only with the model's `counters` (`split_counters`), unsplit otherwise."""
     t, k = x.shape
-    shape = skinny_shape(weight.shape[0], k, weight.element_size())
+    n = weight.shape[0]
+    shape = skinny_shape(n, k, weight.element_size())
+    if shape.split_k > 1 and (counters is None or counters.numel() < triton.cdiv(n, shape.block_n)):
+        shape = replace(skinny_shape(n, 4096, weight.element_size()), split_k=1)
     fits = 0 < t <= MAX_TOKENS and k % shape.block_k == 0 and x.dtype == weight.dtype
-    if fits and k % (shape.block_k * shape.split_k):
-        shape = replace(shape, split_k=1)
     if fits and x.stride(1) == 1 and weight.stride(1) == 1:
-        return skinny_linear(x, weight, bias, shape)
+        return skinny_linear(x, weight, bias, shape, counters)
     return F.linear(x, weight, bias)
 
 

@@ -156,7 +156,10 @@ class Transformer:
         self._add_norm = fused.add_rms_norm if on else fused.add_rms_norm_reference
         self._silu_mul = fused.silu_mul if on else fused.silu_mul_reference
         self._rope_store = fused.rope_store if on else fused.rope_store_reference
-        self._linear = gemv.linear if on else F.linear
+        self._linear: Callable[..., torch.Tensor] = F.linear
+        if on:  # the split products' counters: this model's own (gemv.split_counters)
+            counters = gemv.split_counters(self.w["embed"].device)
+            self._linear = functools.partial(gemv.linear, counters=counters)
 
     def compile_pointwise(self) -> None:
         """The torch references of the pointwise pieces (norms, rope, silu * up) fused by

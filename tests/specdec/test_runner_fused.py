@@ -20,6 +20,7 @@ from specdec.runner.gemv import (
     skinny_linear,
     skinny_linear_reference,
     skinny_shape,
+    split_counters,
 )
 from tests.specdec._runner_models import FAMILIES, hf_model
 from tests.specdec.test_runner_parity import assert_ragged_then_graph_step, make_runner
@@ -158,22 +159,25 @@ def test_skinny_shapes_fit_in_shared_memory(
 def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(device: torch.device) -> None:
     """The last split of a column block adds the partials in split order: the same bits on
     every call and for a row alone or among others, and the counters are ready for the next."""
-    from specdec.runner import gemv
-
     g = torch.Generator().manual_seed(11)
     x, w = torch.randn(6, 1024, generator=g).to(device), torch.randn(70, 1024, generator=g)
     w = (w / 32).to(device)
     shape = SkinnyShape(16, 128, 4, 2, split_k=4)
-    first = skinny_linear(x, w, None, shape)
-    assert torch.equal(first, skinny_linear(x, w, None, shape))
-    assert torch.equal(first[2:3], skinny_linear(x[2:3], w, None, shape))
-    assert not gemv._COUNTERS[x.device].any()
-    # the rule splits the 1B's down projection (2048 x 8192): here a narrow slice of that shape
+    counters = split_counters(device)
+    first = skinny_linear(x, w, None, shape, counters)
+    assert torch.equal(first, skinny_linear(x, w, None, shape, counters))
+    assert torch.equal(first[2:3], skinny_linear(x[2:3], w, None, shape, counters))
+    assert torch.equal(first, skinny_linear(x, w, None, shape))  # a zeroed set of its own
+    assert not counters.any()
+    # the rule splits the 1B's down projection (2048 x 8192), with the model's counters only:
+    # here a narrow slice of that shape
     assert skinny_shape(2048, 8192).split_k == 4
     x_long = torch.randn(2, 8192, generator=g).to(device)
     w_long = torch.randn(20, 8192, generator=g).to(device) / 90
     ref = skinny_linear_reference(x_long.double(), w_long.double())
-    _close(linear(x_long, w_long), ref, torch.float32, "split linear", MATMUL_TOL)
+    for c in (counters, None):
+        _close(linear(x_long, w_long, counters=c), ref, torch.float32, "linear", MATMUL_TOL)
+    assert not counters.any()
 
 
 def test_linear_takes_cublas_beyond_the_skinny_shapes(device: torch.device) -> None:
