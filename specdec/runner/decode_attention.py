@@ -207,7 +207,7 @@ def decode_attention(
     part_lse = q.new_empty((b, kv_heads, splits, block_m), dtype=torch.float32)
     out = q.new_empty((t, heads, d))
     ieee = q.dtype == torch.float32
-    pdl = pdl_enabled(q.device)
+    pdl = pdl_enabled(q.device, t)
     _split_kernel[(b * kv_heads, splits)](
         q,
         cache,

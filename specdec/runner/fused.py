@@ -71,7 +71,7 @@ def add_rms_norm(
     assert delta is None or (delta.shape == x.shape and delta.stride(1) == 1)
     h = torch.empty((t, n), dtype=x.dtype, device=x.device)
     res = x if delta is None else torch.empty_like(h)
-    pdl = pdl_enabled(x.device)
+    pdl = pdl_enabled(x.device, t)
     if t:
         _add_rms_norm_kernel[(t,)](
             x,
@@ -128,7 +128,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2 * I] -> [T, I]
     assert gate_up.stride(1) == 1 and two_i % 2 == 0
     out = gate_up.new_empty((t, two_i // 2))
     block = min(1024, triton.next_power_of_2(two_i // 2))
-    pdl = pdl_enabled(gate_up.device)
+    pdl = pdl_enabled(gate_up.device, t)
     if t:
         _silu_mul_kernel[(t, triton.cdiv(two_i // 2, block))](
             gate_up,
@@ -243,7 +243,7 @@ def rope_store(
     assert cache.stride(4) == 1 and token_slot.shape == positions.shape == (t,)
     assert (q_norm is None) == (k_norm is None)
     q = qkv.new_empty((t, heads, d))
-    pdl = pdl_enabled(qkv.device)
+    pdl = pdl_enabled(qkv.device, t)
     if t:
         _rope_store_kernel[(t, heads + 2 * kv_heads)](
             qkv,

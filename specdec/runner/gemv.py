@@ -132,7 +132,7 @@ def skinny_linear(
         counters = torch.zeros(blocks, dtype=torch.int32, device=x.device)
     assert counters is None or (counters.numel() >= blocks and counters.dtype == torch.int32)
     parts = torch.empty((split, 16, n), dtype=torch.float32, device=x.device) if split > 1 else out
-    pdl = pdl_enabled(x.device)
+    pdl = pdl_enabled(x.device, t)
     _skinny_kernel[(blocks, split)](
         x, weight, bias if bias is not None else weight, out, parts,
         counters if counters is not None else out, t, n, x.stride(0), weight.stride(0),
