@@ -3,9 +3,13 @@ two runners per model (random bf16 weights, Llama-3.2-1B and Llama-3.1-8B), CUDA
 under each setting, four interleaved rounds of graph steps at batch 1 and 8, decode and verify-5.
 Also checks that both give the same logits bit for bit.
 
-Usage: PYTHONPATH=. python bench/runner_pdl_ab.py --out DIR   (GPU)
+With --wide: the 1B only, at batch 32 x 5 tokens and 64 x 1 and x 5, where the runner turns PDL
+off above gdc.PDL_MAX_TOKENS tokens per step (so "on" there shows what that rule leaves).
+
+Usage: PYTHONPATH=. python bench/runner_pdl_ab.py --out DIR [--wide]   (GPU)
 """
 
+import argparse
 import gc
 import json
 import os
@@ -16,35 +20,44 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.rejection_bench import out_dir
 from bench.runner_bench import MODELS, build, copy_bandwidth, floor_ms, prefill, runner_step_ms
 
 
 def main() -> None:
-    folder = out_dir()
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--wide", action="store_true", help="1B at batch 32 and 64")
+    args = parser.parse_args()
+    folder: Path = args.out
+    folder.mkdir(parents=True, exist_ok=True)
+    models = ("Llama-3.2-1B",) if args.wide else ("Llama-3.2-1B", "Llama-3.1-8B")
+    slots, sizes = (64, (32, 64)) if args.wide else (8, (1, 8))
+    steps = ((32, 5), (64, 1), (64, 5)) if args.wide else ((1, 1), (1, 5), (8, 1), (8, 5))
     dev = torch.device("cuda")
     bandwidth = copy_bandwidth(dev, 2**31)
     print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s", flush=True)
-    results = {}
-    for name in ("Llama-3.2-1B", "Llama-3.1-8B"):
+    results: dict[str, object] = {}
+    for name in models:
         hf, runners = None, {}
         for flag in ("1", "0"):
             os.environ["SPECDEC_PDL"] = flag
-            hf, runner = build(name, MODELS[name], dev, 512, 8, (1, 8), hf=hf)
-            ids = prefill(runner, 8, 512, dev)
+            hf, runner = build(name, MODELS[name], dev, 512, slots, sizes, hf=hf)
+            ids = prefill(runner, slots, 512, dev)
             runners[flag] = (runner, ids)
-            for b, n in ((1, 1), (1, 5), (8, 1)):  # capture the graphs under this setting
+            for b, n in steps:  # capture the graphs under this setting
                 runner_step_ms(runner, ids[:b], n, 512, True, dev, 3)
         del hf
         gc.collect()
         logits = {}
         for flag, (runner, ids) in runners.items():
             os.environ["SPECDEC_PDL"] = flag
-            logits[flag] = runner.graph_step(ids[:1], torch.arange(1, 6, device=dev)[None]).clone()
+            out = runner.graph_step(ids[:1], torch.arange(1, 6, device=dev)[None])
+            assert isinstance(out, torch.Tensor)
+            logits[flag] = out.clone()
             runner.truncate(ids[0], 512)
         same = torch.equal(logits["1"], logits["0"])
         print(f"{name}: logits equal with PDL on and off: {same}", flush=True)
-        for b, n in ((1, 1), (1, 5), (8, 1), (8, 5)):
+        for b, n in steps:
             times: dict[str, list[float]] = {"1": [], "0": []}
             for _ in range(4):
                 for flag in ("1", "0"):
@@ -60,7 +73,8 @@ def main() -> None:
         del runners
         gc.collect()
         torch.cuda.empty_cache()
-    (folder / "runner_pdl_ab.json").write_text(json.dumps(results, indent=1))
+    file = "runner_pdl_ab_wide.json" if args.wide else "runner_pdl_ab.json"
+    (folder / file).write_text(json.dumps(results, indent=1))
 
 
 if __name__ == "__main__":
