@@ -304,9 +304,6 @@ def _decide_sample_kernel(
     keep = logit >= tl.load(thr_ptr + rows, mask=is_row, other=0.0)
     zero = tl.zeros((K_P2,), tl.uint32)
     u = _uniform(_philox(seed, zero, (pos + j).to(tl.uint32), zero))
-    if Q_MODE == 1:  # the q rows' validation reads only inputs: it runs before the wait
-        qsum, qmin = _dense_q_check(q_ptr, q_stride, d0, k, split, race_split_size, V, Vq,
-                                    BLOCK, Q_ROWS)  # fmt: skip
     if PDL:
         # Everything above reads only inputs, so with programmatic dependent launch it runs
         # while the stats kernel finishes; its partials are read from here on.
@@ -337,15 +334,23 @@ def _decide_sample_kernel(
     at_f = j == first_reject
     f_max = tl.sum(tl.where(at_f, row_max, 0.0), 0)
     f_sum = tl.sum(tl.where(at_f, row_sum, 0.0), 0)
-    if Q_MODE == 1:  # the q rows' split sums and minimum, read by _finalize
-        q_rows = tl.arange(0, Q_ROWS)
-        tl.store(part_qsum_ptr + (d0 + q_rows) * RACE_SPLITS + split, qsum, mask=q_rows < k)
-        tl.store(part_qmin_ptr + b * RACE_SPLITS + split, qmin)
-    if race:
-        _race(logits_ptr, logits_stride, thr_ptr, draft_ids_ptr, q_ptr, q_stride, q_ids_ptr,
+    if Q_MODE == 1:
+        # every q row is checked unless an earlier error already decides the status
+        if race:
+            _dense_q_pass(logits_ptr, logits_stride, thr_ptr, q_ptr, q_stride, f_max, f_sum,
+                          race_ptr, part_qsum_ptr, part_qmin_ptr, b, split, row0, d0, k,
+                          first_reject, inv_t, seed, pos, V, Vq, race_split_size, RACE_SPLITS,
+                          BLOCK, Q_ROWS, RACE=True)  # fmt: skip
+        elif status == 0:
+            _dense_q_pass(logits_ptr, logits_stride, thr_ptr, q_ptr, q_stride, f_max, f_sum,
+                          race_ptr, part_qsum_ptr, part_qmin_ptr, b, split, row0, d0, k,
+                          first_reject, inv_t, seed, pos, V, Vq, race_split_size, RACE_SPLITS,
+                          BLOCK, Q_ROWS, RACE=False)  # fmt: skip
+    elif race:
+        _race(logits_ptr, logits_stride, thr_ptr, draft_ids_ptr, q_ptr, q_ids_ptr,
               f_max, f_sum, race_ptr, b, split, row0 + first_reject,
               d0 + first_reject, first_reject < k, inv_t, seed, pos + first_reject,
-              V, Vq, S, race_split_size, RACE_SPLITS, BLOCK, S_P2, Q_MODE)  # fmt: skip
+              V, S, race_split_size, RACE_SPLITS, BLOCK, S_P2, Q_MODE)  # fmt: skip
     # The request's last program to finish writes its outputs. The barrier and the counter's
     # acquire-release order every program's partials before the last one reads them (the
     # split-K semaphore pattern); those reads bypass L1 (.cg).
@@ -405,38 +410,59 @@ def _store_race(race_ptr, b, split, lane_best, lane_idx, lane_best_p, lane_idx_p
 
 
 @triton.jit
-def _dense_q_check(
-    q_ptr, q_stride, d0, k, split, split_size, V, Vq, BLOCK: tl.constexpr, Q_ROWS: tl.constexpr
+def _dense_q_pass(
+    logits_ptr, logits_stride, thr_ptr, q_ptr, q_stride, row_max, row_sum, race_ptr,
+    part_qsum_ptr, part_qmin_ptr, b, split, row0, d0, k, f, inv_t, seed, pos, V, Vq, split_size,
+    RACE_SPLITS: tl.constexpr, BLOCK: tl.constexpr, Q_ROWS: tl.constexpr, RACE: tl.constexpr,
 ):  # fmt: skip
-    """This split of request b's k dense q rows: each row's sum and the minimum over all (NaN
-    and inf count as -1), the partials that validate them. Reads inputs only."""
+    """Dense q, this split of the vocabulary: all k q rows of request b (split sums and minimum
+    for their validation) and, with RACE, the race over row f, whose q comes from the same
+    tile."""
     start = split * split_size
-    end = tl.minimum(tl.minimum(start + split_size, tl.maximum(V, Vq)), Vq)
+    end = tl.minimum(start + split_size, tl.maximum(V, Vq))
+    q_end = tl.minimum(end, Vq)
+    race_end = tl.minimum(end, V)
+    if not RACE:  # the q rows only
+        end = q_end
     j = tl.arange(0, Q_ROWS)
     q_rows = q_ptr + (d0 + j).to(tl.int64) * q_stride
+    has_draft = f < k
+    row = row0 + f
+    thr = tl.load(thr_ptr + row)
+    pos_f = (pos + f).to(tl.uint32)
     lane_qsum = tl.zeros((Q_ROWS, BLOCK), tl.float32)
     lane_qmin = tl.zeros((BLOCK,), tl.float32)
+    lane_best, lane_idx, lane_best_p, lane_idx_p = _race_lanes(BLOCK)
     for off in range(start, end, BLOCK):
         offs = off + tl.arange(0, BLOCK)
-        q_tile = tl.load(
-            q_rows[:, None] + offs[None, :],
-            mask=(j < k)[:, None] & (offs < end)[None, :],
-            other=0.0,
-        )
+        q_mask = (j < k)[:, None] & (offs < q_end)[None, :]
+        q_tile = tl.load(q_rows[:, None] + offs[None, :], mask=q_mask, other=0.0)
         lane_qsum += q_tile
+        # NaN and inf count as negative: one minimum flags every invalid entry
         lane_qmin = tl.minimum(lane_qmin, tl.min(tl.where(q_tile - q_tile != 0.0, -1.0, q_tile), 0))
-    return tl.sum(lane_qsum, 1), tl.min(lane_qmin, 0)
+        if RACE:
+            mask = offs < race_end
+            logit = tl.load(logits_ptr + row.to(tl.int64) * logits_stride + offs, mask=mask)
+            q = tl.sum(tl.where(j[:, None] == f, q_tile, 0.0), 0)
+            lane_best, lane_idx, lane_best_p, lane_idx_p = _race_step(
+                logit.to(tl.float32), mask, offs, off, q, has_draft, thr, inv_t, row_max,
+                row_sum, seed, pos_f, lane_best, lane_idx, lane_best_p, lane_idx_p, BLOCK,
+            )  # fmt: skip
+    tl.store(part_qsum_ptr + (d0 + j) * RACE_SPLITS + split, tl.sum(lane_qsum, 1), mask=j < k)
+    tl.store(part_qmin_ptr + b * RACE_SPLITS + split, tl.min(lane_qmin, 0))
+    if RACE:
+        _store_race(race_ptr, b, split, lane_best, lane_idx, lane_best_p, lane_idx_p, RACE_SPLITS)
 
 
 @triton.jit
 def _race(
-    logits_ptr, logits_stride, thr_ptr, draft_ids_ptr, q_ptr, q_stride, q_ids_ptr,
+    logits_ptr, logits_stride, thr_ptr, draft_ids_ptr, q_ptr, q_ids_ptr,
     row_max, row_sum, race_ptr, b, split, row, t, has_draft, inv_t, seed, pos,
-    V, Vq, S, split_size,
+    V, S, split_size,
     RACE_SPLITS: tl.constexpr, BLOCK: tl.constexpr, S_P2: tl.constexpr, Q_MODE: tl.constexpr,
 ):  # fmt: skip
-    """Exponential race over this split of row `row` (draft token t); q from dense row t,
-    the sparse support of t, or one-hot at the draft token."""
+    """Exponential race over this split of row `row` for sparse q or no q (dense q:
+    `_dense_q_pass`)."""
     thr = tl.load(thr_ptr + row)
     t = tl.where(has_draft, t, 0)
     x = tl.where(has_draft, tl.load(draft_ids_ptr + t), -1)
@@ -446,15 +472,12 @@ def _race(
     sparse_ids = tl.load(
         q_ids_ptr + t * S + cols, mask=cols < tl.where(has_draft, S, 0), other=2147483647
     )
-    q_end = tl.where(has_draft, tl.minimum(end, Vq), 0)
     lane_best, lane_idx, lane_best_p, lane_idx_p = _race_lanes(BLOCK)
     for off in range(start, end, BLOCK):
         offs = off + tl.arange(0, BLOCK)
         mask = offs < end
         logit = tl.load(logits_ptr + row.to(tl.int64) * logits_stride + offs, mask=mask)
-        if Q_MODE == 1:
-            q = tl.load(q_ptr + t.to(tl.int64) * q_stride + offs, mask=offs < q_end, other=0.0)
-        elif Q_MODE == 2:
+        if Q_MODE == 2:
             q = tl.zeros((BLOCK,), tl.float32)
             lo = tl.sum((sparse_ids < off).to(tl.int32), 0)
             hi = tl.sum((sparse_ids < off + BLOCK).to(tl.int32), 0)
