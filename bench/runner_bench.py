@@ -167,6 +167,26 @@ def runner_step_ms(
         runner._graphs = saved
 
 
+def interleaved_ms(
+    runners: dict[str, tuple[ModelRunner, list[str]]],
+    b: int,
+    n: int,
+    dev: torch.device,
+    before: Any = None,
+    rounds: int = 4,
+) -> dict[str, list[float]]:
+    """Graph-step ms of each variant's runner, `rounds` rounds taken in turn (A B A B ...), so
+    a drift of the machine touches every variant alike; `before(variant)` runs first each time
+    (e.g. to set an environment switch)."""
+    times: dict[str, list[float]] = {v: [] for v in runners}
+    for _ in range(rounds):
+        for variant, (runner, ids) in runners.items():
+            if before is not None:
+                before(variant)
+            times[variant].append(runner_step_ms(runner, ids[:b], n, 512, True, dev, 50))
+    return times
+
+
 def hf_eager_ms(hf: Any, b: int, n: int, ctx: int, dev: torch.device, iters: int) -> float:
     from transformers import DynamicCache
 

@@ -20,7 +20,19 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.runner_bench import MODELS, build, copy_bandwidth, floor_ms, prefill, runner_step_ms
+from bench.runner_bench import (
+    MODELS,
+    build,
+    copy_bandwidth,
+    floor_ms,
+    interleaved_ms,
+    prefill,
+    runner_step_ms,
+)
+
+
+def set_pdl(flag: str) -> None:
+    os.environ["SPECDEC_PDL"] = flag
 
 
 def main() -> None:
@@ -58,12 +70,7 @@ def main() -> None:
         same = torch.equal(logits["1"], logits["0"])
         print(f"{name}: logits equal with PDL on and off: {same}", flush=True)
         for b, n in steps:
-            times: dict[str, list[float]] = {"1": [], "0": []}
-            for _ in range(4):
-                for flag in ("1", "0"):
-                    os.environ["SPECDEC_PDL"] = flag
-                    runner, ids = runners[flag]
-                    times[flag].append(runner_step_ms(runner, ids[:b], n, 512, True, dev, 50))
+            times = interleaved_ms(runners, b, n, dev, set_pdl)
             floor = floor_ms(runners["1"][0], b, n, 512, bandwidth)
             on, off = min(times["1"]), min(times["0"])
             print(f"{name} b{b} n{n}: floor {floor:.3f} ms, PDL on {on:.3f} ({on / floor:.3f}x), "

@@ -17,8 +17,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench import runner_bench as rb
 from bench.rejection_bench import out_dir
-from bench.runner_bench import MODELS, build, copy_bandwidth, floor_ms, prefill, runner_step_ms
 from specdec.runner import gemv
 
 RULE = gemv.skinny_shape
@@ -35,18 +35,18 @@ def unsplit(n: int, k: int, itemsize: int = 2) -> gemv.SkinnyShape:
 def main() -> None:
     folder = out_dir()
     dev = torch.device("cuda")
-    bandwidth = copy_bandwidth(dev, 2**31)
+    bandwidth = rb.copy_bandwidth(dev, 2**31)
     print(f"copy bandwidth {bandwidth / 1e12:.3f} TB/s", flush=True)
     results: dict[str, object] = {"gpu": torch.cuda.get_device_name()}
     name = "Llama-3.2-1B"  # the only model of the two with a split shape (down: 2048 x 8192)
     hf, runners = None, {}
     for variant in ("split", "unsplit"):
         gemv.skinny_shape = RULE if variant == "split" else unsplit  # read when graphs capture
-        hf, runner = build(name, MODELS[name], dev, 512, 8, (1, 8), hf=hf)
-        ids = prefill(runner, 8, 512, dev)
+        hf, runner = rb.build(name, rb.MODELS[name], dev, 512, 8, (1, 8), hf=hf)
+        ids = rb.prefill(runner, 8, 512, dev)
         runners[variant] = (runner, ids)
         for b, n in ((1, 1), (1, 5), (8, 1)):  # capture this variant's graphs
-            runner_step_ms(runner, ids[:b], n, 512, True, dev, 3)
+            rb.runner_step_ms(runner, ids[:b], n, 512, True, dev, 3)
     gemv.skinny_shape = RULE
     del hf
     gc.collect()
@@ -64,12 +64,8 @@ def main() -> None:
           f"{argmax_same}", flush=True)  # fmt: skip
     results[f"{name} logits"] = {"max_rel_diff": diff, "argmax_equal": argmax_same}
     for b, n in ((1, 1), (1, 5), (8, 1)):
-        times: dict[str, list[float]] = {"split": [], "unsplit": []}
-        for _ in range(4):
-            for variant in ("split", "unsplit"):
-                runner, ids = runners[variant]
-                times[variant].append(runner_step_ms(runner, ids[:b], n, 512, True, dev, 50))
-        floor = floor_ms(runners["split"][0], b, n, 512, bandwidth)
+        times = rb.interleaved_ms(runners, b, n, dev)
+        floor = rb.floor_ms(runners["split"][0], b, n, 512, bandwidth)
         on, off = min(times["split"]), min(times["unsplit"])
         print(f"{name} b{b} n{n}: floor {floor:.3f} ms, split {on:.3f} ({on / floor:.3f}x), "
               f"unsplit {off:.3f} ({off / floor:.3f}x)", flush=True)  # fmt: skip
