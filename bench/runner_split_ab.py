@@ -10,7 +10,6 @@ Usage: PYTHONPATH=. python bench/runner_split_ab.py --out DIR   (GPU)
 import gc
 import json
 import sys
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,12 +23,9 @@ from specdec.runner import gemv
 RULE = gemv.skinny_shape
 
 
-def unsplit(n: int, k: int, itemsize: int = 2) -> gemv.SkinnyShape:
-    """The rule before split-K: the narrow shape's tile, one program per column block."""
-    shape = RULE(n, k, itemsize)
-    if shape.split_k == 1:
-        return shape
-    return replace(RULE(n, 4096, itemsize), split_k=1)
+def unsplit(n: int, k: int, itemsize: int = 2, split: bool = True) -> gemv.SkinnyShape:
+    """The rule before split-K: one program per column block, whatever `split` asks."""
+    return RULE(n, k, itemsize, split=False)
 
 
 def main() -> None:

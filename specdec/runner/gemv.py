@@ -154,14 +154,15 @@ def split_counters(device: torch.device) -> torch.Tensor:
     return torch.zeros(SPLIT_COUNTERS, dtype=torch.int32, device=device)
 
 
-def skinny_shape(n: int, k: int, itemsize: int = 2) -> SkinnyShape:
+def skinny_shape(n: int, k: int, itemsize: int = 2, split: bool = True) -> SkinnyShape:
     """Tiles by the weight's size: the best of 18 per shape of the Llama-3.1-8B and -3.2-1B
     matrices at 1 and 8 tokens on an H200 (bench/results/gemv_NVIDIA_H200.json). Narrow
     matrices want more, smaller programs; wide ones, fewer pipeline stages. A narrow matrix with
     a long K (the 1B's down projection, 2048 x 8192) splits K over 4 programs per 64 columns:
     11.8 -> 9.1 us in a graph of PDL launches (bench/results/gemv_split_k_NVIDIA_H200.json).
-    float32 weights take half as wide a K tile, so the staged tiles fit in shared memory."""
-    if n <= 2048 and k >= 8192 and k % 1024 == 0:
+    float32 weights take half as wide a K tile, so the staged tiles fit in shared memory.
+    split=False: the best tile without splitting K (for a caller without split counters)."""
+    if split and n <= 2048 and k >= 8192 and k % 1024 == 0:
         shape = SkinnyShape(64, 256, 4, 3, split_k=4)
     elif n <= 2048 and k % 512 == 0:
         shape = SkinnyShape(16, 512, 4, 5)
@@ -189,7 +190,7 @@ def linear(
     n = weight.shape[0]
     shape = skinny_shape(n, k, weight.element_size())
     if shape.split_k > 1 and (counters is None or counters.numel() < triton.cdiv(n, shape.block_n)):
-        shape = replace(skinny_shape(n, 4096, weight.element_size()), split_k=1)
+        shape = skinny_shape(n, k, weight.element_size(), split=False)
     fits = 0 < t <= MAX_TOKENS and k % shape.block_k == 0 and x.dtype == weight.dtype
     if fits and x.stride(1) == 1 and weight.stride(1) == 1:
         return skinny_linear(x, weight, bias, shape, counters)

@@ -172,6 +172,7 @@ def test_split_k_is_deterministic_and_leaves_its_counters_at_zero(device: torch.
     # the rule splits the 1B's down projection (2048 x 8192), with the model's counters only:
     # here a narrow slice of that shape
     assert skinny_shape(2048, 8192).split_k == 4
+    assert skinny_shape(2048, 8192, split=False) == SkinnyShape(16, 512, 4, 5)
     x_long = torch.randn(2, 8192, generator=g).to(device)
     w_long = torch.randn(20, 8192, generator=g).to(device) / 90
     ref = skinny_linear_reference(x_long.double(), w_long.double())
