@@ -164,3 +164,13 @@ class RequestError(_message.Message):
     grpc_code: int
     message: str
     def __init__(self, reason: _Optional[_Union[ErrorReason, str]] = ..., grpc_code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
+
+class StepTiming(_message.Message):
+    __slots__ = ("service_s", "forward_s", "sampler_s")
+    SERVICE_S_FIELD_NUMBER: _ClassVar[int]
+    FORWARD_S_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_S_FIELD_NUMBER: _ClassVar[int]
+    service_s: float
+    forward_s: float
+    sampler_s: float
+    def __init__(self, service_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., sampler_s: _Optional[float] = ...) -> None: ...

@@ -28,12 +28,14 @@ class ProposeBlock(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[ProposeEntry, _Mapping]]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("block", "errors")
+    __slots__ = ("block", "errors", "timing")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     block: _common_pb2.DraftBlock
     errors: _containers.RepeatedCompositeFieldContainer[ProposeError]
-    def __init__(self, block: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[ProposeError, _Mapping]]] = ...) -> None: ...
+    timing: _common_pb2.StepTiming
+    def __init__(self, block: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[ProposeError, _Mapping]]] = ..., timing: _Optional[_Union[_common_pb2.StepTiming, _Mapping]] = ...) -> None: ...
 
 class ProposeError(_message.Message):
     __slots__ = ("request_id", "error")

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.pb.specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xe1\x01\n\x0eVerifyResponse\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12\r\n\x05steps\x18\x03 \x03(\x04\x12\x14\n\x0cnum_accepted\x18\x04 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x05 \x03(\r\x12\x19\n\x11\x63ommitted_lengths\x18\x06 \x03(\r\x12\x15\n\rnum_token_ids\x18\x07 \x03(\r\x12\x11\n\ttoken_ids\x18\x08 \x03(\x05\x12\'\n\x06\x65rrors\x18\t \x03(\x0b\x32\x17.specdec.v1.VerifyErrorJ\x04\x08\x01\x10\x02R\x07results\"E\n\x0bVerifyError\x12\r\n\x05index\x18\x01 \x01(\r\x12\'\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x18.specdec.v1.RequestError2\x9b\x02\n\rTargetService\x12<\n\x05\x41\x64mit\x12\x18.specdec.v1.AdmitRequest\x1a\x19.specdec.v1.AdmitResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.specdec.v1.GetModelInfoRequest\x1a\x15.specdec.v1.ModelInfo\x12@\n\x06Verify\x12\x16.specdec.v1.DraftBlock\x1a\x1a.specdec.v1.VerifyResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x89\x02\n\x0eVerifyResponse\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12\r\n\x05steps\x18\x03 \x03(\x04\x12\x14\n\x0cnum_accepted\x18\x04 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x05 \x03(\r\x12\x19\n\x11\x63ommitted_lengths\x18\x06 \x03(\r\x12\x15\n\rnum_token_ids\x18\x07 \x03(\r\x12\x11\n\ttoken_ids\x18\x08 \x03(\x05\x12\'\n\x06\x65rrors\x18\t \x03(\x0b\x32\x17.specdec.v1.VerifyError\x12&\n\x06timing\x18\n \x01(\x0b\x32\x16.specdec.v1.StepTimingJ\x04\x08\x01\x10\x02R\x07results\"E\n\x0bVerifyError\x12\r\n\x05index\x18\x01 \x01(\r\x12\'\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x18.specdec.v1.RequestError2\x9b\x02\n\rTargetService\x12<\n\x05\x41\x64mit\x12\x18.specdec.v1.AdmitRequest\x1a\x19.specdec.v1.AdmitResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.specdec.v1.GetModelInfoRequest\x1a\x15.specdec.v1.ModelInfo\x12@\n\x06Verify\x12\x16.specdec.v1.DraftBlock\x1a\x1a.specdec.v1.VerifyResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,9 +33,9 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.target_pb2', _gl
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_VERIFYRESPONSE']._serialized_start=65
-  _globals['_VERIFYRESPONSE']._serialized_end=290
-  _globals['_VERIFYERROR']._serialized_start=292
-  _globals['_VERIFYERROR']._serialized_end=361
-  _globals['_TARGETSERVICE']._serialized_start=364
-  _globals['_TARGETSERVICE']._serialized_end=647
+  _globals['_VERIFYRESPONSE']._serialized_end=330
+  _globals['_VERIFYERROR']._serialized_start=332
+  _globals['_VERIFYERROR']._serialized_end=401
+  _globals['_TARGETSERVICE']._serialized_start=404
+  _globals['_TARGETSERVICE']._serialized_end=687
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class VerifyResponse(_message.Message):
-    __slots__ = ("request_ids", "steps", "num_accepted", "num_draft_tokens", "committed_lengths", "num_token_ids", "token_ids", "errors")
+    __slots__ = ("request_ids", "steps", "num_accepted", "num_draft_tokens", "committed_lengths", "num_token_ids", "token_ids", "errors", "timing")
     REQUEST_IDS_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
     NUM_ACCEPTED_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class VerifyResponse(_message.Message):
     NUM_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
+    TIMING_FIELD_NUMBER: _ClassVar[int]
     request_ids: _containers.RepeatedScalarFieldContainer[str]
     steps: _containers.RepeatedScalarFieldContainer[int]
     num_accepted: _containers.RepeatedScalarFieldContainer[int]
@@ -25,7 +26,8 @@ class VerifyResponse(_message.Message):
     num_token_ids: _containers.RepeatedScalarFieldContainer[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     errors: _containers.RepeatedCompositeFieldContainer[VerifyError]
-    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., steps: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., committed_lengths: _Optional[_Iterable[int]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[VerifyError, _Mapping]]] = ...) -> None: ...
+    timing: _common_pb2.StepTiming
+    def __init__(self, request_ids: _Optional[_Iterable[str]] = ..., steps: _Optional[_Iterable[int]] = ..., num_accepted: _Optional[_Iterable[int]] = ..., num_draft_tokens: _Optional[_Iterable[int]] = ..., committed_lengths: _Optional[_Iterable[int]] = ..., num_token_ids: _Optional[_Iterable[int]] = ..., token_ids: _Optional[_Iterable[int]] = ..., errors: _Optional[_Iterable[_Union[VerifyError, _Mapping]]] = ..., timing: _Optional[_Union[_common_pb2.StepTiming, _Mapping]] = ...) -> None: ...
 
 class VerifyError(_message.Message):
     __slots__ = ("index", "error")
