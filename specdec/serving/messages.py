@@ -35,6 +35,7 @@ class ErrorReason(IntEnum):
     TOKEN_OUT_OF_VOCAB = 11
     NONFINITE_LOGITS = 12
     CAPACITY = 13
+    STEP_FAILED = 14
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ class ErrorReason(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_REASON_TOKEN_OUT_OF_VOCAB: _ClassVar[ErrorReason]
     ERROR_REASON_NONFINITE_LOGITS: _ClassVar[ErrorReason]
     ERROR_REASON_CAPACITY: _ClassVar[ErrorReason]
+    ERROR_REASON_STEP_FAILED: _ClassVar[ErrorReason]
 Q_FORM_NONE: QForm
 Q_FORM_DENSE: QForm
 Q_FORM_SPARSE: QForm
@@ -46,6 +47,7 @@ ERROR_REASON_DRAFT_TOKEN_OUT_OF_SUPPORT: ErrorReason
 ERROR_REASON_TOKEN_OUT_OF_VOCAB: ErrorReason
 ERROR_REASON_NONFINITE_LOGITS: ErrorReason
 ERROR_REASON_CAPACITY: ErrorReason
+ERROR_REASON_STEP_FAILED: ErrorReason
 
 class SamplingParams(_message.Message):
     __slots__ = ("temperature", "top_k", "top_p", "seed")
@@ -166,11 +168,13 @@ class RequestError(_message.Message):
     def __init__(self, reason: _Optional[_Union[ErrorReason, str]] = ..., grpc_code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class StepTiming(_message.Message):
-    __slots__ = ("service_s", "forward_s", "sampler_s")
+    __slots__ = ("service_s", "forward_s", "sampler_s", "graphed")
     SERVICE_S_FIELD_NUMBER: _ClassVar[int]
     FORWARD_S_FIELD_NUMBER: _ClassVar[int]
     SAMPLER_S_FIELD_NUMBER: _ClassVar[int]
+    GRAPHED_FIELD_NUMBER: _ClassVar[int]
     service_s: float
     forward_s: float
     sampler_s: float
-    def __init__(self, service_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., sampler_s: _Optional[float] = ...) -> None: ...
+    graphed: bool
+    def __init__(self, service_s: _Optional[float] = ..., forward_s: _Optional[float] = ..., sampler_s: _Optional[float] = ..., graphed: _Optional[bool] = ...) -> None: ...
