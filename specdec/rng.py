@@ -22,14 +22,16 @@ from enum import IntEnum
 
 import torch
 
+# re-exported: callers of rng name the limits of its keys and counters from here
+from specdec.limits import MAX_POSITION as MAX_POSITION
+from specdec.limits import MAX_SEED as MAX_SEED
+
 MASK32 = 0xFFFFFFFF
 PHILOX_ROUND_A = 0xD2511F53
 PHILOX_ROUND_B = 0xCD9E8D57
 PHILOX_KEY_A = 0x9E3779B9
 PHILOX_KEY_B = 0xBB67AE85
 PHILOX_ROUNDS = 10
-MAX_SEED = 2**63 - 1
-MAX_POSITION = 2**31 - 1
 UNIFORM_SCALE = 1.0 / 16777216.0  # 2**-24: the top 24 bits of a draw fill a float32 mantissa
 EXPONENTIAL_SCALE = 1.0 / 8388608.0  # 2**-23
 

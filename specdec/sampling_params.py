@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from specdec.rng import MAX_SEED
+from specdec.limits import MAX_SEED, MAX_TOP_K
 
 MAX_TEMPERATURE = 100.0
 
@@ -29,8 +29,10 @@ class SamplingParams:
                 f"temperature must be a finite number in [0, {MAX_TEMPERATURE}] "
                 f"(0 means greedy), got {self.temperature}."
             )
-        if self.top_k < 0:
-            raise ValueError(f"top_k must be >= 0 (0 disables top-k), got {self.top_k}.")
+        if not 0 <= self.top_k <= MAX_TOP_K:
+            raise ValueError(
+                f"top_k must be in [0, {MAX_TOP_K}] (0 disables top-k), got {self.top_k}."
+            )
         if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1] (1 disables top-p), got {self.top_p}.")
         if not 0 <= self.seed <= MAX_SEED:

@@ -1,0 +1,25 @@
+"""Ranges of the integers that cross the wire and then live in int32 / int64 tensors.
+
+`specdec.v1` carries them as uint32 / uint64, which hold values the services cannot use: a
+client's -1 sent as uint32 is 4294967295, which overflows the int32 tensor it lands in. Every
+parser checks its fields against these bounds, and the torch code (`specdec.rng`, the rejection
+sampler) takes its own limits from here, so both sides agree. No torch import: the protocol
+layer and the orchestrator load this module without it.
+"""
+
+from __future__ import annotations
+
+INT32_MAX = 2**31 - 1
+MAX_SEED = 2**63 - 1  # int64 tensors; Philox keys on its two 32-bit halves
+MAX_POSITION = INT32_MAX  # absolute token positions: int64 tensors, Philox counter c1 (uint32)
+MAX_TOP_K = INT32_MAX  # int32 tensors in the sampler
+MAX_STEP = 2**63 - 1  # step numbers: int64 wherever they are stored or compared
+MAX_COMMITTED_LENGTH = MAX_POSITION  # a request's committed tokens fill positions 0 .. n - 1
+MAX_NUM_DRAFT_TOKENS = INT32_MAX  # protocol bound; each service's config sets a far lower one
+MAX_VOCAB = 2**24  # token ids travel through float32 race buffers: exact below 2**24
+
+
+def check_range(value: int, name: str, low: int, high: int) -> None:
+    """ValueError naming `name` unless low <= value <= high."""
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value}.")
