@@ -56,6 +56,11 @@ class TargetServiceStub:
                 request_serializer=specdec_dot_v1_dot_common__pb2.DraftBlock.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_target__pb2.VerifyResponse.FromString,
                 _registered_method=True)
+        self.Serve = channel.stream_stream(
+                '/specdec.v1.TargetService/Serve',
+                request_serializer=specdec_dot_v1_dot_target__pb2.ServeControl.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_target__pb2.ServeEvent.FromString,
+                _registered_method=True)
 
 
 class TargetServiceServicer:
@@ -91,6 +96,20 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Serve(self, request_iterator, context):
+        """Runs the speculative step loop with this service as the hub, for one orchestrator. Each
+        step the hub asks its draft service for the drafts of the PROPOSER_DRAFT requests (q goes
+        draft → target and nowhere else), proposes prompt lookup for PROPOSER_NGRAM ones itself,
+        verifies every running request in one block and streams the step's verdicts at once.
+        Controls take effect at the next step boundary, in the order sent. The first event is
+        `started`. One stream at a time: a second concurrent one is refused with
+        FAILED_PRECONDITION. When the stream closes, every request it admitted is released on
+        both services.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -113,6 +132,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.Verify,
                     request_deserializer=specdec_dot_v1_dot_common__pb2.DraftBlock.FromString,
                     response_serializer=specdec_dot_v1_dot_target__pb2.VerifyResponse.SerializeToString,
+            ),
+            'Serve': grpc.stream_stream_rpc_method_handler(
+                    servicer.Serve,
+                    request_deserializer=specdec_dot_v1_dot_target__pb2.ServeControl.FromString,
+                    response_serializer=specdec_dot_v1_dot_target__pb2.ServeEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -224,6 +248,33 @@ class TargetService:
             '/specdec.v1.TargetService/Verify',
             specdec_dot_v1_dot_common__pb2.DraftBlock.SerializeToString,
             specdec_dot_v1_dot_target__pb2.VerifyResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Serve(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/specdec.v1.TargetService/Serve',
+            specdec_dot_v1_dot_target__pb2.ServeControl.SerializeToString,
+            specdec_dot_v1_dot_target__pb2.ServeEvent.FromString,
             options,
             channel_credentials,
             insecure,
