@@ -29,6 +29,9 @@ class RunnerConfig:
     prefill_chunk: int = 512
     memory_limit_bytes: int | None = None
     cuda_graph_batch_sizes: tuple[int, ...] = ()
+    # longest step (tokens per request) `ragged_step` replays as a graph: a verify of up to 16
+    # drafts; longer steps (a draft catching up after a pause) run eagerly
+    cuda_graph_max_tokens: int = 17
     compile_pointwise: bool = False  # torch.compile the pointwise ops instead of `fused` kernels
 
     def __post_init__(self) -> None:
@@ -44,6 +47,10 @@ class RunnerConfig:
             raise ValueError(
                 f"memory_limit_bytes must be a positive number of bytes or None, "
                 f"got {self.memory_limit_bytes}."
+            )
+        if not 1 <= self.cuda_graph_max_tokens <= 128:
+            raise ValueError(
+                f"cuda_graph_max_tokens must be in [1, 128], got {self.cuda_graph_max_tokens}."
             )
         for size in self.cuda_graph_batch_sizes:
             if not 1 <= size <= self.max_slots:

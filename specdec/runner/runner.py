@@ -111,6 +111,10 @@ class ModelRunner:
         self._backend, self._cache = backend, cache
         self._device = torch.device(config.device)
         self._graphs: StepGraphs | None = None
+        # steps that replayed a captured graph, and steps on a graph-capable runner that could
+        # not (no captured shape fits): the services report both
+        self.graph_steps = 0
+        self.eager_steps = 0
         fast = isinstance(backend, FastBackend)
         if fast and self._device.type == "cuda" and config.cuda_graph_batch_sizes:
             self._graphs = StepGraphs(
@@ -318,6 +322,17 @@ class ModelRunner:
         the next graph_step of the same shape; the head must then be capturable (no host syncs,
         randomness only from its inputs). Otherwise the step runs eagerly.
         """
+        logits, outs = self._step(request_ids, token_ids, head, head_inputs, None)
+        return outs if head is not None else logits
+
+    def _step(
+        self,
+        request_ids: Sequence[str],
+        token_ids: torch.Tensor,  # [B, n]
+        head: Head | None,
+        head_inputs: Sequence[torch.Tensor],
+        kept: Sequence[int] | None,  # real tokens of each row (the rest is padding); None: n
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         b, n = token_ids.shape
         for rid in request_ids:
             self._cache.check_room(rid, n)
@@ -334,21 +349,87 @@ class ModelRunner:
         bs = self._graphs.padded_size(b) if self._graphs is not None else None
         if self._graphs is not None and bs is not None:
             logits, outs = self._graphs.run(bs, tokens, starts, slots, head, head_inputs)
+            self.graph_steps += 1
         else:
             logits = self._backend.step(tokens, starts, slots, max(lengths) + n)
             outs = tuple(head(logits, *head_inputs)) if head is not None else ()
-        for rid in request_ids:
-            self._cache.extend(rid, n)
-        return outs if head is not None else logits
+            self.eager_steps += self._graphs is not None
+        for i, rid in enumerate(request_ids):
+            self._cache.extend(rid, n if kept is None else kept[i])
+        return logits, outs
 
-    def _to_device(self, values: list[int]) -> torch.Tensor:
+    @torch.inference_mode()
+    def ragged_step(
+        self,
+        request_ids: Sequence[str],
+        token_ids: Sequence[Sequence[int]],
+        head: Head | None = None,
+        head_inputs: Sequence[torch.Tensor] = (),
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Appends token_ids[b] (1 <= len_b) to request b in one pass: a verify of k_b + 1
+        tokens with k_b differing per request (0 included), or the draft's catch-up.
+
+        Returns float32 logits [B, n, V] with n = max len_b (row b's positions >= len_b are
+        padding: their values are meaningless) and the head's outputs (see `graph_step`).
+        On CUDA, when a captured batch size fits and every request has room for n tokens, the
+        step replays the CUDA graph of shape (padded batch, n): padding tokens write K/V past
+        the request's length, which nothing reads (a later step overwrites a position before
+        any query can see it). Otherwise it runs eagerly, counted in `eager_steps`.
+
+        Example: lengths [3, 1] → tokens [[a0, a1, a2], [b0, 0, 0]]; logits[1, 0] scores b0.
+        """
+        if len(token_ids) != len(request_ids) or any(len(t) == 0 for t in token_ids):
+            raise InvalidInputError("ragged_step needs one non-empty token list per request.")
+        n = max(len(t) for t in token_ids)
+        if self._graph_fits(request_ids, n):
+            padded = [[*t, *([0] * (n - len(t)))] for t in token_ids]
+            self._check_flat([x for t in token_ids for x in t])
+            kept = [len(t) for t in token_ids]
+            return self._step(request_ids, self._to_device(padded), head, head_inputs, kept)
+        self.eager_steps += self._graphs is not None
+        items = [ForwardItem(r, t, len(t)) for r, t in zip(request_ids, token_ids, strict=True)]
+        rows = self.forward(items)  # [sum len_b, V]
+        b = len(request_ids)
+        logits = rows.new_zeros(b, n, rows.shape[1])
+        index = [i * n + j for i, t in enumerate(token_ids) for j in range(len(t))]
+        logits.view(b * n, -1)[self._to_device(index)] = rows
+        outs = tuple(head(logits, *head_inputs)) if head is not None else ()
+        return logits, outs
+
+    def _graph_fits(self, request_ids: Sequence[str], n: int) -> bool:
+        if self._graphs is None or self._graphs.padded_size(len(request_ids)) is None:
+            return False
+        if n > self.config.cuda_graph_max_tokens:
+            return False
+        limit = self.config.max_seq_len - n
+        return all(self._cache.length(r) <= limit for r in request_ids)
+
+    def _check_flat(self, ids: list[int]) -> None:
+        if ids and not (min(ids) >= 0 and max(ids) < self.vocab_size):
+            raise InvalidInputError(f"token ids must be in [0, {self.vocab_size}).")
+
+    def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """CPU copies of device tensors with one host synchronisation for all of them (pinned
+        buffers, non-blocking copies, then one wait): the step's one sync."""
+        if self._device.type != "cuda":
+            return list(tensors)
+        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for h, t in zip(host, tensors, strict=True):
+            h.copy_(t, non_blocking=True)
+        torch.cuda.current_stream(self._device).synchronize()
+        return host
+
+    def upload(self, tensor: torch.Tensor) -> torch.Tensor:
+        """`tensor` on the runner's device without a host sync (pinned, non-blocking)."""
+        if self._device.type != "cuda" or tensor.device.type != "cpu":
+            return tensor.to(self._device)
+        return tensor.pin_memory().to(self._device, non_blocking=True)
+
+    def _to_device(self, values: list[int] | list[list[int]]) -> torch.Tensor:
         """int64 [len(values)] on the device without a host sync: a plain torch.tensor(...,
         device=cuda) copies from pageable memory and waits for the stream, so the host could
         not prepare the next step while the GPU runs this one."""
-        host = torch.tensor(values, dtype=torch.long)
-        if self._device.type != "cuda":
-            return host
-        return host.pin_memory().to(self._device, non_blocking=True)
+        return self.upload(torch.tensor(values, dtype=torch.long))
 
 
 def _with_vocab(info: ModelInfo, vocab: int) -> ModelInfo:
