@@ -26,6 +26,13 @@ from itertools import accumulate, chain
 import numpy as np
 import torch
 
+from specdec.limits import (
+    MAX_COMMITTED_LENGTH,
+    MAX_NUM_DRAFT_TOKENS,
+    MAX_STEP,
+    MAX_VOCAB,
+    check_range,
+)
 from specdec.pb import common_pb2, draft_pb2
 from specdec.serving.arrays import pack, unpack
 
@@ -65,8 +72,8 @@ class DraftProposal:
     def __post_init__(self) -> None:
         if not self.request_id:
             raise ValueError("request_id must be a non-empty string.")
-        if self.committed_length < 1:
-            raise ValueError(f"committed_length must be >= 1, got {self.committed_length}.")
+        check_range(self.step, "step", 0, MAX_STEP)
+        check_range(self.committed_length, "committed_length", 1, MAX_COMMITTED_LENGTH)
         rows = None if self.q is None else self.q.probs.shape[0]
         if rows is not None and rows != len(self.draft_token_ids):
             raise ValueError(
@@ -132,6 +139,7 @@ class ProposalBlock:
     ) -> ProposalBlock:
         """A block of these columns; ValueError if they do not fit each other."""
         _check_lengths(len(request_ids), steps, committed_lengths, num_draft_tokens, q_forms)
+        _check_num_draft_tokens(num_draft_tokens)
         starts = list(accumulate(num_draft_tokens, initial=0))
         if len(draft_token_ids) != starts[-1]:
             raise ValueError(f"draft_token_ids has {len(draft_token_ids)} ids; the entries' "
@@ -146,7 +154,7 @@ class ProposalBlock:
                 raise ValueError(
                     f"{name} q has {has}; the block has Q_FORM_{name.upper()} {entries}."
                 )
-        errors = _entry_errors(request_ids, committed_lengths)
+        errors = _entry_errors(request_ids, steps, committed_lengths)
         return cls(request_ids, steps, committed_lengths, num_draft_tokens, q_forms,
                    draft_token_ids, starts, q_starts, dense, sparse, errors)  # fmt: skip
 
@@ -190,24 +198,29 @@ class ProposalBlock:
         return pb
 
     @classmethod
-    def from_pb(cls, pb: common_pb2.DraftBlock) -> ProposalBlock:
+    def from_pb(
+        cls,
+        pb: common_pb2.DraftBlock,
+        *,
+        max_support_size: int | None = None,
+        vocab_size: int | None = None,
+    ) -> ProposalBlock:
         """Raises ValueError (naming the field) when the block's columns or buffers do not fit
         each other: e.g. sparse.probs must hold sum(k_i of sparse entries) x support_size
-        float32s."""
+        float32s. sparse.support_size is refused above `max_support_size` and `vocab_size`
+        (the reader's limits, when given) before anything is allocated."""
         steps, lengths, ks, forms = _columns(pb)
         starts = list(accumulate(ks, initial=0))
         q_starts, rows = _q_starts(ks, forms, starts)
         dense = sparse = None
         if Q_DENSE in rows:
             _check_present(pb, forms, Q_DENSE)
-            if pb.dense.vocab_size == 0:
-                raise ValueError("dense.vocab_size must be > 0.")
+            check_range(pb.dense.vocab_size, "dense.vocab_size", 1, MAX_VOCAB)
             shape = (rows[Q_DENSE], pb.dense.vocab_size)
             dense = DenseQ(_unpack(pb.dense.probs, torch.float32, shape, "dense.probs"))
         if Q_SPARSE in rows:
             _check_present(pb, forms, Q_SPARSE)
-            if pb.sparse.support_size == 0:
-                raise ValueError("sparse.support_size must be > 0.")
+            _check_support_size(pb.sparse.support_size, max_support_size, vocab_size)
             shape = (rows[Q_SPARSE], pb.sparse.support_size)
             sparse = SparseQ(
                 _unpack(pb.sparse.token_ids, torch.int32, shape, "sparse.token_ids"),
@@ -215,7 +228,7 @@ class ProposalBlock:
             )
         ids = np.frombuffer(pb.draft_token_ids, dtype=_INT32_WIRE).tolist()
         rids = pb.request_ids[:]
-        errors = _entry_errors(rids, lengths)
+        errors = _entry_errors(rids, steps, lengths)
         return cls(rids, steps, lengths, ks, forms, ids, starts, q_starts, dense, sparse, errors)
 
     def __len__(self) -> int:
@@ -289,6 +302,7 @@ def _columns(pb: common_pb2.DraftBlock) -> tuple[list[int], list[int], list[int]
     # [:] copies a repeated field into a list in half the time list() takes (measured)
     steps, lengths, ks, forms = [getattr(pb, name)[:] for name in _COLUMNS]
     _check_lengths(len(pb.request_ids), steps, lengths, ks, forms)
+    _check_num_draft_tokens(ks)
     total = sum(ks)
     if len(pb.draft_token_ids) != 4 * total:
         raise ValueError(
@@ -304,6 +318,26 @@ def _check_lengths(n: int, *columns: list[int]) -> None:
         if len(column) != n:
             raise ValueError(f"{name} has {len(column)} values for {n} request_ids; "
                              "every column needs one per entry.")  # fmt: skip
+
+
+def _check_num_draft_tokens(ks: list[int]) -> None:
+    """ValueError for the whole block if a k_i is out of range: the entries after it could not
+    be located in the block's buffers."""
+    if ks and max(ks) > MAX_NUM_DRAFT_TOKENS:
+        i = next(i for i, k in enumerate(ks) if k > MAX_NUM_DRAFT_TOKENS)
+        check_range(ks[i], f"entries[{i}].num_draft_tokens", 0, MAX_NUM_DRAFT_TOKENS)
+
+
+def _check_support_size(size: int, max_support_size: int | None, vocab_size: int | None) -> None:
+    """ValueError unless 1 <= size <= every given limit: a huge claimed support would make the
+    sampler allocate rows x size entries even when the block holds no sparse rows."""
+    limit, why = MAX_VOCAB, "the largest vocabulary the sampler takes"
+    if vocab_size is not None and vocab_size < limit:
+        limit, why = vocab_size, "the vocabulary"
+    if max_support_size is not None and max_support_size < limit:
+        limit, why = max_support_size, "this service's max_support_size"
+    if not 1 <= size <= limit:
+        raise ValueError(f"sparse.support_size must be in [1, {limit}] ({why}), got {size}.")
 
 
 def _q_starts(
@@ -330,13 +364,20 @@ def _check_present(pb: common_pb2.DraftBlock, forms: list[int], form: int) -> No
         raise ValueError(f"entries[{i}].q_form is {name.upper()} but the block has no {name}.")
 
 
-def _entry_errors(request_ids: list[str], committed_lengths: list[int]) -> dict[int, str]:
-    """Messages of the malformed entries, by index (the checks `DraftProposal` makes)."""
+def _entry_errors(
+    request_ids: list[str], steps: list[int], committed_lengths: list[int]
+) -> dict[int, str]:
+    """Messages of the malformed entries, by index (the checks `DraftProposal` makes). The
+    usual block has none, so each column is scanned only when its extremes are out of range."""
     errors: dict[int, str] = {}
-    if committed_lengths and min(committed_lengths) < 1:
-        for i, n in enumerate(committed_lengths):
-            if n < 1:
-                errors[i] = f"entries[{i}].committed_length must be >= 1, got {n}."
+    for name, column, low, high in (("step", steps, 0, MAX_STEP),
+                                    ("committed_length", committed_lengths, 1,
+                                     MAX_COMMITTED_LENGTH)):  # fmt: skip
+        if column and (min(column) < low or max(column) > high):
+            for i, value in enumerate(column):
+                if not low <= value <= high:
+                    errors[i] = (f"entries[{i}].{name} must be >= {low} and <= {high}, "
+                                 f"got {value}.")  # fmt: skip
     if "" in request_ids:
         for i, rid in enumerate(request_ids):
             if not rid:
@@ -357,6 +398,9 @@ class ProposeAsk:
     def __post_init__(self) -> None:
         if not self.request_id:
             raise ValueError("request_id must be a non-empty string.")
+        check_range(self.step, "step", 0, MAX_STEP)
+        check_range(self.committed_length, "committed_length", 0, MAX_COMMITTED_LENGTH)
+        check_range(self.num_draft_tokens, "num_draft_tokens", 0, MAX_NUM_DRAFT_TOKENS)
 
     @classmethod
     def from_pb(cls, pb: draft_pb2.ProposeEntry) -> ProposeAsk:

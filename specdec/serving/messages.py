@@ -12,10 +12,10 @@ from enum import IntEnum
 import grpc
 
 from specdec.errors import InvalidInputError
+from specdec.limits import INT32_MAX as INT32_MAX
+from specdec.limits import MAX_STEP, check_range
 from specdec.pb import common_pb2
 from specdec.sampling_params import SamplingParams
-
-INT32_MAX = 2**31 - 1
 
 
 class ErrorReason(IntEnum):
@@ -103,8 +103,7 @@ class Admission:
             raise ValueError("request_id must be a non-empty string.")
         if not self.prompt_token_ids:
             raise ValueError("prompt_token_ids must hold at least one token id.")
-        if self.first_step < 0:
-            raise ValueError(f"first_step must be >= 0, got {self.first_step}.")
+        check_range(self.first_step, "first_step", 0, MAX_STEP)
 
     def check_vocab(self, vocab_size: int) -> None:
         _check_token_ids(self.prompt_token_ids, "prompt_token_ids", vocab_size)

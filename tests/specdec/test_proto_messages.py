@@ -131,14 +131,15 @@ def _block(kind: str) -> common_pb2.DraftBlock:
     [
         ("dense", lambda pb: setattr(pb.dense, "probs", pb.dense.probs[:-4]),
          r"dense\.probs has 348 bytes; expected 352 \(8 x 11 little-endian float32\)"),
-        ("dense", lambda pb: setattr(pb.dense, "vocab_size", 0), r"dense\.vocab_size must be > 0"),
+        ("dense", lambda pb: setattr(pb.dense, "vocab_size", 0), r"dense\.vocab_size must be in \[1, 16777216\], got 0"),
         ("dense", lambda pb: pb.ClearField("dense"),
          r"entries\[0\]\.q_form is DENSE but the block has no dense"),
         ("sparse", lambda pb: setattr(pb.sparse, "token_ids", b"\0" * 12),
          r"sparse\.token_ids has 12 bytes; expected 128"),
         ("sparse", lambda pb: setattr(pb.sparse, "probs", b""), r"sparse\.probs has 0 bytes"),
         ("sparse", lambda pb: setattr(pb.sparse, "support_size", 0),
-         r"sparse\.support_size must be > 0"),
+         r"sparse\.support_size must be in \[1, 16777216\] \(the largest vocabulary the "
+         r"sampler takes\), got 0"),
         ("sparse", lambda pb: setattr(pb, "draft_token_ids", pb.draft_token_ids[:-4]),
          r"draft_token_ids has 28 bytes; expected 32 \(the entries' num_draft_tokens sum to 8"),
         ("sparse", lambda pb: (pb.num_draft_tokens.__setitem__(3, 3),
@@ -350,7 +351,7 @@ def test_parsed_block_entry_errors() -> None:
     parsed = ProposalBlock.from_pb(pb)
     assert parsed.errors == {
         1: "entries[1].request_id must be a non-empty string.",
-        3: "entries[3].committed_length must be >= 1, got 0.",
+        3: "entries[3].committed_length must be >= 1 and <= 2147483647, got 0.",
     }
 
 
