@@ -3,37 +3,112 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import sys
+from functools import partial
 
 from specdec.serving.cli import (
     add_runner_args,
     add_server_args,
+    default_of,
     runner_config,
     serve,
     server_config,
 )
 from target_service.config import TargetConfig
 from target_service.server import start
+from target_service.synthetic import SyntheticAcceptance
+
+log = logging.getLogger("target_service")
+BENCHMARK_ONLY = "BENCHMARKING ONLY: output is NOT distributed as the target's."
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m target_service", description=__doc__)
+    d = partial(default_of, TargetConfig)
+    add_server_args(parser, default_port=50052)
+    add_runner_args(parser)
+    parser.add_argument("--max-num-draft-tokens", type=int, default=d("max_num_draft_tokens"))
+    parser.add_argument(
+        "--max-support-size",
+        type=int,
+        default=d("max_support_size"),
+        help="largest sparse-q support (ids per draft token) accepted",
+    )
+    parser.add_argument("--draft-address", help="check this draft's tokenizer at start-up")
+    parser.add_argument(
+        "--sampler-impl", choices=["auto", "triton", "torch"], default=d("sampler_impl")
+    )
+    g = parser.add_argument_group("synthetic acceptance", BENCHMARK_ONLY)
+    rates = g.add_mutually_exclusive_group()
+    rates.add_argument(
+        "--synthetic-acceptance-length",
+        type=float,
+        metavar="L",
+        help=f"mean acceptance length in [1, k + 1]. {BENCHMARK_ONLY}",
+    )
+    rates.add_argument(
+        "--synthetic-rates",
+        metavar="R1,R2,...",
+        help=f"per-position acceptance rates, non-increasing. {BENCHMARK_ONLY}",
+    )
+    g.add_argument(
+        "--synthetic-num-draft-tokens",
+        type=int,
+        metavar="K",
+        help="number of draft tokens the rates apply to (default: the number of --synthetic-rates)",
+    )
+    return parser
+
+
+def synthetic(args: argparse.Namespace) -> SyntheticAcceptance | None:
+    """The synthetic acceptance the flags ask for, or None; ValueError if they are incomplete."""
+    length, k = args.synthetic_acceptance_length, args.synthetic_num_draft_tokens
+    if args.synthetic_rates is not None:
+        try:
+            rates = tuple(float(r) for r in args.synthetic_rates.split(","))
+        except ValueError as exc:
+            raise ValueError(
+                f"--synthetic-rates must be comma-separated numbers, got {args.synthetic_rates!r}."
+            ) from exc
+        return SyntheticAcceptance(len(rates) if k is None else k, rates=rates)
+    if length is not None:
+        if k is None:
+            raise ValueError(
+                "--synthetic-acceptance-length needs --synthetic-num-draft-tokens (the k it "
+                "applies to)."
+            )
+        return SyntheticAcceptance(k, mean_acceptance_length=length)
+    if k is not None:
+        raise ValueError(
+            "--synthetic-num-draft-tokens needs --synthetic-acceptance-length or --synthetic-rates."
+        )
+    return None
+
+
+def target_config(args: argparse.Namespace) -> TargetConfig:
+    config = TargetConfig(
+        runner=runner_config(args),
+        server=server_config(args),
+        max_num_draft_tokens=args.max_num_draft_tokens,
+        max_support_size=args.max_support_size,
+        draft_address=args.draft_address,
+        sampler_impl=args.sampler_impl,
+        synthetic=synthetic(args),
+    )
+    if config.synthetic is not None:
+        log.warning(
+            "synthetic acceptance is on (rates %s for k = %d): %s",
+            config.synthetic.unconditional_rates(),
+            config.synthetic.num_draft_tokens,
+            BENCHMARK_ONLY,
+        )
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m target_service", description=__doc__)
-    add_server_args(parser, default_port=50052)
-    add_runner_args(parser)
-    parser.add_argument("--max-num-draft-tokens", type=int, default=16)
-    parser.add_argument("--draft-address", help="check this draft's tokenizer at start-up")
-    args = parser.parse_args(argv)
-    return serve(
-        "target_service",
-        lambda: start(
-            TargetConfig(
-                runner=runner_config(args),
-                server=server_config(args),
-                max_num_draft_tokens=args.max_num_draft_tokens,
-                draft_address=args.draft_address,
-            )
-        ),
-    )
+    args = build_parser().parse_args(argv)
+    return serve("target_service", lambda: start(target_config(args)))
 
 
 if __name__ == "__main__":

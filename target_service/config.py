@@ -7,13 +7,19 @@ from typing import Literal
 
 from specdec.runner import RunnerConfig
 from specdec.serving.server import ServerConfig
+from target_service.synthetic import SyntheticAcceptance
 
 MAX_NUM_DRAFT_TOKENS = 64
 
 
 @dataclass(frozen=True, slots=True)
 class TargetConfig:
-    """The target model, the server, and the verify limits."""
+    """The target model, the server, and the verify limits.
+
+    `max_support_size` is the largest sparse-q support (ids per draft token) a block may carry.
+    `synthetic`, for benchmarking only, replaces the acceptance test with configured rates: the
+    output is then NOT distributed as the target's.
+    """
 
     runner: RunnerConfig
     server: ServerConfig = field(default_factory=ServerConfig)
@@ -22,6 +28,8 @@ class TargetConfig:
     draft_address: str | None = None
     draft_wait_s: float = 30.0
     sampler_impl: Literal["auto", "triton", "torch"] = "auto"
+    max_support_size: int = 1024
+    synthetic: SyntheticAcceptance | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_num_draft_tokens <= MAX_NUM_DRAFT_TOKENS:
@@ -32,6 +40,15 @@ class TargetConfig:
         if self.sampler_impl not in ("auto", "triton", "torch"):
             raise ValueError(
                 f"sampler_impl must be 'auto', 'triton' or 'torch', got {self.sampler_impl!r}."
+            )
+        if self.max_support_size < 1:
+            raise ValueError(f"max_support_size must be >= 1, got {self.max_support_size}.")
+        if self.synthetic is not None and (
+            self.synthetic.num_draft_tokens > self.max_num_draft_tokens
+        ):
+            raise ValueError(
+                f"synthetic acceptance's num_draft_tokens must be in [1, max_num_draft_tokens="
+                f"{self.max_num_draft_tokens}], got {self.synthetic.num_draft_tokens}."
             )
         if self.draft_wait_s < 0:
             raise ValueError(f"draft_wait_s must be >= 0, got {self.draft_wait_s}.")

@@ -1,17 +1,42 @@
-"""Command-line options both services share (server and runner)."""
+"""Command-line options both services share (server and runner).
+
+Every default comes from the config dataclass field the option fills (`default_of`), so the
+command line and the Python API cannot disagree.
+"""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import logging
 import sys
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from specdec.errors import SpecdecError
 from specdec.runner import RunnerConfig
-from specdec.serving.server import DEFAULT_MAX_MESSAGE_BYTES, Server, ServerConfig
+from specdec.serving.server import Server, ServerConfig
+
+log = logging.getLogger(__name__)
+# A checkpoint's own limit is the default max_seq_len, up to this: the KV cache reserves
+# max_slots × max_seq_len positions up front, and Llama 3's 131,072 would need 16 GiB per slot
+# for the 8B in bfloat16.
+MAX_DEFAULT_SEQ_LEN = 8192
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of dataclass `cls`'s field `name` (its default_factory called if it has one)."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+            raise ValueError(f"{cls.__name__}.{name} has no default.")
+    raise ValueError(f"{cls.__name__} has no field {name!r}.")
 
 
 def serve(prog: str, start: Callable[[], tuple[Server, Any]]) -> int:
@@ -30,23 +55,32 @@ def serve(prog: str, start: Callable[[], tuple[Server, Any]]) -> int:
 
 def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     g = parser.add_argument_group("server")
-    g.add_argument("--host", default="0.0.0.0")
+    d = partial(default_of, ServerConfig)
+    g.add_argument("--host", default=d("host"))
     g.add_argument("--port", type=int, default=default_port)
-    g.add_argument("--max-message-bytes", type=int, default=DEFAULT_MAX_MESSAGE_BYTES)
+    g.add_argument("--max-message-bytes", type=int, default=d("max_message_bytes"))
     g.add_argument("--tls-cert", type=Path, help="PEM certificate chain (enables TLS)")
     g.add_argument("--tls-key", type=Path, help="PEM private key")
-    g.add_argument("--grace-s", type=float, default=10.0, help="in-flight calls on SIGTERM")
-    g.add_argument("--drain-s", type=float, default=0.0, help="NOT_SERVING before closing")
+    g.add_argument("--grace-s", type=float, default=d("grace_s"), help="in-flight calls on SIGTERM")
+    g.add_argument("--drain-s", type=float, default=d("drain_s"), help="NOT_SERVING before closing")
 
 
 def add_runner_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
     g = parser.add_argument_group("model")
+    d = partial(default_of, RunnerConfig)
     g.add_argument("--model", required=required, help="local Hugging Face checkpoint directory")
-    g.add_argument("--device", default="cpu")
-    g.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    g.add_argument("--max-slots", type=int, default=32, help="requests held at once")
-    g.add_argument("--max-seq-len", type=int, default=2048)
-    g.add_argument("--cuda-graph-batch-sizes", type=int, nargs="*", default=[])
+    g.add_argument("--device", default=d("device"))
+    g.add_argument("--dtype", default=d("dtype"), choices=["float32", "bfloat16", "float16"])
+    g.add_argument("--max-slots", type=int, default=d("max_slots"), help="requests held at once")
+    g.add_argument(
+        "--max-seq-len",
+        type=int,
+        help=f"tokens per request (default: the checkpoint's max_position_embeddings, at most "
+        f"{MAX_DEFAULT_SEQ_LEN})",
+    )
+    g.add_argument(
+        "--cuda-graph-batch-sizes", type=int, nargs="*", default=list(d("cuda_graph_batch_sizes"))
+    )
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -61,12 +95,31 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
     )
 
 
+def checkpoint_seq_len(model_path: str) -> int | None:
+    """The checkpoint's max_position_embeddings from its config.json; None if it has none (the
+    loader then reports what is wrong with the directory)."""
+    try:
+        value = json.loads((Path(model_path) / "config.json").read_text())
+        value = value.get("max_position_embeddings")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, int) and value >= 1 else None
+
+
 def runner_config(args: argparse.Namespace) -> RunnerConfig:
+    """The runner's config; without --max-seq-len, the checkpoint's own limit (capped)."""
+    max_seq_len = args.max_seq_len
+    if max_seq_len is None:
+        limit = checkpoint_seq_len(args.model)
+        max_seq_len = default_of(RunnerConfig, "max_seq_len") if limit is None else limit
+        max_seq_len = min(max_seq_len, MAX_DEFAULT_SEQ_LEN)
+        log.info("max_seq_len %d (checkpoint limit %s, cap %d)", max_seq_len, limit,
+                 MAX_DEFAULT_SEQ_LEN)  # fmt: skip
     return RunnerConfig(
         model_path=args.model,
         device=args.device,
         dtype=args.dtype,
         max_slots=args.max_slots,
-        max_seq_len=args.max_seq_len,
+        max_seq_len=max_seq_len,
         cuda_graph_batch_sizes=tuple(args.cuda_graph_batch_sizes),
     )
