@@ -22,6 +22,7 @@ from draft_service.ngram import propose_ngram
 from draft_service.sampling import sample_draft
 from specdec.errors import CacheFullError, InvalidInputError
 from specdec.runner import ForwardItem, ModelRunner
+from specdec.runner.timing import StepClock, StepTimes
 from specdec.sampling_params import SamplingParams
 from specdec.serving.blocks import (
     Q_DENSE,
@@ -39,18 +40,21 @@ Head = Callable[..., tuple[torch.Tensor, ...]]
 
 
 def make_head(vocab_size: int, support_size: int | None) -> Head:
-    """graph_step head: logits [B, n, V] → (token_ids [B], probs [B, K'|V][, ids [B, K']])."""
+    """Step head: logits [B, n, V] → (token_ids [B], probs [B, K'|V][, ids [B, K']]), sampling
+    row b from its position last[b] (a catch-up's rows are padded to the longest)."""
 
     def head(
         logits: torch.Tensor,  # [B, n, V]
+        last: torch.Tensor,  # [B] int64: the row's last real position
         temperature: torch.Tensor,  # [B] float32
         top_k: torch.Tensor,  # [B] int32
         top_p: torch.Tensor,  # [B] float32
         seed: torch.Tensor,  # [B] int64
         position: torch.Tensor,  # [B] int64
     ) -> tuple[torch.Tensor, ...]:
-        last = logits[:, -1, :vocab_size]
-        s = sample_draft(last, temperature, top_k, top_p, seed, position, support_size)
+        index = last[:, None, None].expand(-1, 1, logits.shape[2])
+        rows = logits.gather(1, index).squeeze(1)[:, :vocab_size]
+        s = sample_draft(rows, temperature, top_k, top_p, seed, position, support_size)
         if s.support_ids is None:
             return s.token_ids, s.probs
         return s.token_ids, s.probs, s.support_ids
@@ -85,6 +89,10 @@ class DraftEngine:
         self._head = make_head(self.vocab_size, support)
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
+        if runner is not None:  # the `last` head input of one-token steps: row 0
+            self._zeros = torch.zeros(
+                runner.config.max_slots, dtype=torch.long, device=runner.config.device
+            )
 
     def admit(self, adm: Admission) -> tuple[int, int]:
         adm.check_limits(self.vocab_size, self.info.max_seq_len)
@@ -126,6 +134,15 @@ class DraftEngine:
     ) -> tuple[ProposalBlock, list[tuple[str, RequestError]]]:
         """Drafts for every valid ask (in order, as one block), and an error for each of the
         others."""
+        block, errors, _ = self.propose_timed(asks)
+        return block, errors
+
+    def propose_timed(
+        self, asks: Sequence[ProposeAsk]
+    ) -> tuple[ProposalBlock, list[tuple[str, RequestError]], StepTimes]:
+        """`propose`, and the device time of the step's forwards. A step that raises leaves
+        every request as it was before it (tokens, step, KV), so the same block may be sent
+        again."""
         with self._lock:
             counts: dict[str, int] = {}
             for a in asks:
@@ -138,12 +155,36 @@ class DraftEngine:
                     ok.append(a)
                 else:
                     errors.append((a.request_id, err))
-            for a in ok:
-                req = self._requests[a.request_id]
-                req.tokens.extend(a.new_token_ids)
-                req.next_step = a.step + 1
-            drafts = self._draft_model(ok) if self.runner is not None else self._draft_ngram(ok)
-            return drafts, errors
+            saved = [self._save(a.request_id) for a in ok]
+            try:
+                for a in ok:
+                    req = self._requests[a.request_id]
+                    req.tokens.extend(a.new_token_ids)
+                    req.next_step = a.step + 1
+                if self.runner is None:
+                    return self._draft_ngram(ok), errors, StepTimes()
+                block, times = self._draft_model(ok)
+                return block, errors, times
+            except BaseException:
+                for a, state in zip(ok, saved, strict=True):
+                    self._restore(a.request_id, state)
+                raise
+
+    def _save(self, request_id: str) -> tuple[int, int, list[int]]:
+        req = self._requests[request_id]
+        return len(req.tokens), req.next_step, list(req.kv)
+
+    def _restore(self, request_id: str, state: tuple[int, int, list[int]]) -> None:
+        """Undoes a failed step. The step wrote K/V only past the longest prefix its KV shared
+        with the committed tokens, so that prefix is intact and the KV keeps exactly it."""
+        length, step, kv = state
+        req = self._requests[request_id]
+        del req.tokens[length:]
+        req.next_step = step
+        keep = min(_common_prefix(kv, req.tokens), len(req.tokens) - 1)
+        req.kv = kv[:keep]
+        if self.runner is not None and self.runner.cached_length(request_id) > keep:
+            self.runner.truncate(request_id, keep)
 
     def _check(self, a: ProposeAsk, count: int) -> RequestError | None:
         req = self._requests.get(a.request_id)
@@ -206,16 +247,18 @@ class DraftEngine:
                              self.config.ngram) for a in asks]  # fmt: skip
         return self._block(asks, ids, [Q_NONE] * len(asks))
 
-    def _draft_model(self, asks: list[ProposeAsk]) -> ProposalBlock:
+    def _draft_model(self, asks: list[ProposeAsk]) -> tuple[ProposalBlock, StepTimes]:
         active = [a for a in asks if a.num_draft_tokens > 0]
         drafts: dict[str, list[int]] = {}
         q: DraftQ = None
         sampled: set[str] = set()
+        times = StepTimes()
         if active:
-            drafts, q, sampled = self._run_model(active)
+            drafts, q, sampled, times = self._run_model(active)
         form = Q_SPARSE if self.config.q_form == "sparse" else Q_DENSE
         forms = [form if a.request_id in sampled else Q_NONE for a in asks]
-        return self._block(asks, [drafts.get(a.request_id, []) for a in asks], forms, q)
+        block = self._block(asks, [drafts.get(a.request_id, []) for a in asks], forms, q)
+        return block, times
 
     def _block(
         self, asks: list[ProposeAsk], ids: list[list[int]], forms: list[int], q: DraftQ = None
@@ -227,88 +270,142 @@ class DraftEngine:
             q if isinstance(q, DenseQ) else None, q if isinstance(q, SparseQ) else None,
         )  # fmt: skip
 
-    def _run_model(self, asks: list[ProposeAsk]) -> tuple[dict[str, list[int]], DraftQ, set[str]]:
-        """k_i tokens per request: one ragged catch-up pass, then k - 1 graph steps. Returns
-        the tokens by request, the q rows of the sampled (not greedy) requests in order, and
-        their ids."""
+    def _run_model(
+        self, asks: list[ProposeAsk]
+    ) -> tuple[dict[str, list[int]], DraftQ, set[str], StepTimes]:
+        """k_i tokens per request: one catch-up step over the tokens the KV lacks (padded to
+        the longest, a CUDA graph where one fits), then k - 1 one-token steps, each fed the
+        previous step's tokens on the device. Sampling and q rows are written inside the
+        graphs; one host synchronisation reads the drafts and the q rows the block sends.
+        Returns the tokens by request, the q rows of the sampled (not greedy) requests in
+        order, their ids, and the device time."""
         runner = self.runner
         assert runner is not None
         reqs = [self._requests[a.request_id] for a in asks]
-        items = []
+        ids, ks = [a.request_id for a in asks], [a.num_draft_tokens for a in asks]
+        eager, graphs = runner.eager_steps, runner.graph_steps
+        clock = StepClock(torch.device(runner.config.device))
+        clock.mark()
+        tails = self._catch_up_tails(asks, reqs)
+        inputs = self._sampling_inputs(reqs)  # temperature, top_k, top_p, seed, position
+        last = runner.upload(torch.tensor([len(t) - 1 for t in tails]))
+        _, out = runner.ragged_step(ids, tails, self._head, (last, *inputs))
+        steps = [_kept(list(range(len(asks))), out)]
+        for j in range(1, max(ks)):
+            rows = [b for b in steps[-1].rows if ks[b] > j]
+            prev = steps[-1].select(rows, runner.upload)
+            sel = runner.upload(torch.tensor(rows)) if len(rows) < len(asks) else None
+            step_in = [t if sel is None else t[sel] for t in inputs]
+            step_in[4] = step_in[4] + j
+            zero = self._zeros[: len(rows)]
+            out = runner.graph_step([ids[b] for b in rows], prev[:, None], self._head,
+                                    (zero, *step_in))  # fmt: skip
+            assert isinstance(out, tuple)
+            steps.append(_kept(rows, out))
+        clock.mark()
+        sampled = [not r.sampling.greedy for r in reqs]
+        drafted, q = _read_drafts(steps, ks, sampled, runner)  # the step's one sync
+        for b, req in enumerate(reqs):
+            req.kv = req.tokens + drafted[b][: ks[b] - 1]
+        times = StepTimes(
+            clock.seconds(0, 1), 0.0, runner.eager_steps == eager and runner.graph_steps > graphs
+        )
+        chosen = {a.request_id for a, s in zip(asks, sampled, strict=True) if s}
+        return dict(zip(ids, drafted, strict=True)), q, chosen, times
+
+    def _catch_up_tails(self, asks: list[ProposeAsk], reqs: list[_Request]) -> list[list[int]]:
+        """Rolls each request's KV back to the prefix it shares with the committed tokens and
+        returns the tokens it lacks. A tail longer than a graph step takes (the request drafted
+        nothing for a while) is prefilled eagerly up to its last token first."""
+        runner = self.runner
+        assert runner is not None
+        limit = runner.config.cuda_graph_max_tokens
+        tails, long = [], []
         for a, req in zip(asks, reqs, strict=True):
             keep = min(_common_prefix(req.kv, req.tokens), len(req.tokens) - 1)
             runner.truncate(a.request_id, keep)
-            items.append(ForwardItem(a.request_id, req.tokens[keep:], 1))
-            req.kv = list(req.tokens)
-        inputs = self._head_inputs(reqs)  # temperature, top_k, top_p, seed, position
-        drafted: list[list[int]] = [[] for _ in asks]
-        first = self._head(runner.forward(items)[:, None], *inputs)
-        outputs = [_store(drafted, list(range(len(asks))), first)]
-        for j in range(1, max(a.num_draft_tokens for a in asks)):
-            rows = [b for b in range(len(asks)) if asks[b].num_draft_tokens > j]
-            idx = torch.tensor(rows, device=inputs[0].device)
-            step_inputs = [t[idx] for t in inputs[:4]] + [inputs[4][idx] + j]
-            last = [drafted[b][-1] for b in rows]
-            tokens = torch.tensor(last, dtype=torch.int32, device=idx.device)[:, None]
-            ids = [asks[b].request_id for b in rows]
-            out = runner.graph_step(ids, tokens, self._head, step_inputs)
-            assert isinstance(out, tuple)
-            outputs.append(_store(drafted, rows, out))
-            for b, token in zip(rows, last, strict=True):
-                reqs[b].kv.append(token)
-        sampled = [not r.sampling.greedy for r in reqs]
-        q = _gather_q(outputs, [a.num_draft_tokens for a in asks], sampled)
-        drafts = {a.request_id: d for a, d in zip(asks, drafted, strict=True)}
-        return drafts, q, {a.request_id for a, s in zip(asks, sampled, strict=True) if s}
+            req.kv = req.kv[:keep]
+            tail = req.tokens[keep:]
+            if len(tail) > limit:
+                long.append(ForwardItem(a.request_id, tail[:-1], 0))
+                tail = tail[-1:]
+            tails.append(tail)
+        if long:
+            runner.forward(long)
+        return tails
 
-    def _head_inputs(self, reqs: list[_Request]) -> list[torch.Tensor]:
-        dev = torch.device(self.runner.config.device if self.runner else "cpu")
+    def _sampling_inputs(self, reqs: list[_Request]) -> list[torch.Tensor]:
+        """temperature, top_k, top_p, seed and the first draft's position, each [B], uploaded in
+        two copies without a host sync."""
+        runner = self.runner
+        assert runner is not None
         params = [r.sampling for r in reqs]
-
-        def t(values: list[float] | list[int], dtype: torch.dtype) -> torch.Tensor:
-            return torch.tensor(values, dtype=dtype, device=dev)
-
-        return [
-            t([p.temperature for p in params], torch.float32),
-            t([p.top_k for p in params], torch.int32),
-            t([p.top_p for p in params], torch.float32),
-            t([p.seed for p in params], torch.int64),
-            t([len(r.tokens) for r in reqs], torch.int64),
-        ]
+        floats = torch.tensor(
+            [[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32
+        )
+        ints = torch.tensor(
+            [[p.top_k for p in params], [p.seed for p in params], [len(r.tokens) for r in reqs]],
+            dtype=torch.int64,
+        )
+        f, i = runner.upload(floats), runner.upload(ints)
+        return [f[0], i[0].to(torch.int32), f[1], i[1], i[2]]
 
 
-_StepOutput = tuple[list[int], torch.Tensor, torch.Tensor | None]  # rows, probs, support ids
+@dataclass(slots=True)
+class _Step:
+    """One draft step's outputs, copied out of the graph's static buffers (the next replay of
+    the same shape overwrites them)."""
+
+    rows: list[int]  # the requests (positions in the block) this step drafted for
+    tokens: torch.Tensor  # [R] int32
+    probs: torch.Tensor  # [R, K' | V] float32
+    support: torch.Tensor | None  # [R, K'] int32; None for dense q
+
+    def select(
+        self, rows: list[int], upload: Callable[[torch.Tensor], torch.Tensor]
+    ) -> torch.Tensor:
+        """This step's tokens of `rows` (a subset of self.rows, in order), on the device."""
+        if rows == self.rows:
+            return self.tokens
+        where = {b: i for i, b in enumerate(self.rows)}
+        return self.tokens[upload(torch.tensor([where[b] for b in rows]))]
 
 
-def _store(drafted: list[list[int]], rows: list[int], out: tuple[torch.Tensor, ...]) -> _StepOutput:
-    """Appends one step's drafted token to each of `rows`, and copies its q rows (maybe graph
-    buffers) to the CPU."""
-    for b, token in zip(rows, out[0].tolist(), strict=True):
-        drafted[b].append(token)
-    probs = out[1].to("cpu", copy=True)  # [len(rows), K' or V] float32
-    support = out[2].to("cpu", copy=True) if len(out) > 2 else None  # [len(rows), K'] int32
-    return rows, probs, support
+def _kept(rows: list[int], out: tuple[torch.Tensor, ...]) -> _Step:
+    support = out[2].clone() if len(out) > 2 else None
+    return _Step(rows, out[0].clone(), out[1].clone(), support)
 
 
-def _gather_q(outputs: list[_StepOutput], ks: list[int], sampled: list[bool]) -> DraftQ:
-    """The q rows of the sampled requests, request-major (request b's k_b rows together, as a
-    DraftBlock holds them), from the step-major head `outputs`: one gather per field, where a
-    q per request cost two stacks (~2 us each) and the block its concatenation again.
+def _read_drafts(
+    steps: list[_Step], ks: list[int], sampled: list[bool], runner: ModelRunner
+) -> tuple[list[list[int]], DraftQ]:
+    """Every request's drafted tokens, and the q rows of the sampled requests, request-major
+    (request b's k_b rows together, as a DraftBlock holds them), read with one host sync.
 
     Example, ks [2, 1], both sampled: the steps hold rows [b0 j0, b1 j0] and [b0 j1], i.e.
     rows 0, 1, 2 concatenated; the block's rows are [b0 j0, b0 j1, b1 j0] = rows [0, 2, 1].
     """
     where, start = {}, 0  # (request, step) → row of the concatenated step outputs
-    for j, (rows, _, _) in enumerate(outputs):
-        for pos, b in enumerate(rows):
+    for j, step in enumerate(steps):
+        for pos, b in enumerate(step.rows):
             where[b, j] = start + pos
-        start += len(rows)
+        start += len(step.rows)
     index = [where[b, j] for b, k in enumerate(ks) if sampled[b] for j in range(k)]
+    tokens = torch.cat([s.tokens for s in steps])
+    wanted: list[torch.Tensor] = [tokens]
+    if index:
+        rows = runner.upload(torch.tensor(index, dtype=torch.long))
+        wanted.append(torch.cat([s.probs for s in steps]).index_select(0, rows))
+        if steps[0].support is not None:
+            support = torch.cat([s.support for s in steps if s.support is not None])
+            wanted.append(support.index_select(0, rows))
+    host = runner.to_host(*wanted)
+    flat = host[0].tolist()
+    drafted: list[list[int]] = [[] for _ in ks]
+    for (b, _), row in sorted(where.items(), key=lambda item: item[1]):
+        drafted[b].append(flat[row])
     if not index:
-        return None
-    rows_index = torch.tensor(index, dtype=torch.long)
-    probs = torch.cat([p for _, p, _ in outputs])[rows_index]
-    supports = [s for _, _, s in outputs if s is not None]
-    if not supports:
-        return DenseQ(probs)
-    return SparseQ(torch.cat(supports)[rows_index], probs)
+        return drafted, None
+    if len(host) == 2:
+        return drafted, DenseQ(host[1])
+    return drafted, SparseQ(host[2], host[1])

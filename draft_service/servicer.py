@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import grpc
@@ -9,7 +10,7 @@ import grpc
 from draft_service.engine import DraftEngine
 from specdec.pb import draft_pb2, draft_pb2_grpc
 from specdec.serving.blocks import ProposeAsk
-from specdec.serving.lifecycle import LifecycleServicer
+from specdec.serving.lifecycle import LifecycleServicer, step_timing
 from specdec.serving.messages import ErrorReason, RequestError
 
 
@@ -27,6 +28,7 @@ class DraftServicer(LifecycleServicer, draft_pb2_grpc.DraftServiceServicer):
         self, request_iterator: Iterator[draft_pb2.ProposeBlock], context: grpc.ServicerContext
     ) -> Iterator[draft_pb2.ProposeResponse]:
         for block in request_iterator:
+            start = time.perf_counter()
             asks, errors = [], []
             for i, pb in enumerate(block.entries):
                 try:
@@ -38,6 +40,8 @@ class DraftServicer(LifecycleServicer, draft_pb2_grpc.DraftServiceServicer):
                         f"entries[{i}]: {e}",
                     )
                     errors.append(_propose_error(pb.request_id, err))
-            proposals, failed = self.engine.propose(asks)
+            proposals, failed, times = self.engine.propose_timed(asks)
             errors += [_propose_error(rid, err) for rid, err in failed]
-            yield draft_pb2.ProposeResponse(block=proposals.to_pb(), errors=errors)
+            response = draft_pb2.ProposeResponse(block=proposals.to_pb(), errors=errors)
+            response.timing.CopyFrom(step_timing(times, time.perf_counter() - start))
+            yield response

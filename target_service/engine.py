@@ -10,9 +10,10 @@ absolute position n + j), then keeps S[:n-1] plus the accepted drafts.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -20,6 +21,7 @@ import torch
 
 from specdec.errors import InvalidInputError
 from specdec.runner import ForwardItem, ModelRunner
+from specdec.runner.timing import StepClock, StepTimes
 from specdec.sampling_params import SamplingParams
 from specdec.serving.blocks import DenseQ, DraftQ, ProposalBlock, SparseQ
 from specdec.serving.messages import Admission, ErrorReason, ModelInfo, RequestError
@@ -34,6 +36,7 @@ from target_service.rejection_sampler import (
     status_message,
 )
 
+log = logging.getLogger(__name__)
 Code = grpc.StatusCode
 _INVALID = ErrorReason.INVALID_ARGUMENT, Code.INVALID_ARGUMENT
 # SampleStatus → (reason, code, the entry's field the message names)
@@ -132,6 +135,10 @@ class TargetEngine:
 
         Error messages name the entry by its index in the block, e.g. "entries[3].q: ...".
         """
+        return self.verify_timed(block)[0]
+
+    def verify_timed(self, block: ProposalBlock) -> tuple[Verdicts, StepTimes]:
+        """`verify`, and where the step's time went on the device."""
         with self._lock:
             out = Verdicts.pending(block.request_ids, block.steps)
             rids = block.request_ids
@@ -142,9 +149,8 @@ class TargetEngine:
                 for i, rid in enumerate(rids)
                 if self._check(block, i, counts[rid] if counts else 1, in_vocab, out)
             ]
-            if valid:
-                self._score(block, valid, out)
-            return out
+            times = self._score_safely(block, valid, out) if valid else StepTimes()
+            return out, times
 
     def _check(
         self, block: ProposalBlock, i: int, count: int, in_vocab: bool, out: Verdicts
@@ -211,55 +217,112 @@ class TargetEngine:
             )
         return None
 
-    def _score(self, block: ProposalBlock, entries: list[int], out: Verdicts) -> None:
-        """Scores `entries` (valid, ascending) in one ragged forward, then samples each q form."""
-        items = []
-        for i in entries:
-            rid = block.request_ids[i]
-            req = self._requests[rid]
-            assert self.runner.cached_length(rid) == len(req.tokens) - 1
-            tokens = [req.tokens[-1], *block.tokens(i)]
-            items.append(ForwardItem(rid, tokens, block.num_draft_tokens[i] + 1))
-        logits = self.runner.forward(items)  # [sum(k_i + 1), V]
+    def _score_safely(self, block: ProposalBlock, entries: list[int], out: Verdicts) -> StepTimes:
+        """`_score`, but a step that raises leaves every request as it was before the step: the
+        KV lengths it extended are rolled back (nothing below them was written) and its
+        entries get a STEP_FAILED verdict; an identical retry is then served normally."""
+        rids = [block.request_ids[i] for i in entries]
+        before = [self.runner.cached_length(rid) for rid in rids]
+        try:
+            return self._score(block, entries, out)
+        except Exception as e:  # any failure of the step fails its entries only
+            log.exception("verify step of %d requests failed; rolled back", len(entries))
+            for rid, length in zip(rids, before, strict=True):
+                if self.runner.cached_length(rid) > length:
+                    self.runner.truncate(rid, length)
+            for i in entries:
+                message = (
+                    f"entries[{i}]: the verify step failed ({type(e).__name__}: {e}); the "
+                    "request is unchanged and the step may be sent again."
+                )
+                out.fail(i, RequestError(ErrorReason.STEP_FAILED, Code.INTERNAL, message))
+            return StepTimes()
+
+    def _score(self, block: ProposalBlock, entries: list[int], out: Verdicts) -> StepTimes:
+        """Scores `entries` (valid, ascending) in one padded forward (a CUDA graph where one
+        fits), samples each q form, reads every result with one host synchronisation, then
+        commits. Nothing of a request's state changes before that synchronisation."""
+        runner, clock = self.runner, StepClock(self._device)
+        reqs = [self._requests[block.request_ids[i]] for i in entries]
+        eager, graphs = runner.eager_steps, runner.graph_steps
+        clock.mark()
+        tokens = [[r.tokens[-1], *block.tokens(i)] for r, i in zip(reqs, entries, strict=True)]
+        logits, _ = runner.ragged_step([block.request_ids[i] for i in entries], tokens)
+        clock.mark()
         groups: dict[int, list[int]] = {}  # q form → positions in `entries`
         for pos, i in enumerate(entries):
             groups.setdefault(block.q_forms[i], []).append(pos)
-        if len(groups) == 1:  # the usual case: the forward's rows are the sampler's as they are
-            self._sample(block, next(iter(groups)), entries, logits, out)
-            return
-        rows = logits.split([block.num_draft_tokens[i] + 1 for i in entries])
-        for form, positions in groups.items():
-            group = [entries[p] for p in positions]
-            self._sample(block, form, group, torch.cat([rows[p] for p in positions]), out)
+        sampled = [
+            (positions, self._sample(block, form, entries, positions, reqs, logits))
+            for form, positions in groups.items()
+        ]
+        clock.mark()
+        host = runner.to_host(*(packed for _, packed in sampled))  # the step's one sync
+        for (positions, _), result in zip(sampled, host, strict=True):
+            self._commit_group(block, entries, positions, reqs, result.tolist(), out)
+        graphed = runner.eager_steps == eager and runner.graph_steps > graphs
+        return StepTimes(clock.seconds(0, 1), clock.seconds(1, 2), graphed)
 
     def _sample(
         self,
         block: ProposalBlock,
         form: int,
         entries: list[int],
-        logits: torch.Tensor,  # [sum(k_i + 1), V] of `entries`
-        out: Verdicts,
-    ) -> None:
-        """Runs the rejection sampler on `entries` (ascending, of one q form), then commits."""
-        reqs = [self._requests[block.request_ids[i]] for i in entries]
-        ks = [block.num_draft_tokens[i] for i in entries]
-        dev = self._device
+        positions: list[int],  # into `entries`: the group's requests, ascending
+        reqs: list[_Request],
+        logits: torch.Tensor,  # [B, n, V] padded, row b of entries[b]
+    ) -> torch.Tensor:
+        """Runs the rejection sampler on one q form's group; returns its results packed into
+        one int32 tensor [G, 2 + 2 * max_k + 1]: status, num_committed, tokens, accepted."""
+        runner = self.runner
+        group = [entries[p] for p in positions]
+        ks = [block.num_draft_tokens[i] for i in group]
+        n = logits.shape[1]
+        if len(positions) == logits.shape[0] and all(k + 1 == n for k in ks):
+            rows = logits.view(-1, logits.shape[2])  # every row is real: no gather
+        else:
+            index = [p * n + j for p, k in zip(positions, ks, strict=True) for j in range(k + 1)]
+            rows = logits.view(-1, logits.shape[2]).index_select(0, runner.upload(
+                torch.tensor(index, dtype=torch.long)))  # fmt: skip
+        params = [reqs[p].sampling for p in positions]
+        lengths = [len(reqs[p].tokens) for p in positions]
+        drafts = torch.tensor(block.draft_tokens(group), dtype=torch.int32)
         sampled = rejection_sample(
-            torch.tensor(ks, dtype=torch.int32, device=dev),
-            torch.tensor(block.draft_tokens(entries), dtype=torch.int32, device=dev),
-            logits,
-            _draft_probs(block.q_rows(form, entries), dev),
-            RequestSampling.from_params(
-                [r.sampling for r in reqs], [len(r.tokens) for r in reqs], dev
-            ),
+            runner.upload(torch.tensor(ks, dtype=torch.int32)),
+            runner.upload(drafts),
+            rows,
+            _draft_probs(block.q_rows(form, group), runner.upload),
+            RequestSampling.from_params(params, lengths, self._device),
+            synthetic=self.config.synthetic,
             vocab_size=self.vocab_size,
             impl=self.config.sampler_impl,
+            # TODO(lead): host=HostShape(tuple(ks), max(lengths)) once the sampler takes it
         )
-        status, counts = sampled.status.tolist(), sampled.num_committed.tolist()
-        tokens, accepted = sampled.token_ids.tolist(), sampled.accepted.tolist()
-        for b, (i, req) in enumerate(zip(entries, reqs, strict=True)):
-            committed, flags = tokens[b][: counts[b]], accepted[b][: ks[b]]
-            self._commit(block, i, req, committed, flags, status[b], out)
+        return torch.cat(
+            [
+                sampled.status[:, None],
+                sampled.num_committed[:, None].to(torch.int32),
+                sampled.token_ids.to(torch.int32),
+                sampled.accepted.to(torch.int32),
+            ],
+            dim=1,
+        )
+
+    def _commit_group(
+        self,
+        block: ProposalBlock,
+        entries: list[int],
+        positions: list[int],
+        reqs: list[_Request],
+        rows: list[list[int]],  # the group's packed results, on the host
+        out: Verdicts,
+    ) -> None:
+        for p, row in zip(positions, rows, strict=True):
+            i, req = entries[p], reqs[p]
+            k = block.num_draft_tokens[i]
+            width = (len(row) - 3) // 2 + 1  # max_k + 1 token columns
+            tokens, accepted = row[2 : 2 + row[1]], row[2 + width : 2 + width + k]
+            self._commit(block, i, req, tokens, [a != 0 for a in accepted], row[0], out)
 
     def _commit(
         self,
@@ -307,9 +370,11 @@ def _in_vocab(token_ids: list[int], vocab_size: int) -> bool:
     return not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size)
 
 
-def _draft_probs(q: DraftQ, dev: torch.device) -> DenseProbs | SparseProbs | None:
+def _draft_probs(
+    q: DraftQ, upload: Callable[[torch.Tensor], torch.Tensor]
+) -> DenseProbs | SparseProbs | None:
     if isinstance(q, DenseQ):
-        return DenseProbs(q.probs.to(dev))
+        return DenseProbs(upload(q.probs))
     if isinstance(q, SparseQ):
-        return SparseProbs(q.token_ids.to(dev), q.probs.to(dev))
+        return SparseProbs(upload(q.token_ids), upload(q.probs))
     return None

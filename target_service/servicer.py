@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import grpc
 
 from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
 from specdec.serving.blocks import ProposalBlock
-from specdec.serving.lifecycle import LifecycleServicer
+from specdec.serving.lifecycle import LifecycleServicer, step_timing
 from specdec.serving.messages import ErrorReason, RequestError
 from specdec.serving.verdicts import Verdicts
 from target_service.engine import TargetEngine
@@ -35,10 +36,15 @@ class TargetServicer(LifecycleServicer, target_pb2_grpc.TargetServiceServicer):
     def Verify(
         self, request_iterator: Iterator[common_pb2.DraftBlock], context: grpc.ServicerContext
     ) -> Iterator[target_pb2.VerifyResponse]:
+        limit = self.engine.config.max_support_size
         for block in request_iterator:
+            start = time.perf_counter()
             try:
-                parsed = ProposalBlock.from_pb(block)
+                parsed = ProposalBlock.from_pb(block, max_support_size=limit)
             except ValueError as e:
                 yield block_error(block, e).to_pb()
                 continue
-            yield self.engine.verify(parsed).to_pb()
+            verdicts, times = self.engine.verify_timed(parsed)
+            response = verdicts.to_pb()
+            response.timing.CopyFrom(step_timing(times, time.perf_counter() - start))
+            yield response

@@ -11,6 +11,22 @@ from specdec.pb import common_pb2
 from specdec.serving.messages import Admission
 
 
+class _StepTimes(Protocol):
+    forward_s: float
+    sampler_s: float
+    graphed: bool
+
+
+def step_timing(times: _StepTimes, service_s: float) -> common_pb2.StepTiming:
+    """A step's StepTiming: its device times and its whole time in the servicer."""
+    return common_pb2.StepTiming(
+        service_s=service_s,
+        forward_s=times.forward_s,
+        sampler_s=times.sampler_s,
+        graphed=times.graphed,
+    )
+
+
 class _ModelInfo(Protocol):
     def to_pb(self) -> common_pb2.ModelInfo: ...
 

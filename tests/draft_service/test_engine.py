@@ -1,32 +1,108 @@
-"""The draft engine's block building: q rows from step-major head outputs, request-major."""
+"""The draft engine: q rows from step-major step outputs, request-major; and a step that fails
+leaves every request as it was."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
-from draft_service.engine import _gather_q
-from specdec.serving.blocks import DenseQ, SparseQ
+from draft_service.engine import DraftEngine, _read_drafts, _Step
+from draft_service.server import model_info
+from specdec.runner import ModelRunner
+from specdec.sampling_params import SamplingParams
+from specdec.serving.blocks import DenseQ, ProposeAsk, SparseQ
+from specdec.serving.messages import Admission
+from tests.draft_service.models import build_checkpoints, model_draft
 
 
-def _outputs(
-    ks: list[int], sparse: bool
-) -> list[tuple[list[int], torch.Tensor, torch.Tensor | None]]:
-    """Head outputs per step; the q row of (request b, step j) is filled with 10 b + j."""
+class _HostRunner:
+    """What `_read_drafts` needs of a runner, on the CPU."""
+
+    @staticmethod
+    def upload(t: torch.Tensor) -> torch.Tensor:
+        return t
+
+    @staticmethod
+    def to_host(*tensors: torch.Tensor) -> list[torch.Tensor]:
+        return list(tensors)
+
+
+def _steps(ks: list[int], sparse: bool) -> list[_Step]:
+    """Outputs per step; request b drafts token 10 b + j at step j, with q row 10 b + j."""
     out = []
     for j in range(max(ks)):
         rows = [b for b, k in enumerate(ks) if k > j]
         probs = torch.tensor([[10.0 * b + j] * 3 for b in rows])
-        out.append((rows, probs, (probs + 100).int() if sparse else None))
+        tokens = torch.tensor([10 * b + j for b in rows], dtype=torch.int32)
+        out.append(_Step(rows, tokens, probs, (probs + 100).int() if sparse else None))
     return out
 
 
-def test_q_rows_are_request_major_and_skip_greedy_requests() -> None:
-    ks, sampled = [2, 1, 3], [True, False, True]
-    dense = _gather_q(_outputs(ks, sparse=False), ks, sampled)
+def test_drafts_and_q_rows_are_request_major_and_skip_greedy_requests() -> None:
+    ks, sampled, runner = [2, 1, 3], [True, False, True], _HostRunner()
+    drafted, dense = _read_drafts(_steps(ks, False), ks, sampled, runner)  # type: ignore[arg-type]
+    assert drafted == [[0, 1], [10], [20, 21, 22]]
     assert isinstance(dense, DenseQ)
     assert dense.probs[:, 0].tolist() == [0, 1, 20, 21, 22]
-    sparse = _gather_q(_outputs(ks, sparse=True), ks, sampled)
+    _, sparse = _read_drafts(_steps(ks, True), ks, sampled, runner)  # type: ignore[arg-type]
     assert isinstance(sparse, SparseQ) and sparse.token_ids.dtype == torch.int32
     assert sparse.token_ids[:, 0].tolist() == [100, 101, 120, 121, 122]
     assert torch.equal(sparse.probs, dense.probs)
-    assert _gather_q(_outputs(ks, sparse=True), ks, [False] * 3) is None
+    _, none = _read_drafts(_steps(ks, True), ks, [False] * 3, runner)  # type: ignore[arg-type]
+    assert none is None
+
+
+@pytest.fixture(scope="module")
+def draft_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoints(tmp_path_factory.mktemp("ckpt"))[1]
+
+
+def _engine(draft_dir: Path) -> DraftEngine:
+    config = model_draft(draft_dir)
+    assert config.runner is not None
+    runner = ModelRunner.load(config.runner)
+    return DraftEngine(config, runner, model_info(config, runner))
+
+
+def _admit(engine: DraftEngine) -> None:
+    for i, rid in enumerate(("a", "b")):
+        sampling = SamplingParams(0.8 if i else 0.0, seed=7)
+        engine.admit(Admission(rid, tuple(range(3 + i, 12 + i)), sampling))
+
+
+def test_a_failed_step_leaves_requests_as_they_were(
+    draft_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clean, faulty = _engine(draft_dir), _engine(draft_dir)
+    _admit(clean)
+    _admit(faulty)
+    first = [ProposeAsk("a", 0, (), 9, 3), ProposeAsk("b", 0, (), 9, 2)]
+    for e in (clean, faulty):
+        assert not e.propose(first)[1]
+    # step 1 commits 2 tokens for a and 1 for b, then fails inside its draft steps
+    asks = [ProposeAsk("a", 1, (5, 6), 11, 4), ProposeAsk("b", 1, (7,), 10, 3)]
+    calls = {"n": 0}
+    real = faulty.runner.graph_step  # type: ignore[union-attr]
+
+    def fail_second(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 2:
+            raise RuntimeError("injected")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(faulty.runner, "graph_step", fail_second)
+    with pytest.raises(RuntimeError, match="injected"):
+        faulty.propose(asks)
+    monkeypatch.undo()
+    want, _ = clean.propose(asks)
+    got, errors = faulty.propose(asks)  # the identical retry is served
+    assert not errors
+    assert got.draft_token_ids == want.draft_token_ids
+    assert isinstance(got.sparse, SparseQ) and isinstance(want.sparse, SparseQ)
+    assert torch.equal(got.sparse.token_ids, want.sparse.token_ids)
+    # the retry re-prefills the rolled-back tail in a longer catch-up: float rounding may differ
+    torch.testing.assert_close(got.sparse.probs, want.sparse.probs, atol=1e-6, rtol=0)
+    for rid in ("a", "b"):
+        assert faulty.runner.cached_length(rid) == clean.runner.cached_length(rid)  # type: ignore[union-attr]

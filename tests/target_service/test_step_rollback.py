@@ -1,0 +1,62 @@
+"""A verify step that raises leaves every request as it was: its KV extension is rolled back,
+its entries get STEP_FAILED verdicts, and the identical retry is served as on a clean engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+
+import target_service.engine as engine_module
+from specdec.runner import ModelRunner
+from specdec.sampling_params import SamplingParams
+from specdec.serving.blocks import DraftProposal, ProposalBlock, block_to_pb
+from specdec.serving.messages import Admission, ErrorReason
+from target_service.config import TargetConfig
+from target_service.engine import TargetEngine
+from tests.draft_service.models import build_checkpoints, runner_config
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_checkpoints(tmp_path_factory.mktemp("ckpt"))[0]
+
+
+def _engine(target_dir: Path) -> TargetEngine:
+    config = TargetConfig(runner_config(target_dir), sampler_impl="torch")
+    engine = TargetEngine(ModelRunner.load(config.runner), config)
+    engine.admit(Admission("a", tuple(range(5, 14)), SamplingParams(0.0)))
+    engine.admit(Admission("b", tuple(range(20, 27)), SamplingParams(0.9, seed=3)))
+    return engine
+
+
+def _block() -> ProposalBlock:
+    proposals = [DraftProposal("a", 0, 9, (14, 15)), DraftProposal("b", 0, 7, ())]
+    return ProposalBlock.from_pb(block_to_pb(proposals))
+
+
+def test_a_failed_verify_step_rolls_back_and_the_retry_is_served(
+    target_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clean, faulty = _engine(target_dir), _engine(target_dir)
+    lengths = [faulty.runner.cached_length(r) for r in "ab"]
+
+    def broken(*args, **kwargs):  # type: ignore[no-untyped-def]
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(engine_module, "rejection_sample", broken)
+    failed = faulty.verify(_block())
+    monkeypatch.undo()
+    assert sorted(failed.errors) == [0, 1]
+    for error in failed.errors.values():
+        assert error.reason == ErrorReason.STEP_FAILED and error.code == grpc.StatusCode.INTERNAL
+        assert "injected" in error.message and "unchanged" in error.message
+    assert [faulty.runner.cached_length(r) for r in "ab"] == lengths
+    assert faulty.tokens("a") == clean.tokens("a")
+    want, got = clean.verify(_block()), faulty.verify(_block())
+    assert not got.errors and not want.errors
+    assert got.token_ids == want.token_ids and got.num_accepted == want.num_accepted
+    assert [faulty.runner.cached_length(r) for r in "ab"] == [
+        clean.runner.cached_length(r) for r in "ab"
+    ]
