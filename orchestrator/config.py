@@ -1,0 +1,189 @@
+"""Configuration of `specdec serve`: the services each pair runs, where Ray places them, how
+requests are scheduled, and where the client API listens.
+
+Torch-free on purpose: the actors turn `ServiceConfig` into the services' own configs inside
+their processes. Every command-line default is read from these dataclasses (`default_of`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+Proposer = Literal["draft", "ngram", "off"]
+PROPOSERS: tuple[str, ...] = ("draft", "ngram", "off")
+DEVICES = ("auto", "cpu", "cuda")
+DTYPES = ("float32", "bfloat16", "float16")
+MAX_NUM_DRAFT_TOKENS = 64  # the services' own ceiling
+
+
+def default_of(cls: type, name: str) -> Any:
+    """The default of dataclass `cls`'s field `name` (its default_factory called if it has one)."""
+    for f in dataclasses.fields(cls):
+        if f.name == name:
+            if f.default is not dataclasses.MISSING:
+                return f.default
+            if f.default_factory is not dataclasses.MISSING:
+                return f.default_factory()
+            raise ValueError(f"{cls.__name__}.{name} has no default.")
+    raise ValueError(f"{cls.__name__} has no field {name!r}.")
+
+
+def _check_model_dir(name: str, value: str) -> None:
+    """A model must be a local checkpoint directory; a hub id gets instructions instead."""
+    if Path(value).is_dir():
+        return
+    hint = ""
+    if "/" in value and not value.startswith(("/", ".", "~")) and value.count("/") == 1:
+        hint = (
+            f" {value!r} looks like a Hugging Face hub id: nothing is downloaded at run time, so "
+            f"download it first on a machine with internet access, e.g. `huggingface-cli "
+            f"download {value} --local-dir DIR`, and pass --{name} DIR."
+        )
+    raise ValueError(
+        f"{name} must be a local checkpoint directory (config.json, safetensors, tokenizer); "
+        f"{value!r} is not a directory.{hint}"
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceConfig:
+    """What each pair's target and draft services load and the limits they hold.
+
+    `draft` None runs no draft service: requests use n-gram prompt lookup (inside the target)
+    or no speculation. `max_seq_len` None takes the checkpoint's own limit (the services cap
+    it). `device` "auto" is CUDA when Ray gave the actor a GPU, else CPU.
+    """
+
+    target: str
+    draft: str | None = None
+    device: str = "auto"
+    dtype: str = "float32"
+    max_requests: int = 32
+    max_seq_len: int | None = None
+    max_num_draft_tokens: int = 16
+    q_form: Literal["dense", "sparse"] = "sparse"
+    support_size: int = 32
+    sampler_impl: Literal["auto", "triton", "torch"] = "auto"
+    cuda_graph_batch_sizes: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _check_model_dir("target", self.target)
+        if self.draft is not None:
+            _check_model_dir("draft", self.draft)
+        if self.device not in DEVICES:
+            raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}.")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
+        if not 1 <= self.max_requests <= 4096:
+            raise ValueError(f"max_requests must be in [1, 4096], got {self.max_requests}.")
+        if self.max_seq_len is not None and not 2 <= self.max_seq_len <= 1 << 20:
+            raise ValueError(f"max_seq_len must be in [2, 1048576], got {self.max_seq_len}.")
+        if not 1 <= self.max_num_draft_tokens <= MAX_NUM_DRAFT_TOKENS:
+            raise ValueError(
+                f"max_num_draft_tokens must be in [1, {MAX_NUM_DRAFT_TOKENS}], "
+                f"got {self.max_num_draft_tokens}."
+            )
+        if self.q_form not in ("dense", "sparse"):
+            raise ValueError(f"q_form must be 'dense' or 'sparse', got {self.q_form!r}.")
+        if self.support_size < 1:
+            raise ValueError(f"support_size must be >= 1, got {self.support_size}.")
+        if self.sampler_impl not in ("auto", "triton", "torch"):
+            raise ValueError(
+                f"sampler_impl must be 'auto', 'triton' or 'torch', got {self.sampler_impl!r}."
+            )
+        for size in self.cuda_graph_batch_sizes:
+            if not 1 <= size <= self.max_requests:
+                raise ValueError(
+                    f"cuda_graph_batch_sizes entries must be in [1, max_requests="
+                    f"{self.max_requests}], got {size}."
+                )
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementConfig:
+    """How many pairs run and on which Ray cluster.
+
+    `address` None starts a local cluster with `num_cpus` / `num_gpus` (None: what the machine
+    has); otherwise it joins that cluster ("auto" reads RAY_ADDRESS, as on KubeRay).
+    """
+
+    pairs: int = 1
+    address: str | None = None
+    num_cpus: int | None = None
+    num_gpus: int | None = None
+    start_timeout_s: float = 900.0
+    draft_restart_timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.pairs <= 256:
+            raise ValueError(f"pairs must be in [1, 256], got {self.pairs}.")
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ValueError(f"num_cpus must be >= 1, got {self.num_cpus}.")
+        if self.num_gpus is not None and self.num_gpus < 0:
+            raise ValueError(f"num_gpus must be >= 0, got {self.num_gpus}.")
+        if self.start_timeout_s <= 0 or self.draft_restart_timeout_s <= 0:
+            raise ValueError("start_timeout_s and draft_restart_timeout_s must be > 0 seconds.")
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Queueing and the speculation defaults of requests that do not choose their own."""
+
+    max_queue: int = 256
+    proposer: Proposer = "draft"
+    num_draft_tokens: int = 4
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.max_queue <= 1 << 20:
+            raise ValueError(f"max_queue must be in [0, 1048576], got {self.max_queue}.")
+        if self.proposer not in PROPOSERS:
+            raise ValueError(f"proposer must be one of {PROPOSERS}, got {self.proposer!r}.")
+        if not 0 <= self.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS:
+            raise ValueError(
+                f"num_draft_tokens must be in [0, {MAX_NUM_DRAFT_TOKENS}], "
+                f"got {self.num_draft_tokens}."
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class ServeConfig:
+    """Everything `specdec serve` needs; `port` / `metrics_port` 0 pick free ports."""
+
+    services: ServiceConfig
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    host: str = "0.0.0.0"
+    port: int = 50050
+    metrics_port: int | None = 9464
+    grace_s: float = 10.0
+    drain_s: float = 0.0
+    max_workers: int = 256  # each streaming call holds a server thread while it runs
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}.")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}.")
+        if self.grace_s < 0 or self.drain_s < 0:
+            raise ValueError("grace_s and drain_s must be >= 0 seconds.")
+        if self.max_workers < 1:
+            raise ValueError(f"max_workers must be >= 1, got {self.max_workers}.")
+        s = self.scheduler
+        if s.proposer == "draft" and self.services.draft is None:
+            raise ValueError(
+                "proposer 'draft' needs a draft model (--draft DIR); without one use "
+                "--proposer ngram or --proposer off."
+            )
+        if s.num_draft_tokens > self.services.max_num_draft_tokens:
+            raise ValueError(
+                f"num_draft_tokens must be in [0, max_num_draft_tokens="
+                f"{self.services.max_num_draft_tokens}], got {s.num_draft_tokens}."
+            )
+
+    @property
+    def model_name(self) -> str:
+        """The served pair's name: the target directory's name."""
+        return Path(self.services.target).resolve().name

@@ -1,0 +1,210 @@
+"""The services as Ray actors: each pair's draft and target on separate GPUs.
+
+Each pair gets one placement group. With at least two GPUs per pair its two bundles hold one GPU
+each, so draft and target never share one; with one GPU per pair both actors take half of the
+same GPU; with none they run on CPU. Bundles are packed onto one node where they fit, so the
+draft → target hop stays on the node.
+
+An actor starts its service's gRPC server in its own process (the service modules, and torch,
+are imported there, never in the orchestrator) and reports `node_ip:port` and the service's
+ModelInfo. Actors restart without limit: when a draft dies, Ray starts a new one, whose new
+address `wait_draft` returns, and the orchestrator hands it to the hub.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from orchestrator.config import PlacementConfig, ServiceConfig
+from specdec.serving.messages import ModelInfo, check_compatible
+
+log = logging.getLogger(__name__)
+RETRY_S = 0.5
+
+
+class ServiceActor:
+    """One service (role "target" or "draft") serving from this actor's process."""
+
+    def __init__(self, role: str, config: ServiceConfig, draft_address: str | None = None):
+        from orchestrator.services import start_service  # torch lives in the actor only
+
+        self._server, self._info = start_service(role, config, draft_address)
+        host = ray.util.get_node_ip_address()
+        self._address = f"{host}:{self._server.port}"
+
+    def info(self) -> tuple[str, ModelInfo]:
+        return self._address, self._info
+
+    def stop(self, grace_s: float) -> None:
+        self._server.stop(grace_s)
+
+
+@dataclass(slots=True)
+class PairPlacement:
+    """One pair's actors, addresses and model infos (`draft*` None without a draft model)."""
+
+    index: int
+    group: PlacementGroup
+    target: Any
+    target_address: str
+    target_info: ModelInfo
+    draft: Any | None = None
+    draft_address: str | None = None
+    draft_info: ModelInfo | None = None
+
+
+def connect(config: PlacementConfig, services_per_pair: int) -> bool:
+    """Joins `config.address` (or RAY_ADDRESS), else starts a local cluster; returns whether
+    this process started the cluster (and should shut it down)."""
+    if ray.is_initialized():
+        return False
+    address = config.address or os.environ.get("RAY_ADDRESS")
+    if address:
+        ray.init(address=address, log_to_driver=True)
+        return False
+    # logical CPUs: one per service even on a small machine (the services mostly wait)
+    num_cpus = config.num_cpus or max(os.cpu_count() or 1, services_per_pair * config.pairs)
+    ray.init(num_cpus=num_cpus, num_gpus=config.num_gpus, include_dashboard=False)
+    return True
+
+
+def gpus_per_pair(total_gpus: float, pairs: int, services_per_pair: int, device: str) -> int:
+    """GPUs each pair's bundles hold: one per service where there are enough, else one for
+    both, else none (CPU)."""
+    if device == "cpu":
+        return 0
+    if total_gpus < 1:
+        if device == "cuda":
+            raise ValueError("device 'cuda' needs a GPU, and the Ray cluster has none.")
+        return 0
+    if total_gpus >= services_per_pair * pairs:
+        return services_per_pair
+    if total_gpus >= pairs:
+        return 1
+    raise ValueError(
+        f"pairs={pairs} need at least {pairs} GPUs ({services_per_pair * pairs} for one per "
+        f"service); the Ray cluster has {total_gpus:g}. Lower --pairs or pass --device cpu."
+    )
+
+
+def _bundles(gpus: int, services: int) -> tuple[list[dict[str, float]], list[int], float]:
+    """The group's bundles, each service's bundle index, and each service's GPU share."""
+    if gpus == services:
+        return [{"CPU": 1, "GPU": 1} for _ in range(services)], list(range(services)), 1.0
+    if gpus == 1:
+        return [{"CPU": services, "GPU": 1}], [0] * services, 1.0 / services
+    return [{"CPU": 1} for _ in range(services)], list(range(services)), 0.0
+
+
+class Placement:
+    """Starts, watches and stops every pair's actors."""
+
+    def __init__(self, config: PlacementConfig, services: ServiceConfig):
+        self.config = config
+        self.services = services
+        self.pairs: list[PairPlacement] = []
+
+    @property
+    def services_per_pair(self) -> int:
+        return 2 if self.services.draft is not None else 1
+
+    def start(self) -> list[PairPlacement]:
+        """Places and starts every pair; refuses a draft whose tokenizer differs."""
+        n = self.services_per_pair
+        total = ray.cluster_resources().get("GPU", 0.0)
+        gpus = gpus_per_pair(total, self.config.pairs, n, self.services.device)
+        bundles, index, share = _bundles(gpus, n)
+        log.info("placing %d pair(s): %d GPU(s) per pair (cluster: %g)", self.config.pairs,
+                 gpus, total)  # fmt: skip
+        groups = [placement_group(bundles, strategy="PACK") for _ in range(self.config.pairs)]
+        try:
+            ray.get([g.ready() for g in groups], timeout=self.config.start_timeout_s)
+        except GetTimeoutError as e:
+            for g in groups:
+                remove_placement_group(g)
+            raise RuntimeError(
+                f"Ray could not reserve {bundles} for each of {self.config.pairs} pair(s) within "
+                f"{self.config.start_timeout_s:g} s; cluster resources: {ray.cluster_resources()}."
+            ) from e
+        try:
+            self._start_actors(groups, index, share)
+        except BaseException:
+            self.stop(0.0)
+            for g in groups:
+                remove_placement_group(g)
+            raise
+        return self.pairs
+
+    def _actor(self, group: PlacementGroup, bundle: int, share: float, *args: Any) -> Any:
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle)
+        cpus = 1.0 if share in (0.0, 1.0) else share
+        cls = ray.remote(ServiceActor)
+        return cls.options(  # type: ignore[attr-defined]
+            num_cpus=cpus, num_gpus=share, max_restarts=-1, scheduling_strategy=strategy
+        ).remote(*args)
+
+    def _start_actors(self, groups: list[PlacementGroup], index: list[int], share: float) -> None:
+        timeout = self.config.start_timeout_s
+        drafts: list[Any] = []
+        if self.services.draft is not None:
+            drafts = [self._actor(g, index[1], share, "draft", self.services) for g in groups]
+            draft_infos = ray.get([d.info.remote() for d in drafts], timeout=timeout)
+        targets = [
+            self._actor(g, index[0], share, "target", self.services,
+                        draft_infos[i][0] if drafts else None)
+            for i, g in enumerate(groups)
+        ]  # fmt: skip
+        target_infos = ray.get([t.info.remote() for t in targets], timeout=timeout)
+        for i, group in enumerate(groups):
+            (t_addr, t_info) = target_infos[i]
+            pair = PairPlacement(i, group, targets[i], t_addr, t_info)
+            if drafts:
+                pair.draft, (pair.draft_address, pair.draft_info) = drafts[i], draft_infos[i]
+                try:
+                    check_compatible(t_info, draft_infos[i][1])
+                except ValueError as e:
+                    raise ValueError(f"Refusing the draft {self.services.draft!r}: {e}") from e
+            self.pairs.append(pair)
+
+    def wait_draft(self, pair: PairPlacement) -> tuple[str, ModelInfo]:
+        """The (restarted) draft's address and info, once it answers; RuntimeError after
+        `draft_restart_timeout_s`."""
+        assert pair.draft is not None
+        deadline = time.monotonic() + self.config.draft_restart_timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise RuntimeError(
+                    f"pair {pair.index}'s draft did not come back within "
+                    f"{self.config.draft_restart_timeout_s:g} s."
+                )
+            try:
+                address, info = ray.get(pair.draft.info.remote(), timeout=remaining)
+            except (RayActorError, GetTimeoutError) as e:
+                log.info("pair %d: draft not back yet (%s)", pair.index, type(e).__name__)
+                time.sleep(RETRY_S)
+                continue
+            pair.draft_address, pair.draft_info = address, info
+            return address, info
+
+    def stop(self, grace_s: float) -> None:
+        """Stops every service (grace for in-flight calls), then frees actors and groups."""
+        actors = [a for p in self.pairs for a in (p.draft, p.target) if a is not None]
+        try:
+            ray.get([a.stop.remote(grace_s) for a in actors], timeout=grace_s + 10.0)
+        except Exception as e:  # a dead actor has nothing left to stop
+            log.info("stopping services: %s", e)
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        for p in self.pairs:
+            remove_placement_group(p.group)
+        self.pairs = []

@@ -1,0 +1,357 @@
+"""Admission, routing and the bounded queue: which request runs on which pair, and when.
+
+Continuous batching happens in the hubs (requests join and leave between steps); the scheduler
+admits each request to the least-loaded pair with room, releases it when it finishes, fails or
+is cancelled, and keeps the rest waiting in arrival order. Beyond `max_queue` waiting requests
+a new one is refused at once (RESOURCE_EXHAUSTED); running ones are never touched.
+
+All state lives on the scheduler's own thread. The PairClients' callbacks, the servicer's
+threads and the draft-recovery threads only post events to its queue, so no callback blocks and
+no lock guards the request tables; `submit` alone takes a lock, for the capacity count it must
+answer synchronously.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import grpc
+
+from specdec.errors import SpecdecError
+
+log = logging.getLogger(__name__)
+TICK_S = 0.05  # deadline resolution when nothing else happens
+RECOVERY_BACKOFF_S = 1.0
+
+
+class QueueFullError(SpecdecError):
+    """Every pair is at its max_requests and max_queue requests are already waiting."""
+
+    grpc_code = "RESOURCE_EXHAUSTED"
+
+
+class DuplicateRequestError(SpecdecError, ValueError):
+    """A request id that is already running or waiting."""
+
+    grpc_code = "ALREADY_EXISTS"
+
+
+class Job(Protocol):
+    """One request as the scheduler drives it (the servicer's side implements it)."""
+
+    @property
+    def request_id(self) -> str: ...
+
+    @property
+    def deadline(self) -> float | None: ...  # time.monotonic() seconds
+
+    def admission(self) -> Any: ...  # PairAdmission for the first admission
+
+    def readmission(self) -> tuple[tuple[int, ...], int]: ...  # (prompt + committed, next step)
+
+    def on_admitted(self, committed_length: int) -> None: ...
+
+    def on_event(self, event: Any) -> bool: ...  # applies a StepEvent; True once finished
+
+    def on_error(self, code: grpc.StatusCode, message: str) -> None: ...  # terminal
+
+    def on_shutdown(self) -> None: ...  # terminal: the server stopped it
+
+
+class Pair(Protocol):
+    """The PairClient methods the scheduler calls."""
+
+    def admit(self, admission: Any) -> None: ...
+
+    def release(self, request_ids: Sequence[str]) -> None: ...
+
+    def set_draft(
+        self, address: str | None, records: Mapping[str, tuple[tuple[int, ...], int]]
+    ) -> None: ...
+
+
+class Observer(Protocol):
+    """Where the scheduler reports steps and queue sizes (the metrics)."""
+
+    def on_step(self, pair: int, report: Any) -> None: ...
+
+    def on_queue(self, running: int, waiting: int) -> None: ...
+
+
+@dataclass(slots=True)
+class _PairState:
+    index: int
+    capacity: int
+    client: Pair | None = None
+    running: dict[str, Job] = field(default_factory=dict)
+    has_draft: bool = False
+    draft_up: bool = True
+    recovering: bool = False
+    awaiting_up: bool = False  # a SetDraft was sent and the hub has not answered yet
+    last_recovery: float = -RECOVERY_BACKOFF_S
+
+
+class Scheduler:
+    """Routes requests over pairs with `capacities[i]` slots each.
+
+    `recover(i)`, when given, blocks until pair i's draft service is back and returns its
+    address; it runs on a thread of its own after the hub reports the draft down.
+    """
+
+    def __init__(
+        self,
+        capacities: Sequence[int],
+        max_queue: int,
+        *,
+        has_draft: bool = False,
+        recover: Callable[[int], str] | None = None,
+        observer: Observer | None = None,
+    ):
+        assert capacities and all(c >= 1 for c in capacities), capacities
+        self._pairs = [_PairState(i, c, has_draft=has_draft) for i, c in enumerate(capacities)]
+        self.max_queue = max_queue
+        self._recover = recover
+        self._observer = observer
+        self._events: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]]
+        self._events = queue.SimpleQueue()
+        self._waiting: deque[Job] = deque()
+        self._lock = threading.Lock()
+        self._active: set[str] = set()  # accepted and not finished; guarded by _lock
+        self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
+        self._stopping = False
+
+    def attach(self, index: int, client: Pair) -> None:
+        """Gives pair `index` its client (before `start`)."""
+        self._pairs[index].client = client
+
+    def start(self) -> None:
+        assert all(p.client is not None for p in self._pairs), "attach every pair first"
+        self._thread.start()
+
+    @property
+    def capacity(self) -> int:
+        return sum(p.capacity for p in self._pairs)
+
+    # ---- called from other threads: they only post events ----
+
+    def submit(self, job: Job) -> None:
+        """Accepts `job` (it runs or waits) or raises QueueFullError / DuplicateRequestError."""
+        with self._lock:
+            if self._stopping:
+                raise SpecdecError("The server is shutting down.")
+            if job.request_id in self._active:
+                raise DuplicateRequestError(
+                    f"request_id {job.request_id!r} is already running; ids must be unique "
+                    f"among running requests."
+                )
+            if len(self._active) >= self.capacity + self.max_queue:
+                raise QueueFullError(
+                    f"The server is full: every pair is at its max_requests "
+                    f"({self.capacity} running) and max_queue={self.max_queue} requests are "
+                    f"waiting; retry later."
+                )
+            self._active.add(job.request_id)
+        self._post(self._on_submit, job)
+
+    def cancel(self, job: Job, code: grpc.StatusCode, message: str) -> None:
+        """Stops `job` (client gone) unless it ended already: released on its pair within one
+        step. The job itself, not its id, so that a late cancel never hits a newer request
+        that reuses the id."""
+        self._post(self._on_cancel, job, code, message)
+
+    def post_step(self, pair: int, report: Any) -> None:
+        self._post(self._on_step, pair, report)
+
+    def post_admitted(self, pair: int, request_id: str, result: Any) -> None:
+        self._post(self._on_admitted, pair, request_id, result)
+
+    def post_draft_down(self, pair: int) -> None:
+        self._post(self._on_draft_down, pair)
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """Ends every request with on_shutdown and stops the thread."""
+        with self._lock:
+            self._stopping = True
+        self._post(self._on_stop)
+        if self._thread.is_alive():
+            self._thread.join(timeout_s)
+
+    def _post(self, handler: Callable[..., None], *args: Any) -> None:
+        self._events.put((handler, args))
+
+    # ---- the scheduler thread ----
+
+    def _run(self) -> None:
+        while True:
+            try:
+                handler, args = self._events.get(timeout=TICK_S)
+            except queue.Empty:
+                handler, args = self._on_tick, ()
+            try:
+                handler(*args)
+            except Exception:  # one bad event must not stop every request
+                log.exception("scheduler: %s failed", getattr(handler, "__name__", handler))
+            if handler == self._on_stop:
+                return
+            if handler != self._on_tick:
+                self._on_tick()
+            self._schedule()
+
+    def _finish(self, pair: _PairState | None, request_id: str, release: bool) -> None:
+        if pair is not None:
+            pair.running.pop(request_id, None)
+            if release:
+                assert pair.client is not None
+                pair.client.release([request_id])
+        with self._lock:
+            self._active.discard(request_id)
+
+    def _find(self, request_id: str) -> tuple[_PairState | None, Job | None]:
+        for p in self._pairs:
+            if request_id in p.running:
+                return p, p.running[request_id]
+        job = next((j for j in self._waiting if j.request_id == request_id), None)
+        return None, job
+
+    def _on_submit(self, job: Job) -> None:
+        self._waiting.append(job)
+
+    def _on_cancel(self, job: Job, code: grpc.StatusCode, message: str) -> None:
+        pair, found = self._find(job.request_id)
+        if found is not job:
+            return  # finished already
+        if pair is None:
+            self._waiting.remove(job)
+        self._finish(pair, job.request_id, release=True)
+        job.on_error(code, message)
+
+    def _on_admitted(self, index: int, request_id: str, result: Any) -> None:
+        pair = self._pairs[index]
+        job = pair.running.get(request_id)
+        if job is None:
+            return  # cancelled while being admitted; its release is on the way
+        if isinstance(result, int):
+            job.on_admitted(result)
+            return
+        self._finish(pair, request_id, release=True)
+        job.on_error(result.code, result.message)
+
+    def _on_step(self, index: int, report: Any) -> None:
+        pair = self._pairs[index]
+        if self._observer is not None:
+            self._observer.on_step(index, report)
+        done: list[str] = []
+        for event in report.events:
+            job = pair.running.get(event.request_id)
+            if job is None:
+                continue  # released or cancelled; a late verdict is dropped
+            if event.error is not None:
+                # the hub released it already
+                self._finish(pair, event.request_id, release=False)
+                job.on_error(event.error.code, event.error.message)
+            elif job.on_event(event):
+                done.append(event.request_id)
+        for request_id in done:
+            pair.running.pop(request_id, None)
+            with self._lock:
+                self._active.discard(request_id)
+        if done:
+            assert pair.client is not None
+            pair.client.release(done)
+        pair.draft_up = report.draft_up
+        if report.draft_up:
+            pair.awaiting_up = False
+        elif pair.has_draft and not pair.awaiting_up:
+            self._start_recovery(pair)
+
+    def _on_tick(self) -> None:
+        now = time.monotonic()
+        expired = [
+            j
+            for j in (*self._waiting, *(j for p in self._pairs for j in p.running.values()))
+            if j.deadline is not None and j.deadline <= now
+        ]
+        for job in expired:
+            self._on_cancel(
+                job, grpc.StatusCode.DEADLINE_EXCEEDED, "The request's deadline passed."
+            )
+        if self._observer is not None:
+            running = sum(len(p.running) for p in self._pairs)
+            self._observer.on_queue(running, len(self._waiting))
+
+    def _schedule(self) -> None:
+        while self._waiting:
+            free = [p for p in self._pairs if len(p.running) < p.capacity]
+            if not free:
+                return
+            pair = min(free, key=lambda p: (len(p.running) / p.capacity, p.index))
+            job = self._waiting.popleft()
+            assert pair.client is not None
+            pair.running[job.request_id] = job
+            try:
+                pair.client.admit(job.admission())
+            except Exception as e:
+                self._finish(pair, job.request_id, release=False)
+                job.on_error(grpc.StatusCode.UNAVAILABLE, f"admission failed: {e}")
+
+    # ---- draft recovery ----
+
+    def _on_draft_down(self, index: int) -> None:
+        """The hub says its draft is down (or a new one could not be reached)."""
+        pair = self._pairs[index]
+        pair.draft_up = False
+        pair.awaiting_up = False
+        self._start_recovery(pair)
+
+    def _start_recovery(self, pair: _PairState) -> None:
+        if self._recover is None or pair.recovering or self._stopping:
+            return
+        pair.recovering = True
+        wait = max(0.0, pair.last_recovery + RECOVERY_BACKOFF_S - time.monotonic())
+        log.warning("pair %d: draft service down; waiting for Ray to restart it", pair.index)
+        threading.Thread(target=self._recover_draft, args=(pair.index, wait), daemon=True).start()
+
+    def _recover_draft(self, index: int, wait_s: float) -> None:
+        assert self._recover is not None
+        time.sleep(wait_s)  # a draft that fails again at once is not retried in a busy loop
+        try:
+            address: str | None = self._recover(index)
+        except Exception as e:
+            log.error("pair %d: draft recovery failed: %s", index, e)
+            address = None
+        self._post(self._on_draft_back, index, address)
+
+    def _on_draft_back(self, index: int, address: str | None) -> None:
+        pair = self._pairs[index]
+        pair.recovering = False
+        pair.last_recovery = time.monotonic()
+        if address is None or self._stopping:
+            return
+        records = {rid: job.readmission() for rid, job in pair.running.items()}
+        log.info("pair %d: draft back at %s; re-admitting %d request(s)", index, address,
+                 len(records))  # fmt: skip
+        assert pair.client is not None
+        pair.awaiting_up = True  # until a step runs with it, or the hub says it is down
+        pair.client.set_draft(address, records)
+
+    def _on_stop(self) -> None:
+        jobs = [*self._waiting, *(j for p in self._pairs for j in p.running.values())]
+        self._waiting.clear()
+        for p in self._pairs:
+            p.running.clear()
+        with self._lock:
+            self._active.clear()
+        for job in jobs:
+            job.on_shutdown()
+
+    def snapshot(self) -> tuple[int, int, list[bool]]:
+        """(running, waiting, draft up per pair); approximate when read off-thread."""
+        running = sum(len(p.running) for p in self._pairs)
+        return running, len(self._waiting), [p.draft_up for p in self._pairs]

@@ -1,0 +1,81 @@
+"""Starts one service inside its Ray actor's process: `ServiceConfig` → the service's own
+config → its gRPC server, warmed up and SERVING. Only actors import this module (it pulls in
+torch through the services)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from orchestrator.config import ServiceConfig
+from specdec.serving.messages import ModelInfo
+
+log = logging.getLogger(__name__)
+
+
+def actor_device(config: ServiceConfig) -> str:
+    """'cuda' when Ray gave this actor a GPU (it sets CUDA_VISIBLE_DEVICES), else 'cpu'."""
+    import ray
+
+    if config.device != "auto":
+        return config.device
+    return "cuda" if ray.get_gpu_ids() else "cpu"
+
+
+def _runner(config: ServiceConfig, model: str, device: str) -> Any:
+    from specdec.runner import RunnerConfig
+    from specdec.serving.cli import MAX_DEFAULT_SEQ_LEN, checkpoint_seq_len
+
+    max_seq_len = config.max_seq_len
+    if max_seq_len is None:  # the checkpoint's own limit, capped as the services' mains do
+        limit = checkpoint_seq_len(model)
+        max_seq_len = min(limit or MAX_DEFAULT_SEQ_LEN, MAX_DEFAULT_SEQ_LEN)
+    return RunnerConfig(
+        model_path=model,
+        device=device,
+        dtype=config.dtype,
+        max_slots=config.max_requests,
+        max_seq_len=max_seq_len,
+        cuda_graph_batch_sizes=config.cuda_graph_batch_sizes if device != "cpu" else (),
+    )
+
+
+def start_service(
+    role: str, config: ServiceConfig, draft_address: str | None
+) -> tuple[Any, ModelInfo]:
+    """Starts the target (role "target") or the draft (role "draft"); returns the running
+    server and the service's ModelInfo."""
+    from specdec.serving.server import ServerConfig
+
+    device = actor_device(config)
+    server = ServerConfig(host="0.0.0.0", port=0)
+    if role == "draft":
+        from draft_service.config import DraftConfig
+        from draft_service.server import start as start_draft
+
+        assert config.draft is not None
+        d_srv, d_engine = start_draft(
+            DraftConfig(
+                runner=_runner(config, config.draft, device),
+                q_form=config.q_form,
+                support_size=config.support_size,
+                max_num_draft_tokens=config.max_num_draft_tokens,
+                server=server,
+            )
+        )
+        return d_srv, d_engine.info
+    assert role == "target", role
+    from target_service.config import TargetConfig
+    from target_service.server import start as start_target
+
+    srv, engine = start_target(
+        TargetConfig(
+            _runner(config, config.target, device),
+            server,
+            max_num_draft_tokens=config.max_num_draft_tokens,
+            draft_address=draft_address,
+            sampler_impl=config.sampler_impl,
+        )
+    )
+    log.info("%s service on %s", role, device)
+    return srv, engine.info

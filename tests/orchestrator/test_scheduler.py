@@ -1,0 +1,218 @@
+"""The scheduler's routing, bounded queue, cancellation, deadlines and draft recovery, driven
+through fake pair clients (no Ray, no services)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import grpc
+import pytest
+
+from orchestrator.pair import PairAdmission, StepEvent, StepReport
+from orchestrator.scheduler import DuplicateRequestError, QueueFullError, Scheduler
+from specdec.sampling_params import SamplingParams
+from specdec.serving.messages import ErrorReason, RequestError
+
+
+@dataclass
+class FakePair:
+    admitted: list[str] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+    drafts: list[tuple[str | None, dict[str, Any]]] = field(default_factory=list)
+
+    def admit(self, admission: PairAdmission) -> None:
+        self.admitted.append(admission.request_id)
+
+    def release(self, request_ids: Sequence[str]) -> None:
+        self.released.extend(request_ids)
+
+    def set_draft(self, address: str | None, records: Mapping[str, Any]) -> None:
+        self.drafts.append((address, dict(records)))
+
+
+@dataclass
+class FakeJob:
+    request_id: str
+    max_tokens: int = 3
+    deadline: float | None = None
+    tokens: list[int] = field(default_factory=list)
+    next_step: int = 0
+    error: tuple[grpc.StatusCode, str] | None = None
+    shutdown: bool = False
+    done: threading.Event = field(default_factory=threading.Event)
+
+    def admission(self) -> PairAdmission:
+        return PairAdmission(self.request_id, (1, 2), SamplingParams(0.0), "draft", 2)
+
+    def readmission(self) -> tuple[tuple[int, ...], int]:
+        return (1, 2, *self.tokens), self.next_step
+
+    def on_admitted(self, committed_length: int) -> None:
+        pass
+
+    def on_event(self, event: StepEvent) -> bool:
+        self.tokens.extend(event.token_ids)
+        self.next_step = event.step + 1
+        finished = len(self.tokens) >= self.max_tokens
+        if finished:
+            self.done.set()
+        return finished
+
+    def on_error(self, code: grpc.StatusCode, message: str) -> None:
+        self.error = (code, message)
+        self.done.set()
+
+    def on_shutdown(self) -> None:
+        self.shutdown = True
+        self.done.set()
+
+
+def step(*events: StepEvent, draft_up: bool = True) -> StepReport:
+    return StepReport(tuple(events), 0.0, 0.0, 0.0, 0.0, 0.0, draft_up)
+
+
+def event(request_id: str, step: int, *tokens: int) -> StepEvent:
+    return StepEvent(request_id, step, tuple(tokens), len(tokens) - 1, len(tokens) - 1, None)
+
+
+def eventually(condition: Callable[[], bool], timeout_s: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.005)
+
+
+@pytest.fixture
+def make() -> Iterator[Callable[..., tuple[Scheduler, list[FakePair]]]]:
+    made: list[Scheduler] = []
+
+    def build(capacities: Sequence[int], max_queue: int, **kw: Any) -> Any:
+        sched = Scheduler(capacities, max_queue, **kw)
+        pairs = [FakePair() for _ in capacities]
+        for i, p in enumerate(pairs):
+            sched.attach(i, p)
+        sched.start()
+        made.append(sched)
+        return sched, pairs
+
+    yield build
+    for s in made:
+        s.stop()
+
+
+def test_routes_each_request_to_the_least_loaded_pair(make: Any) -> None:
+    sched, (a, b) = make([2, 2], 4)
+    for name in "wxy":
+        sched.submit(FakeJob(name))
+        eventually(lambda n=name: n in a.admitted + b.admitted)
+    assert a.admitted == ["w", "y"] and b.admitted == ["x"]
+
+
+def test_queue_waits_then_refuses_beyond_max_queue(make: Any) -> None:
+    sched, (pair,) = make([1], 1)
+    first, second = FakeJob("a", max_tokens=2), FakeJob("b")
+    sched.submit(first)
+    sched.submit(second)
+    with pytest.raises(QueueFullError, match="max_queue=1"):
+        sched.submit(FakeJob("c"))
+    eventually(lambda: pair.admitted == ["a"])
+    sched.post_step(0, step(event("a", 0, 5, 6)))
+    eventually(lambda: pair.admitted == ["a", "b"])
+    assert first.tokens == [5, 6] and first.error is None and pair.released == ["a"]
+    sched.submit(FakeJob("c"))  # room again: one running, one waiting
+
+
+def test_duplicate_running_id_is_refused(make: Any) -> None:
+    sched, _ = make([2], 2)
+    sched.submit(FakeJob("a"))
+    with pytest.raises(DuplicateRequestError, match="'a' is already running"):
+        sched.submit(FakeJob("a"))
+
+
+def test_cancel_releases_running_and_drops_waiting(make: Any) -> None:
+    sched, (pair,) = make([1], 2)
+    running, waiting = FakeJob("a"), FakeJob("b")
+    sched.submit(running)
+    sched.submit(waiting)
+    eventually(lambda: pair.admitted == ["a"])
+    sched.cancel(waiting, grpc.StatusCode.CANCELLED, "client went away")
+    sched.cancel(running, grpc.StatusCode.CANCELLED, "client went away")
+    eventually(lambda: running.done.is_set() and waiting.done.is_set())
+    assert pair.released == ["a"] and pair.admitted == ["a"]
+    assert running.error is not None and running.error[0] == grpc.StatusCode.CANCELLED
+    sched.post_step(0, step(event("a", 0, 7)))  # a late verdict is dropped
+    time.sleep(0.05)
+    assert running.tokens == []
+
+
+def test_deadline_expires_running_and_waiting_requests(make: Any) -> None:
+    sched, (pair,) = make([1], 2)
+    soon = time.monotonic() + 0.1
+    running, waiting = FakeJob("a", deadline=soon), FakeJob("b", deadline=soon)
+    sched.submit(running)
+    sched.submit(waiting)
+    eventually(lambda: running.done.is_set() and waiting.done.is_set())
+    for job in (running, waiting):
+        assert job.error is not None and job.error[0] == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert pair.released == ["a"]
+
+
+def test_step_error_fails_only_that_request(make: Any) -> None:
+    sched, (pair,) = make([2], 0)
+    bad, good = FakeJob("bad"), FakeJob("good", max_tokens=1)
+    sched.submit(bad)
+    sched.submit(good)
+    eventually(lambda: len(pair.admitted) == 2)
+    error = RequestError(ErrorReason.STEP_FAILED, grpc.StatusCode.INTERNAL, "boom")
+    sched.post_step(0, step(StepEvent("bad", 0, (), 0, 0, error), event("good", 0, 9)))
+    eventually(lambda: bad.done.is_set() and good.done.is_set())
+    assert bad.error == (grpc.StatusCode.INTERNAL, "boom") and good.error is None
+    assert pair.released == ["good"]  # the hub released "bad" itself
+
+
+def test_admission_error_frees_the_slot(make: Any) -> None:
+    sched, (pair,) = make([1], 1)
+    job, other = FakeJob("a"), FakeJob("b")
+    sched.submit(job)
+    sched.submit(other)
+    eventually(lambda: pair.admitted == ["a"])
+    error = RequestError(ErrorReason.CAPACITY, grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+    sched.post_admitted(0, "a", error)
+    eventually(lambda: pair.admitted == ["a", "b"])
+    assert job.error == (grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+
+
+def test_draft_down_recovers_with_the_records(make: Any) -> None:
+    calls: list[int] = []
+
+    def recover(index: int) -> str:
+        calls.append(index)
+        return "10.0.0.1:5000"
+
+    sched, (pair,) = make([2], 0, has_draft=True, recover=recover)
+    job = FakeJob("a", max_tokens=10)
+    sched.submit(job)
+    eventually(lambda: pair.admitted == ["a"])
+    sched.post_step(0, step(event("a", 0, 4, 5)))
+    sched.post_draft_down(0)
+    sched.post_step(0, step(event("a", 1, 6), draft_up=False))
+    eventually(lambda: len(pair.drafts) == 1)
+    assert calls == [0]
+    assert pair.drafts[0] == ("10.0.0.1:5000", {"a": ((1, 2, 4, 5, 6), 2)})
+    sched.post_step(0, step(event("a", 2, 7), draft_up=False))  # SetDraft not applied yet
+    sched.post_step(0, step(event("a", 3, 8), draft_up=True))
+    time.sleep(0.1)
+    assert calls == [0] and len(pair.drafts) == 1
+
+
+def test_stop_ends_every_request(make: Any) -> None:
+    sched, _ = make([1], 1)
+    jobs = [FakeJob("a"), FakeJob("b")]
+    for j in jobs:
+        sched.submit(j)
+    sched.stop()
+    assert all(j.shutdown for j in jobs)
