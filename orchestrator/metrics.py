@@ -1,0 +1,214 @@
+"""Prometheus metrics of the orchestrator, named as vLLM names its own with a `specdec:` prefix.
+
+Speculative decoding (counters labelled `model_pair` and `proposer`, fed from every step's
+verdicts; a step with no draft tokens is not a draft):
+
+    specdec:spec_decode_num_drafts_total                 steps that verified >= 1 draft token
+    specdec:spec_decode_num_draft_tokens_total           draft tokens verified
+    specdec:spec_decode_num_accepted_tokens_total        draft tokens accepted
+    specdec:spec_decode_num_accepted_tokens_per_pos_total{position}   accepted at position i
+
+Acceptance rate and mean acceptance length, one PromQL expression each:
+
+    sum by (model_pair, proposer) (rate(specdec:spec_decode_num_accepted_tokens_total[5m]))
+      / sum by (model_pair, proposer) (rate(specdec:spec_decode_num_draft_tokens_total[5m]))
+
+    1 + sum by (model_pair, proposer) (rate(specdec:spec_decode_num_accepted_tokens_total[5m]))
+      / sum by (model_pair, proposer) (rate(specdec:spec_decode_num_drafts_total[5m]))
+
+Requests: histograms specdec:time_to_first_token_seconds, specdec:time_per_output_token_seconds,
+specdec:e2e_request_latency_seconds; counters specdec:prompt_tokens_total,
+specdec:generation_tokens_total (counted when a request finishes, from its usage, so they equal
+what the responses reported; tokens/s is their rate), specdec:request_success_total
+{finish_reason}, specdec:request_errors_total{code} (gRPC status code name); gauges
+specdec:num_requests_running, specdec:num_requests_waiting.
+
+Steps of the hub: histograms specdec:step_draft_seconds (the draft's forward time; steps that
+used the draft service only), specdec:step_transport_seconds (the Propose round trip minus the
+draft's service time; same steps), specdec:step_verify_seconds (target forward),
+specdec:step_sampler_seconds (rejection sampler), specdec:step_seconds (the whole step);
+counter specdec:steps_total; gauge specdec:draft_up.
+
+Every metric lives in the Metrics object's own CollectorRegistry, never the global one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
+
+import grpc
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from orchestrator.records import StepEventLike
+from specdec.pb.specdec.v1 import generate_pb2
+
+PREFIX = "specdec:"
+PROPOSER_NAMES = ("draft", "ngram", "off")
+# Seconds; vLLM's request-latency buckets, and step buckets from 0.5 ms (a small verify step).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+                7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
+TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.0075, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
+                0.4, 0.5, 0.75, 1.0, 2.5)  # fmt: skip
+E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+               120.0, 240.0, 480.0)  # fmt: skip
+STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015,
+                0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0)  # fmt: skip
+
+
+class StepReportLike(Protocol):
+    """The fields of `orchestrator.pair.StepReport` the metrics read."""
+
+    @property
+    def events(self) -> Sequence[StepEventLike]: ...
+    @property
+    def draft_s(self) -> float: ...
+    @property
+    def transport_s(self) -> float: ...
+    @property
+    def verify_s(self) -> float: ...
+    @property
+    def sampler_s(self) -> float: ...
+    @property
+    def step_s(self) -> float: ...
+    @property
+    def draft_up(self) -> bool: ...
+
+
+class Metrics:
+    """The orchestrator's metrics for one model pair, in their own registry."""
+
+    def __init__(self, model_pair: str, registry: CollectorRegistry | None = None) -> None:
+        self.model_pair = model_pair
+        self.registry = registry if registry is not None else CollectorRegistry(auto_describe=True)
+        spec = ("model_pair", "proposer")
+        self._drafts = self._counter("spec_decode_num_drafts", "Draft steps.", spec)
+        self._draft_tokens = self._counter(
+            "spec_decode_num_draft_tokens", "Draft tokens verified.", spec
+        )
+        self._accepted = self._counter(
+            "spec_decode_num_accepted_tokens", "Draft tokens accepted.", spec
+        )
+        self._accepted_per_pos = self._counter(
+            "spec_decode_num_accepted_tokens_per_pos",
+            "Draft tokens accepted at each position of the draft.",
+            (*spec, "position"),
+        )
+        for proposer in PROPOSER_NAMES:  # the series exist (at 0) before the first draft
+            for counter in (self._drafts, self._draft_tokens, self._accepted):
+                counter.labels(model_pair, proposer)
+        self._define_request_metrics()
+        self._define_step_metrics()
+
+    def _counter(self, name: str, doc: str, labels: Sequence[str] = ("model_pair",)) -> Counter:
+        return Counter(PREFIX + name, doc, labels, registry=self.registry)
+
+    def _histogram(self, name: str, doc: str, buckets: Sequence[float]) -> Any:
+        return Histogram(
+            PREFIX + name, doc, ("model_pair",), registry=self.registry, buckets=buckets
+        ).labels(self.model_pair)
+
+    def _gauge(self, name: str, doc: str) -> Any:
+        return Gauge(PREFIX + name, doc, ("model_pair",), registry=self.registry).labels(
+            self.model_pair
+        )
+
+    def _define_request_metrics(self) -> None:
+        pair = self.model_pair
+        self._ttft = self._histogram(
+            "time_to_first_token_seconds", "Arrival to first token.", TTFT_BUCKETS
+        )
+        self._tpot = self._histogram(
+            "time_per_output_token_seconds", "Mean time per token after the first.", TPOT_BUCKETS
+        )
+        self._e2e = self._histogram("e2e_request_latency_seconds", "Arrival to end.", E2E_BUCKETS)
+        self._prompt_tokens = self._counter("prompt_tokens", "Prompt tokens.").labels(pair)
+        self._generation_tokens = self._counter(
+            "generation_tokens", "Generated tokens returned."
+        ).labels(pair)
+        self._success = self._counter(
+            "request_success", "Finished requests.", ("model_pair", "finish_reason")
+        )
+        self._errors = self._counter(
+            "request_errors", "Requests ended by an error status.", ("model_pair", "code")
+        )
+        self._running = self._gauge("num_requests_running", "Requests admitted to a pair.")
+        self._waiting = self._gauge("num_requests_waiting", "Requests queued for admission.")
+
+    def _define_step_metrics(self) -> None:
+        self._step_draft = self._histogram(
+            "step_draft_seconds", "Draft forward time of a step.", STEP_BUCKETS
+        )
+        self._step_transport = self._histogram(
+            "step_transport_seconds", "Propose round trip minus the draft's time.", STEP_BUCKETS
+        )
+        self._step_verify = self._histogram(
+            "step_verify_seconds", "Target verify forward of a step.", STEP_BUCKETS
+        )
+        self._step_sampler = self._histogram(
+            "step_sampler_seconds", "Rejection sampler time of a step.", STEP_BUCKETS
+        )
+        self._step = self._histogram("step_seconds", "Hub wall time of a step.", STEP_BUCKETS)
+        self._steps = self._counter("steps", "Hub steps.").labels(self.model_pair)
+        self._draft_up = self._gauge("draft_up", "1 while the draft service is up.")
+
+    def on_step(self, report: StepReportLike, proposer_of: Callable[[str], str | None]) -> None:
+        """Counts one hub step's drafts and timings; `proposer_of` maps a request to its proposer
+        (None for a request the orchestrator no longer holds)."""
+        for event in report.events:
+            if event.error is not None or event.num_draft_tokens == 0:
+                continue
+            proposer = proposer_of(event.request_id) or "unknown"
+            labels = (self.model_pair, proposer)
+            self._drafts.labels(*labels).inc()
+            self._draft_tokens.labels(*labels).inc(event.num_draft_tokens)
+            self._accepted.labels(*labels).inc(event.num_accepted)
+            for pos in range(event.num_accepted):
+                self._accepted_per_pos.labels(*labels, str(pos)).inc()
+        self._steps.inc()
+        if report.draft_s > 0:
+            self._step_draft.observe(report.draft_s)
+            self._step_transport.observe(report.transport_s)
+        self._step_verify.observe(report.verify_s)
+        self._step_sampler.observe(report.sampler_s)
+        self._step.observe(report.step_s)
+        self._draft_up.set(1 if report.draft_up else 0)
+
+    def on_first_token(self, time_to_first_token_s: float) -> None:
+        self._ttft.observe(time_to_first_token_s)
+
+    def on_finish(self, final: generate_pb2.GenerateResponse) -> None:
+        """Counts a finished request from its final response (usage, timing, finish reason)."""
+        usage, timing = final.usage, final.timing
+        self._prompt_tokens.inc(usage.prompt_tokens)
+        self._generation_tokens.inc(usage.completion_tokens)
+        self._e2e.observe(timing.e2e_s)
+        if usage.completion_tokens > 1:
+            decode_s = timing.e2e_s - timing.time_to_first_token_s
+            self._tpot.observe(decode_s / (usage.completion_tokens - 1))
+        reason = generate_pb2.FinishReason.Name(final.finish_reason)
+        self._success.labels(self.model_pair, reason.removeprefix("FINISH_REASON_").lower()).inc()
+
+    def on_error(self, code: grpc.StatusCode | str) -> None:
+        name = code if isinstance(code, str) else code.name
+        self._errors.labels(self.model_pair, name).inc()
+
+    def set_queue(self, running: int, waiting: int) -> None:
+        self._running.set(running)
+        self._waiting.set(waiting)
+
+    def set_draft_up(self, up: bool) -> None:
+        self._draft_up.set(1 if up else 0)
+
+
+def start_metrics_server(
+    port: int, host: str = "0.0.0.0", registry: CollectorRegistry | None = None
+) -> tuple[Any, int]:
+    """Serves `registry` at http://host:port/metrics on a daemon thread; port 0 picks one.
+
+    Returns the server (stop it with `shutdown()` then `server_close()`) and its port.
+    """
+    server, _thread = start_http_server(
+        port, addr=host, registry=registry if registry is not None else CollectorRegistry()
+    )
+    return server, int(server.server_port)

@@ -1,0 +1,171 @@
+"""Metrics scraped over real HTTP and parsed with prometheus_client's parser equal what was fed,
+under vLLM's names with the specdec: prefix."""
+
+from __future__ import annotations
+
+import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from orchestrator.metrics import Metrics, start_metrics_server
+from specdec.pb.specdec.v1 import generate_pb2
+from specdec.serving.messages import ErrorReason, RequestError
+
+PAIR = "target-8b/draft-1b"
+
+
+@dataclass(frozen=True, slots=True)
+class Event:
+    request_id: str
+    step: int
+    token_ids: tuple[int, ...]
+    num_draft_tokens: int
+    num_accepted: int
+    error: RequestError | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    events: tuple[Event, ...]
+    draft_s: float
+    transport_s: float
+    verify_s: float
+    sampler_s: float
+    step_s: float
+    draft_up: bool
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Metrics, int]]:
+    metrics = Metrics(PAIR)
+    server, port = start_metrics_server(0, "127.0.0.1", metrics.registry)
+    yield metrics, port
+    server.shutdown()
+    server.server_close()
+
+
+def _scrape(port: int) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def _value(samples, name: str, **labels: str) -> float:
+    return samples[(name, tuple(sorted({"model_pair": PAIR, **labels}.items())))]
+
+
+PROPOSERS = {"a": "draft", "b": "draft", "c": "ngram", "d": "off"}
+ERROR = RequestError(ErrorReason.CAPACITY, grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
+REPORTS = [
+    Report(
+        (
+            Event("a", 0, (1, 2, 3), 3, 2),
+            Event("b", 0, (4,), 2, 0),
+            Event("c", 0, (5, 6, 7, 8, 9), 4, 4),
+            Event("d", 0, (10,), 0, 0),
+        ),
+        0.002,
+        0.0005,
+        0.004,
+        0.0002,
+        0.007,
+        True,
+    ),
+    Report(
+        (Event("a", 1, (11, 12), 3, 1), Event("b", 1, (), 0, 0, ERROR)),
+        0.0,
+        0.0,
+        0.003,
+        0.0001,
+        0.004,
+        False,
+    ),
+]
+
+
+def test_spec_decode_counters_equal_what_was_fed(served) -> None:
+    metrics, port = served
+    for report in REPORTS:
+        metrics.on_step(report, PROPOSERS.get)
+    s = _scrape(port)
+    draft, ngram = {"proposer": "draft"}, {"proposer": "ngram"}
+    assert _value(s, "specdec:spec_decode_num_drafts_total", **draft) == 3
+    assert _value(s, "specdec:spec_decode_num_draft_tokens_total", **draft) == 8
+    assert _value(s, "specdec:spec_decode_num_accepted_tokens_total", **draft) == 3
+    assert _value(s, "specdec:spec_decode_num_drafts_total", **ngram) == 1
+    assert _value(s, "specdec:spec_decode_num_draft_tokens_total", **ngram) == 4
+    assert _value(s, "specdec:spec_decode_num_accepted_tokens_total", **ngram) == 4
+    assert _value(s, "specdec:spec_decode_num_drafts_total", proposer="off") == 0
+    per_pos = "specdec:spec_decode_num_accepted_tokens_per_pos_total"
+    assert [_value(s, per_pos, proposer="draft", position=str(i)) for i in range(2)] == [2, 1]
+    assert [_value(s, per_pos, proposer="ngram", position=str(i)) for i in range(4)] == [1] * 4
+    assert (per_pos, (("model_pair", PAIR), ("position", "2"), ("proposer", "draft"))) not in s
+    assert _value(s, "specdec:steps_total") == 2
+    assert _value(s, "specdec:draft_up") == 0
+
+
+def test_step_histograms_count_and_sum(served) -> None:
+    metrics, port = served
+    for report in REPORTS:
+        metrics.on_step(report, PROPOSERS.get)
+    s = _scrape(port)
+    # the draft and transport histograms hold only the step that used the draft service
+    assert _value(s, "specdec:step_draft_seconds_count") == 1
+    assert _value(s, "specdec:step_draft_seconds_sum") == pytest.approx(0.002)
+    assert _value(s, "specdec:step_transport_seconds_sum") == pytest.approx(0.0005)
+    assert _value(s, "specdec:step_verify_seconds_count") == 2
+    assert _value(s, "specdec:step_verify_seconds_sum") == pytest.approx(0.007)
+    assert _value(s, "specdec:step_sampler_seconds_sum") == pytest.approx(0.0003)
+    assert _value(s, "specdec:step_seconds_sum") == pytest.approx(0.011)
+    assert _value(s, "specdec:step_verify_seconds_bucket", le="0.003") == 1
+
+
+def _final(prompt: int, completion: int, ttft: float, e2e: float, reason: int):
+    return generate_pb2.GenerateResponse(
+        finish_reason=reason,  # type: ignore[arg-type]
+        usage=generate_pb2.Usage(prompt_tokens=prompt, completion_tokens=completion),
+        timing=generate_pb2.Timing(time_to_first_token_s=ttft, e2e_s=e2e),
+    )
+
+
+def test_request_metrics(served) -> None:
+    metrics, port = served
+    metrics.on_first_token(0.05)
+    metrics.on_finish(_final(10, 5, 0.05, 0.45, generate_pb2.FINISH_REASON_LENGTH))
+    metrics.on_first_token(0.2)
+    metrics.on_finish(_final(7, 1, 0.2, 0.2, generate_pb2.FINISH_REASON_STOP_TOKEN))
+    metrics.on_error(grpc.StatusCode.INVALID_ARGUMENT)
+    metrics.on_error("DEADLINE_EXCEEDED")
+    metrics.on_error(grpc.StatusCode.INVALID_ARGUMENT)
+    metrics.set_queue(running=3, waiting=9)
+    s = _scrape(port)
+    assert _value(s, "specdec:prompt_tokens_total") == 17
+    assert _value(s, "specdec:generation_tokens_total") == 6
+    assert _value(s, "specdec:request_success_total", finish_reason="length") == 1
+    assert _value(s, "specdec:request_success_total", finish_reason="stop_token") == 1
+    assert _value(s, "specdec:request_errors_total", code="INVALID_ARGUMENT") == 2
+    assert _value(s, "specdec:request_errors_total", code="DEADLINE_EXCEEDED") == 1
+    assert _value(s, "specdec:time_to_first_token_seconds_count") == 2
+    assert _value(s, "specdec:time_to_first_token_seconds_sum") == pytest.approx(0.25)
+    assert _value(s, "specdec:e2e_request_latency_seconds_sum") == pytest.approx(0.65)
+    # one request with more than one token: (0.45 - 0.05) / 4 tokens after the first
+    assert _value(s, "specdec:time_per_output_token_seconds_count") == 1
+    assert _value(s, "specdec:time_per_output_token_seconds_sum") == pytest.approx(0.1)
+    assert _value(s, "specdec:num_requests_running") == 3
+    assert _value(s, "specdec:num_requests_waiting") == 9
+
+
+def test_two_instances_have_separate_registries() -> None:
+    first, second = Metrics(PAIR), Metrics(PAIR)
+    first.on_error("INTERNAL")
+    labels = {"model_pair": PAIR, "code": "INTERNAL"}
+    assert first.registry.get_sample_value("specdec:request_errors_total", labels) == 1
+    assert second.registry.get_sample_value("specdec:request_errors_total", labels) is None
