@@ -385,12 +385,13 @@ def _read_drafts(
     Example, ks [2, 1], both sampled: the steps hold rows [b0 j0, b1 j0] and [b0 j1], i.e.
     rows 0, 1, 2 concatenated; the block's rows are [b0 j0, b0 j1, b1 j0] = rows [0, 2, 1].
     """
-    where, start = {}, 0  # (request, step) → row of the concatenated step outputs
+    where = torch.full((len(ks), len(steps)), -1, dtype=torch.long)  # (request, step) → row
+    start = 0
     for j, step in enumerate(steps):
-        for pos, b in enumerate(step.rows):
-            where[b, j] = start + pos
+        where[torch.tensor(step.rows), j] = torch.arange(start, start + len(step.rows))
         start += len(step.rows)
-    index = [where[b, j] for b, k in enumerate(ks) if sampled[b] for j in range(k)]
+    drafted_mask = torch.arange(len(steps))[None, :] < torch.tensor(ks)[:, None]  # [B, steps]
+    index = where[drafted_mask & torch.tensor(sampled)[:, None]].tolist()  # request-major
     tokens = torch.cat([s.tokens for s in steps])
     wanted: list[torch.Tensor] = [tokens]
     if index:
@@ -400,10 +401,8 @@ def _read_drafts(
             support = torch.cat([s.support for s in steps if s.support is not None])
             wanted.append(support.index_select(0, rows))
     host = runner.to_host(*wanted)
-    flat = host[0].tolist()
-    drafted: list[list[int]] = [[] for _ in ks]
-    for (b, _), row in sorted(where.items(), key=lambda item: item[1]):
-        drafted[b].append(flat[row])
+    table = host[0][where.clamp(min=0)].tolist()  # [B, steps]: request b's token of step j
+    drafted = [row[:k] for row, k in zip(table, ks, strict=True)]
     if not index:
         return drafted, None
     if len(host) == 2:

@@ -281,9 +281,10 @@ class TargetEngine:
         if len(positions) == logits.shape[0] and all(k + 1 == n for k in ks):
             rows = logits.view(-1, logits.shape[2])  # every row is real: no gather
         else:
-            index = [p * n + j for p, k in zip(positions, ks, strict=True) for j in range(k + 1)]
-            rows = logits.view(-1, logits.shape[2]).index_select(0, runner.upload(
-                torch.tensor(index, dtype=torch.long)))  # fmt: skip
+            j = torch.arange(n)
+            real = j[None, :] <= torch.tensor(ks)[:, None]  # [G, n]: the k + 1 scored rows
+            index = (torch.tensor(positions)[:, None] * n + j[None, :])[real]  # request-major
+            rows = logits.view(-1, logits.shape[2]).index_select(0, runner.upload(index))
         params = [reqs[p].sampling for p in positions]
         lengths = [len(reqs[p].tokens) for p in positions]
         drafts = torch.tensor(block.draft_tokens(group), dtype=torch.int32)
