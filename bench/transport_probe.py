@@ -1,0 +1,180 @@
+"""Why a gRPC round trip costs what it does on a host: an empty bidirectional-stream round trip
+(the services' lock-step form) between two processes, under variations of one thing at a time.
+
+    python bench/transport_probe.py [--trips 2000] [--out bench/results]
+
+Variants: the plain case; a unary call instead; the server process with CUDA initialised; both
+processes pinned to their own cores; a server thread pool of one; grpc.aio on both ends; a
+server thread spinning on Python work (GIL contention, as an engine thread would cause). Each
+variant's server runs in a fresh child process; trips are timed in the parent.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import os
+import platform
+import statistics
+import threading
+import time
+from collections.abc import AsyncIterator, Iterator
+from concurrent import futures
+from pathlib import Path
+
+import grpc
+
+from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
+from specdec.serving.client import LockstepStream
+
+VARIANTS = ("plain", "unary", "server_cuda", "pinned", "one_worker", "aio", "gil_spinner")
+
+
+class _Echo(target_pb2_grpc.TargetServiceServicer):
+    def Verify(
+        self, request_iterator: Iterator[common_pb2.DraftBlock], context: grpc.ServicerContext
+    ) -> Iterator[target_pb2.VerifyResponse]:
+        for _ in request_iterator:
+            yield target_pb2.VerifyResponse()
+
+    def GetModelInfo(
+        self, request: common_pb2.GetModelInfoRequest, context: grpc.ServicerContext
+    ) -> common_pb2.ModelInfo:
+        return common_pb2.ModelInfo()
+
+
+class _AioEcho(target_pb2_grpc.TargetServiceServicer):
+    async def Verify(  # type: ignore[override]
+        self, request_iterator: AsyncIterator[common_pb2.DraftBlock], context: object
+    ) -> AsyncIterator[target_pb2.VerifyResponse]:
+        async for _ in request_iterator:
+            yield target_pb2.VerifyResponse()
+
+
+def _serve(variant: str, port_out: mp.connection.Connection) -> None:  # child process
+    if variant == "pinned" and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {2 % (os.cpu_count() or 1)})
+    if variant == "server_cuda":
+        import torch
+
+        if torch.cuda.is_available():
+            torch.zeros(1, device="cuda")
+    if variant == "gil_spinner":
+        threading.Thread(target=_spin, daemon=True).start()
+    if variant == "aio":
+        asyncio.run(_serve_aio(port_out))
+        return
+    workers = 1 if variant == "one_worker" else 16
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
+    target_pb2_grpc.add_TargetServiceServicer_to_server(_Echo(), server)
+    port_out.send(server.add_insecure_port("127.0.0.1:0"))
+    server.start()
+    server.wait_for_termination()
+
+
+def _spin() -> None:
+    x = 0
+    while True:  # pure Python: holds the GIL except at the interpreter's switch interval
+        x += 1
+
+
+async def _serve_aio(port_out: mp.connection.Connection) -> None:
+    server = grpc.aio.server()
+    target_pb2_grpc.add_TargetServiceServicer_to_server(_AioEcho(), server)
+    port_out.send(server.add_insecure_port("127.0.0.1:0"))
+    await server.start()
+    await server.wait_for_termination()
+
+
+def _time_sync(variant: str, address: str, trips: int) -> list[float]:
+    if variant == "pinned" and hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {4 % (os.cpu_count() or 1)})
+    with grpc.insecure_channel(address) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        times = []
+        if variant == "unary":
+            call = lambda: stub.GetModelInfo(common_pb2.GetModelInfoRequest())
+        else:
+            stream = LockstepStream(stub.Verify)
+            call = lambda: stream(common_pb2.DraftBlock())
+        for _ in range(trips + 50):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        if variant != "unary":
+            stream.close()
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, set(range(os.cpu_count() or 1)))
+    return times[50:]
+
+
+async def _time_aio(address: str, trips: int) -> list[float]:
+    async with grpc.aio.insecure_channel(address) as channel:
+        call = target_pb2_grpc.TargetServiceStub(channel).Verify()
+        times = []
+        for _ in range(trips + 50):
+            start = time.perf_counter()
+            await call.write(common_pb2.DraftBlock())
+            await call.read()
+            times.append(time.perf_counter() - start)
+        await call.done_writing()
+    return times[50:]
+
+
+def measure(variant: str, trips: int) -> dict[str, object]:
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_serve, args=(variant, child), daemon=True)
+    proc.start()
+    try:
+        address = f"127.0.0.1:{parent.recv()}"
+        grpc.channel_ready_future(grpc.insecure_channel(address)).result(timeout=30)
+        if variant == "aio":
+            times = asyncio.run(_time_aio(address, trips))
+        else:
+            times = _time_sync(variant, address, trips)
+    finally:
+        proc.kill()
+        proc.join()
+    ordered = sorted(times)
+    return {"variant": variant, "trips": trips, "ms_median": 1e3 * statistics.median(times),
+            "ms_p10": 1e3 * ordered[len(ordered) // 10],
+            "ms_p90": 1e3 * ordered[9 * len(ordered) // 10]}  # fmt: skip
+
+
+def host() -> dict[str, object]:
+    info: dict[str, object] = {"cores": os.cpu_count(), "python": platform.python_version(),
+                               "grpcio": grpc.__version__}  # fmt: skip
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        lines = cpuinfo.read_text().splitlines()
+        names = [ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")]
+        mhz = [float(ln.split(":", 1)[1]) for ln in lines if ln.startswith("cpu MHz")]
+        info["cpu"] = names[0] if names else "?"
+        info["mhz_min_max"] = (min(mhz), max(mhz)) if mhz else None
+    governor = Path("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor")
+    info["governor"] = governor.read_text().strip() if governor.exists() else None
+    return info
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--trips", type=int, default=2000)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--out", type=Path, default=None)
+    args = parser.parse_args()
+    rows = []
+    for variant in args.variants.split(","):
+        rows.append(measure(variant, args.trips))
+        print(json.dumps(rows[-1]), flush=True)
+    result = {"host": host(), "rows": rows}
+    print(json.dumps(result["host"]))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "transport_probe.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
