@@ -16,7 +16,7 @@ from specdec.serving.messages import Admission, ModelInfo, check_compatible
 from specdec.serving.server import Server
 from target_service.config import TargetConfig
 from target_service.engine import TargetEngine
-from target_service.servicer import TargetServicer
+from target_service.hub import HubServicer
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
@@ -46,7 +46,7 @@ def check_draft(engine: TargetEngine, config: TargetConfig) -> None:
 
 
 def build_server(engine: TargetEngine, config: TargetConfig) -> Server:
-    servicer = TargetServicer(engine)
+    servicer = HubServicer(engine)
     return Server(
         config.server,
         [SERVICE_NAME],

@@ -1,0 +1,154 @@
+"""The orchestrator's part in the hub tests: a `Driver` over a real `PairClient` that records
+each request's committed tokens, applies every verdict once by (request id, step), admits
+requests as steps go by and releases each one once it has enough tokens; and the services
+with their engines, on loopback ports."""
+
+from __future__ import annotations
+
+import queue
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from draft_service.engine import DraftEngine
+from draft_service.server import start as start_draft
+from orchestrator.pair import PairAdmission, PairClient, Proposer, StepEvent, StepReport
+from specdec.sampling_params import SamplingParams
+from specdec.serving.messages import RequestError
+from specdec.serving.server import Server
+from target_service.config import TargetConfig
+from target_service.engine import TargetEngine
+from target_service.server import start as start_target
+from tests.draft_service.models import model_draft, runner_config
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass
+class Services:
+    target: Server
+    target_engine: TargetEngine
+    draft: Server
+    draft_engine: DraftEngine
+    draft_dir: Path
+
+    @property
+    def target_address(self) -> str:
+        return f"127.0.0.1:{self.target.port}"
+
+    def start_draft(self) -> str:
+        """A fresh draft service (after the old one was stopped); returns its address."""
+        self.draft, self.draft_engine = start_draft(model_draft(self.draft_dir))
+        return f"127.0.0.1:{self.draft.port}"
+
+
+@contextmanager
+def hub_services(target_dir: Path, draft_dir: Path) -> Iterator[Services]:
+    """Draft and target services; the target's hub uses the draft. The rejection sampler runs
+    its pure-torch implementation (bit-equal to the kernels; the Triton interpreter costs about
+    1 s per step on a CPU)."""
+    d_srv, d_eng = start_draft(model_draft(draft_dir))
+    config = TargetConfig(
+        runner_config(target_dir),
+        draft_address=f"127.0.0.1:{d_srv.port}",
+        draft_wait_s=5.0,
+        sampler_impl="torch",
+    )
+    try:
+        t_srv, t_eng = start_target(config)
+    except BaseException:
+        d_srv.stop(0)
+        raise
+    svc = Services(t_srv, t_eng, d_srv, d_eng, draft_dir)
+    try:
+        yield svc
+    finally:
+        svc.target.stop(0)
+        svc.draft.stop(0)
+
+
+@dataclass
+class Record:
+    """The orchestrator's record of one request."""
+
+    prompt: list[int]
+    proposer: Proposer
+    tokens: list[int]
+    next_step: int = 0
+    events: list[StepEvent] = field(default_factory=list)
+    admitted: int | RequestError | None = None
+    error: RequestError | None = None
+    done: bool = False
+
+    @property
+    def generated(self) -> list[int]:
+        return self.tokens[len(self.prompt) :]
+
+
+class Driver:
+    """Runs requests through the hub the way the orchestrator does (see the module docstring)."""
+
+    def __init__(self, address: str, max_new_tokens: int):
+        self.max_new_tokens = max_new_tokens
+        self.records: dict[str, Record] = {}
+        self.reports: list[StepReport] = []
+        self.draft_events: list[str] = []  # "down" / "up", in order
+        self._events: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self.client = PairClient(
+            address,
+            on_step=self._events.put,
+            on_admitted=lambda rid, result: self._events.put((rid, result)),
+            on_draft_down=lambda: self._events.put("down"),
+            on_draft_up=lambda: self._events.put("up"),
+            timeout_s=30.0,
+        )
+
+    def admit(self, rid: str, prompt: list[int], proposer: Proposer, k: int) -> None:
+        self.records[rid] = Record(list(prompt), proposer, list(prompt))
+        self.client.admit(PairAdmission(rid, tuple(prompt), GREEDY, proposer, k))
+
+    def handle(self, timeout_s: float = 30.0) -> object:
+        """Waits for the next callback and applies it; returns it."""
+        event = self._events.get(timeout=timeout_s)
+        if isinstance(event, StepReport):
+            self.reports.append(event)
+            for e in event.events:
+                self._apply(e)
+        elif isinstance(event, tuple):
+            if event[0] in self.records:
+                self.records[event[0]].admitted = event[1]
+        else:
+            assert isinstance(event, str)
+            self.draft_events.append(event)
+        return event
+
+    def _apply(self, e: StepEvent) -> None:
+        rec = self.records.get(e.request_id)
+        if rec is None or rec.done or e.step < rec.next_step:
+            return  # released, or a verdict already applied
+        assert e.step == rec.next_step, f"{e.request_id}: step {e.step}, expected {rec.next_step}"
+        if e.error is not None:
+            rec.error, rec.done = e.error, True
+            return
+        assert len(e.token_ids) == e.num_accepted + 1 and e.num_accepted <= e.num_draft_tokens
+        rec.events.append(e)
+        rec.tokens.extend(e.token_ids)
+        rec.next_step = e.step + 1
+        if len(rec.generated) >= self.max_new_tokens:
+            rec.done = True
+            self.client.release([e.request_id])
+
+    def run(self, on_step: Callable[[int], None] = lambda n: None, timeout_s: float = 60.0) -> None:
+        """Handles events until every request is done; on_step(n) after the n-th step report."""
+        deadline = time.monotonic() + timeout_s
+        while not all(r.done for r in self.records.values()):
+            assert time.monotonic() < deadline, "the requests did not finish in time"
+            if isinstance(self.handle(), StepReport):
+                on_step(len(self.reports))
+
+    def until(self, predicate: Callable[[], bool], timeout_s: float = 30.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            self.handle(max(0.0, deadline - time.monotonic()))

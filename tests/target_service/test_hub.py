@@ -1,0 +1,232 @@
+"""The step loop with the target as hub (`TargetService.Serve`), over real gRPC with tiny
+models: greedy output equals target-only greedy decoding for every proposer with requests
+joining at different steps; releases and the stream's end free both services; the draft dying
+mid-generation changes no output and speculation resumes after set_draft; a failed step fails
+only its requests; one stream at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from orchestrator.pair import StepReport
+from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
+from specdec.pb.specdec.v1 import generate_pb2
+from specdec.runner import ModelRunner
+from specdec.serving.client import make_channel
+from specdec.serving.messages import ErrorReason, RequestError
+from tests.draft_service.models import (
+    TOKENIZER_VOCAB,
+    build_checkpoints,
+    greedy_reference,
+    runner_config,
+)
+from tests.target_service.hub_helpers import Driver, Services, hub_services
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return build_checkpoints(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints: tuple[Path, Path]) -> ModelRunner:
+    return ModelRunner.load(runner_config(checkpoints[0], max_slots=1))
+
+
+@pytest.fixture(scope="module")
+def svc(checkpoints: tuple[Path, Path]) -> Iterator[Services]:
+    with hub_services(*checkpoints) as s:
+        yield s
+
+
+def _prompt(seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    head = torch.randint(2, TOKENIZER_VOCAB, (4 + seed % 4,), generator=gen).tolist()
+    return head + head[:2] + head  # repeats, so prompt lookup finds matches
+
+
+def _check_outputs(driver: Driver, reference: ModelRunner) -> None:
+    for rid, rec in driver.records.items():
+        assert rec.error is None, f"{rid}: {rec.error}"
+        assert len(rec.generated) >= driver.max_new_tokens, rid
+        want = greedy_reference(reference, rec.prompt, len(rec.generated))
+        assert rec.generated == want, f"request {rid} ({rec.proposer})"
+
+
+def _held(svc: Services, rid: str) -> bool:
+    try:
+        svc.target_engine.tokens(rid)
+    except KeyError:
+        return False
+    return True
+
+
+def test_greedy_equals_target_only_for_every_proposer(
+    svc: Services, reference: ModelRunner
+) -> None:
+    driver = Driver(svc.target_address, max_new_tokens=14)
+    driver.admit("draft4", _prompt(0), "draft", 4)
+    driver.admit("ngram3", _prompt(1), "ngram", 3)
+    driver.admit("off", _prompt(2), "off", 4)
+    later = {  # joins after this many step reports (continuous batching)
+        2: [("draft2", _prompt(3), "draft", 2), ("ngram4", _prompt(4), "ngram", 4)],
+        4: [("draft0", _prompt(5), "draft", 0), ("draft6", _prompt(6), "draft", 6)],
+    }
+
+    def on_step(n: int) -> None:
+        for rid, prompt, proposer, k in later.get(n, []):
+            driver.admit(rid, prompt, proposer, k)  # type: ignore[arg-type]
+
+    driver.run(on_step)
+    driver.client.close()
+    _check_outputs(driver, reference)
+    recs = driver.records
+    for rid, k in (("draft4", 4), ("draft2", 2), ("draft6", 6)):  # every step: never demoted
+        assert [e.num_draft_tokens for e in recs[rid].events] == [k] * len(recs[rid].events)
+    assert sum(e.num_accepted for rid in ("draft4", "draft2", "draft6")
+               for e in recs[rid].events) > 0, "no draft was ever accepted"  # fmt: skip
+    assert sum(e.num_draft_tokens for rid in ("ngram3", "ngram4") for e in recs[rid].events) > 0
+    for rid in ("off", "draft0"):
+        assert all(e.num_draft_tokens == 0 for e in recs[rid].events), rid
+    assert max(len(r.events) for r in driver.reports) >= 5, "requests never shared a step"
+    assert all(r.draft_up and r.step_s > 0 and r.verify_s > 0 for r in driver.reports)
+    assert any(r.draft_s > 0 for r in driver.reports)
+
+
+def test_release_and_stream_end_free_both_services(svc: Services) -> None:
+    driver = Driver(svc.target_address, max_new_tokens=1000)
+    rids = ["a", "b", "c"]
+    for i, rid in enumerate(rids):
+        driver.admit(rid, _prompt(10 + i), "draft", 3)
+    driver.until(lambda: len(driver.reports) >= 2)
+    assert all(_held(svc, rid) for rid in rids)
+    driver.client.release(["b"])
+    driver.records["b"].done = True
+    seen = len(driver.reports)
+    driver.until(lambda: any("b" not in {e.request_id for e in r.events}
+                             for r in driver.reports[seen:]))  # fmt: skip
+    assert not _held(svc, "b")
+    assert svc.draft_engine.release(["b"]) == 0, "the draft still held b"
+    assert _held(svc, "a") and _held(svc, "c")
+    assert driver.client.num_running == 2
+    driver.client.close()
+    assert not any(_held(svc, rid) for rid in rids)
+    assert svc.draft_engine.release(rids) == 0, "the draft still held requests"
+
+
+def test_draft_death_changes_no_output_and_speculation_resumes(
+    checkpoints: tuple[Path, Path], reference: ModelRunner
+) -> None:
+    with hub_services(*checkpoints) as own:
+        driver = Driver(own.target_address, max_new_tokens=40)
+        for i in range(3):
+            driver.admit(f"r{i}", _prompt(20 + i), "draft", 4)
+        driver.admit("ng", _prompt(23), "ngram", 2)
+        behind: list[str] = []
+
+        def on_step(n: int) -> None:
+            if n == 2:
+                own.draft.stop(0)
+            if n == 5:
+                address = own.start_draft()
+                records = {rid: (tuple(r.tokens), r.next_step)
+                           for rid, r in driver.records.items()}  # fmt: skip
+                driver.client.set_draft(address, records)
+                behind.extend(rid for rid, (tokens, _) in records.items()
+                              if len(tokens) < len(own.target_engine.tokens(rid)))  # fmt: skip
+
+        driver.run(on_step)
+        driver.client.close()
+        _check_outputs(driver, reference)
+        assert behind, "no record was behind the hub: the top-up was not exercised"
+        assert driver.draft_events == ["down", "up"]
+        reports = driver.reports
+        down = next(i for i, r in enumerate(reports) if not r.draft_up)
+        up = next(i for i, r in enumerate(reports) if i > down and r.draft_up)
+        for r in reports[down:up]:  # k = 0 while down, prompt lookup goes on
+            assert all(e.num_draft_tokens == 0 for e in r.events if e.request_id != "ng")
+        after = [e for r in reports[up:] for e in r.events if e.request_id.startswith("r")]
+        assert any(e.num_draft_tokens > 0 for e in after), "speculation did not resume"
+        assert not any(own.draft_engine.release([rid]) for rid in driver.records)
+
+
+def test_failed_step_fails_only_its_requests(
+    svc: Services, reference: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    engine = svc.target_engine
+    verify = engine.verify_timed
+    calls = []
+
+    def fail_third(block: object) -> object:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return verify(block)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(engine, "verify_timed", fail_third)
+    driver = Driver(svc.target_address, max_new_tokens=8)
+    driver.admit("x", _prompt(30), "draft", 3)
+    driver.admit("y", _prompt(31), "ngram", 3)
+    driver.until(lambda: all(r.done for r in driver.records.values()))
+    for rid in ("x", "y"):
+        error = driver.records[rid].error
+        assert error is not None and error.reason == ErrorReason.STEP_FAILED, rid
+        assert error.code == grpc.StatusCode.INTERNAL and "injected" in error.message
+        assert not _held(svc, rid)
+    driver.admit("z", _prompt(32), "draft", 3)  # the loop goes on
+    driver.run()
+    driver.client.close()
+    assert driver.records["z"].generated[:8] == greedy_reference(reference, _prompt(32), 8)
+
+
+def test_admission_errors_are_answered(svc: Services) -> None:
+    driver = Driver(svc.target_address, max_new_tokens=4)
+    driver.admit("bad", [1, TOKENIZER_VOCAB + 3], "ngram", 2)
+    driver.until(lambda: driver.records["bad"].admitted is not None)
+    result = driver.records["bad"].admitted
+    assert isinstance(result, RequestError) and result.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "outside the vocabulary" in result.message
+    driver.client.close()
+    # PROPOSER_DEFAULT is the orchestrator's to resolve: the hub refuses it.
+    with make_channel(svc.target_address) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        admit = target_pb2.ServeAdmit(
+            request=common_pb2.AdmitRequest(request_id="d", prompt_token_ids=[1, 2]),
+            proposer=generate_pb2.PROPOSER_DEFAULT,
+        )
+        events = stub.Serve(iter([target_pb2.ServeControl(admit=admit)]), timeout=30)
+        kinds = [(e.WhichOneof("event"), e) for e in events]
+    assert [k for k, _ in kinds] == ["started", "admitted"]
+    answer = kinds[1][1].admitted
+    assert (
+        answer.error.reason == ErrorReason.INVALID_ARGUMENT and "PROPOSER_" in answer.error.message
+    )
+
+
+def test_second_serve_stream_is_refused(svc: Services) -> None:
+    driver = Driver(svc.target_address, max_new_tokens=4)
+    with make_channel(svc.target_address) as channel:
+        stub = target_pb2_grpc.TargetServiceStub(channel)
+        with pytest.raises(grpc.RpcError) as info:
+            next(iter(stub.Serve(iter(()), timeout=30)))
+    assert info.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+    assert "already open" in info.value.details()
+    driver.client.close()
+    again = Driver(svc.target_address, max_new_tokens=4)  # free again once closed
+    again.client.close()
+
+
+def test_step_report_timings_are_consistent(svc: Services) -> None:
+    driver = Driver(svc.target_address, max_new_tokens=6)
+    driver.admit("t", _prompt(40), "draft", 3)
+    driver.run()
+    driver.client.close()
+    for r in driver.reports:
+        assert isinstance(r, StepReport)
+        parts = r.draft_s + r.verify_s + r.sampler_s
+        assert 0 < parts <= r.step_s, r
