@@ -52,6 +52,9 @@ class Job(Protocol):
     @property
     def deadline(self) -> float | None: ...  # time.monotonic() seconds
 
+    @property
+    def proposer(self) -> str: ...
+
     def admission(self) -> Any: ...  # PairAdmission for the first admission
 
     def readmission(self) -> tuple[tuple[int, ...], int]: ...  # (prompt + committed, next step)
@@ -80,9 +83,13 @@ class Pair(Protocol):
 class Observer(Protocol):
     """Where the scheduler reports steps and queue sizes (the metrics)."""
 
-    def on_step(self, pair: int, report: Any) -> None: ...
+    def on_step(self, report: Any, proposer_of: Callable[[str], str | None]) -> None: ...
 
-    def on_queue(self, running: int, waiting: int) -> None: ...
+    def set_queue(self, running: int, waiting: int) -> None: ...
+
+
+def _proposer(job: Job | None) -> str | None:
+    return job.proposer if job is not None else None
 
 
 @dataclass(slots=True)
@@ -93,6 +100,7 @@ class _PairState:
     running: dict[str, Job] = field(default_factory=dict)
     has_draft: bool = False
     draft_up: bool = True
+    alive: bool = True
     recovering: bool = False
     awaiting_up: bool = False  # a SetDraft was sent and the hub has not answered yet
     last_recovery: float = -RECOVERY_BACKOFF_S
@@ -175,6 +183,10 @@ class Scheduler:
     def post_draft_down(self, pair: int) -> None:
         self._post(self._on_draft_down, pair)
 
+    def post_closed(self, pair: int, error: BaseException | None) -> None:
+        """Pair `pair`'s stream to its hub ended (its target failed, or shutdown)."""
+        self._post(self._on_closed, pair, error)
+
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ends every request with on_shutdown and stops the thread."""
         with self._lock:
@@ -207,7 +219,7 @@ class Scheduler:
     def _finish(self, pair: _PairState | None, request_id: str, release: bool) -> None:
         if pair is not None:
             pair.running.pop(request_id, None)
-            if release:
+            if release and pair.alive:
                 assert pair.client is not None
                 pair.client.release([request_id])
         with self._lock:
@@ -245,8 +257,8 @@ class Scheduler:
 
     def _on_step(self, index: int, report: Any) -> None:
         pair = self._pairs[index]
-        if self._observer is not None:
-            self._observer.on_step(index, report)
+        if self._observer is not None:  # before the step's verdicts end any request
+            self._observer.on_step(report, lambda rid: _proposer(pair.running.get(rid)))
         done: list[str] = []
         for event in report.events:
             job = pair.running.get(event.request_id)
@@ -284,11 +296,11 @@ class Scheduler:
             )
         if self._observer is not None:
             running = sum(len(p.running) for p in self._pairs)
-            self._observer.on_queue(running, len(self._waiting))
+            self._observer.set_queue(running, len(self._waiting))
 
     def _schedule(self) -> None:
         while self._waiting:
-            free = [p for p in self._pairs if len(p.running) < p.capacity]
+            free = [p for p in self._pairs if p.alive and len(p.running) < p.capacity]
             if not free:
                 return
             pair = min(free, key=lambda p: (len(p.running) / p.capacity, p.index))
@@ -300,6 +312,23 @@ class Scheduler:
             except Exception as e:
                 self._finish(pair, job.request_id, release=False)
                 job.on_error(grpc.StatusCode.UNAVAILABLE, f"admission failed: {e}")
+
+    def _on_closed(self, index: int, error: BaseException | None) -> None:
+        pair = self._pairs[index]
+        pair.alive = False
+        if self._stopping:
+            return
+        log.error("pair %d: the target's Serve stream ended: %s", index, error)
+        message = f"The target service of pair {index} failed: {error}"
+        jobs = list(pair.running.values())
+        for job in jobs:
+            self._finish(pair, job.request_id, release=False)
+            job.on_error(grpc.StatusCode.UNAVAILABLE, message)
+        if not any(p.alive for p in self._pairs):
+            while self._waiting:
+                job = self._waiting.popleft()
+                self._finish(None, job.request_id, release=False)
+                job.on_error(grpc.StatusCode.UNAVAILABLE, "No target service is left.")
 
     # ---- draft recovery ----
 

@@ -38,6 +38,7 @@ class FakePair:
 class FakeJob:
     request_id: str
     max_tokens: int = 3
+    proposer: str = "draft"
     deadline: float | None = None
     tokens: list[int] = field(default_factory=list)
     next_step: int = 0

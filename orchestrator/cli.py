@@ -1,0 +1,225 @@
+"""The `specdec` command: `serve` (the orchestrator), `generate` (a client), `demo`.
+
+    specdec serve --target DIR --draft DIR [--num-draft-tokens 4] [--pairs 1] [--port 50050]
+    specdec serve --target DIR --proposer ngram
+    specdec serve --config serve.toml          # keys are the flags' names
+    specdec generate "def fibonacci(" --server localhost:50050
+
+Every serve default is the config dataclasses' (`orchestrator.config`); a flag given on the
+command line wins over the same key in --config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import tomllib
+from collections.abc import Callable, Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from orchestrator.config import (
+    DEVICES,
+    DTYPES,
+    PROPOSERS,
+    PlacementConfig,
+    SchedulerConfig,
+    ServeConfig,
+    ServiceConfig,
+    default_of,
+)
+
+PROG = "specdec"
+
+
+def _services_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("models and services (each pair)")
+    d = partial(default_of, ServiceConfig)
+    g.add_argument("--target", help="target checkpoint: a local Hugging Face directory")
+    g.add_argument("--draft", help="draft checkpoint directory (omit for ngram / off only)")
+    g.add_argument("--device", choices=DEVICES, default=d("device"),
+                   help="auto: CUDA where Ray gives the service a GPU, else CPU")  # fmt: skip
+    g.add_argument("--dtype", choices=DTYPES, default=d("dtype"))
+    g.add_argument("--max-requests", type=int, default=d("max_requests"),
+                   help="requests each pair holds at once (KV slots per service)")  # fmt: skip
+    g.add_argument("--max-seq-len", type=int, default=d("max_seq_len"),
+                   help="tokens per request (default: the checkpoint's limit, capped)")  # fmt: skip
+    g.add_argument("--max-num-draft-tokens", type=int, default=d("max_num_draft_tokens"),
+                   help="largest k a request may ask for")  # fmt: skip
+    g.add_argument("--q-form", choices=["sparse", "dense"], default=d("q_form"))
+    g.add_argument("--support-size", type=int, default=d("support_size"),
+                   help="sparse q: the draft's top tokens sent per draft position")  # fmt: skip
+    g.add_argument("--sampler-impl", choices=["auto", "triton", "torch"],
+                   default=d("sampler_impl"))  # fmt: skip
+    g.add_argument("--cuda-graph-batch-sizes", type=int, nargs="*",
+                   default=list(d("cuda_graph_batch_sizes")))  # fmt: skip
+
+
+def _placement_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("Ray placement")
+    d = partial(default_of, PlacementConfig)
+    g.add_argument("--pairs", type=int, default=d("pairs"), help="draft/target pairs to run")
+    g.add_argument("--address", default=d("address"),
+                   help="Ray cluster to join (default: RAY_ADDRESS, else a local one)")  # fmt: skip
+    g.add_argument("--num-cpus", type=int, default=d("num_cpus"), help="local cluster only")
+    g.add_argument("--num-gpus", type=int, default=d("num_gpus"), help="local cluster only")
+    g.add_argument("--start-timeout-s", type=float, default=d("start_timeout_s"))
+    g.add_argument("--draft-restart-timeout-s", type=float, default=d("draft_restart_timeout_s"))
+
+
+def _scheduler_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("scheduling and speculation defaults")
+    d = partial(default_of, SchedulerConfig)
+    g.add_argument("--max-queue", type=int, default=d("max_queue"),
+                   help="requests that may wait while every pair is full")  # fmt: skip
+    g.add_argument("--proposer", choices=PROPOSERS, default=None,
+                   help="default proposer (default: draft with --draft, else ngram)")  # fmt: skip
+    g.add_argument("-k", "--k", "--num-draft-tokens", dest="num_draft_tokens", type=int,
+                   default=d("num_draft_tokens"), help="default draft tokens per step")  # fmt: skip
+
+
+def _server_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("client API server")
+    d = partial(default_of, ServeConfig)
+    g.add_argument("--host", default=d("host"))
+    g.add_argument("--port", type=int, default=d("port"))
+    g.add_argument("--metrics-port", type=int, default=d("metrics_port"),
+                   help="Prometheus /metrics over HTTP; -1 turns it off")  # fmt: skip
+    g.add_argument("--grace-s", type=float, default=d("grace_s"))
+    g.add_argument("--drain-s", type=float, default=d("drain_s"))
+    g.add_argument("--max-workers", type=int, default=d("max_workers"))
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", type=Path,
+                        help="TOML or JSON file whose keys are these flags' names")  # fmt: skip
+    parser.add_argument("--log-level", default="INFO")
+    for add in (_services_args, _placement_args, _scheduler_args, _server_args):
+        add(parser)
+
+
+def read_config_file(path: Path, parser: argparse.ArgumentParser) -> dict[str, Any]:
+    """The file's keys as argparse destinations; ValueError for an unknown key."""
+    text = path.read_text()
+    raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path} must hold a table (TOML) or an object (JSON).")
+    known = {a.dest for a in parser._actions} - {"help", "config", "func"}
+    out = {}
+    for key, value in raw.items():
+        dest = "num_draft_tokens" if key == "k" else key.replace("-", "_")
+        if dest not in known:
+            raise ValueError(f"{path}: unknown key {key!r}; keys are the flags' names.")
+        out[dest] = value
+    return out
+
+
+def serve_config(args: argparse.Namespace) -> ServeConfig:
+    """The config the parsed flags describe; ValueError names the bad field."""
+    if not args.target:
+        raise ValueError("--target DIR is required (a local checkpoint directory).")
+    proposer: Any = args.proposer or ("draft" if args.draft else "ngram")
+    return ServeConfig(
+        services=ServiceConfig(
+            target=args.target, draft=args.draft, device=args.device, dtype=args.dtype,
+            max_requests=args.max_requests, max_seq_len=args.max_seq_len,
+            max_num_draft_tokens=args.max_num_draft_tokens, q_form=args.q_form,
+            support_size=args.support_size, sampler_impl=args.sampler_impl,
+            cuda_graph_batch_sizes=tuple(args.cuda_graph_batch_sizes),
+        ),
+        placement=PlacementConfig(
+            pairs=args.pairs, address=args.address, num_cpus=args.num_cpus,
+            num_gpus=args.num_gpus, start_timeout_s=args.start_timeout_s,
+            draft_restart_timeout_s=args.draft_restart_timeout_s,
+        ),
+        scheduler=SchedulerConfig(
+            max_queue=args.max_queue, proposer=proposer, num_draft_tokens=args.num_draft_tokens
+        ),
+        host=args.host, port=args.port,
+        metrics_port=None if args.metrics_port is not None and args.metrics_port < 0
+        else args.metrics_port,
+        grace_s=args.grace_s, drain_s=args.drain_s, max_workers=args.max_workers,
+    )  # fmt: skip
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    try:
+        config = serve_config(args)
+    except ValueError as e:
+        print(f"{PROG} serve: {e}", file=sys.stderr)
+        return 2
+    from orchestrator.server import Orchestrator  # Ray is imported only to serve
+
+    orchestrator = Orchestrator(config)
+    try:
+        port = orchestrator.start()
+    except (ValueError, RuntimeError) as e:
+        print(f"{PROG} serve: {e}", file=sys.stderr)
+        return 2
+    print(f"{PROG}: serving {config.model_name} on {config.host}:{port}", flush=True)
+    orchestrator.serve_until_signal()
+    return 0
+
+
+Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[..., int]]
+
+
+def _commands() -> list[Command]:
+    """serve, plus generate and demo where their modules are present."""
+    commands: list[Command] = [
+        ("serve", "run the orchestrator and its services", add_serve_args, run_serve)
+    ]
+    import importlib.util
+
+    if importlib.util.find_spec("orchestrator.generate_cli") is not None:  # TODO(h4): final
+        from orchestrator.generate_cli import add_generate_args, run_generate
+
+        commands.append(("generate", "send a prompt to a server", add_generate_args, run_generate))
+    if importlib.util.find_spec("orchestrator.demo") is not None:
+        from orchestrator.demo import add_demo_args, run_demo
+
+        commands.append(("demo", "a tiny local pair, served and queried", add_demo_args, run_demo))
+    return commands
+
+
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The `specdec` parser and its subcommands' parsers by name."""
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description="Exact speculative decoding: draft and target services on separate GPUs.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    commands = {}
+    for name, help_text, add, run in _commands():
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        add(p)
+        p.set_defaults(func=run)
+        commands[name] = p
+    return parser, commands
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parses twice when --config is given: its keys become defaults that flags override."""
+    parser, commands = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "config", None) is None:
+        return args
+    sub = commands[args.command]
+    try:
+        sub.set_defaults(**read_config_file(args.config, sub))
+    except (OSError, ValueError) as e:
+        sub.error(str(e))
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+    return int(args.func(args))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

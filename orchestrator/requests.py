@@ -1,0 +1,292 @@
+"""A client request from validation to its last response: `parse_request` checks every field
+of a GenerateRequest against the served models, `Job` carries it through the scheduler and
+hands the servicer's thread its responses (or its error status) through a queue.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import secrets
+import time
+import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from orchestrator.detokenizer import IncrementalDetokenizer, TextTokenizer
+from orchestrator.pair import PairAdmission, Proposer
+from orchestrator.records import FinishReason, RequestRecord, StepGapError, StopCriteria
+from specdec.limits import MAX_SEED, MAX_TOP_K
+from specdec.pb.specdec.v1 import generate_pb2
+from specdec.sampling_params import MAX_TEMPERATURE, SamplingParams
+from specdec.serving.messages import ModelInfo
+
+MAX_REQUEST_ID_LEN = 128
+PROPOSER_NAMES = {
+    generate_pb2.PROPOSER_DRAFT: "draft",
+    generate_pb2.PROPOSER_NGRAM: "ngram",
+    generate_pb2.PROPOSER_OFF: "off",
+}
+PROPOSER_ENUMS = {name: value for value, name in PROPOSER_NAMES.items()}
+
+
+@dataclass(frozen=True, slots=True)
+class Served:
+    """What requests are checked against: the pair's shared limits and defaults."""
+
+    name: str
+    vocab_size: int  # the tokenizer's ids
+    max_seq_len: int
+    max_num_draft_tokens: int
+    default_proposer: str
+    default_num_draft_tokens: int
+    has_draft: bool
+    eos_token_ids: tuple[int, ...]
+
+
+def _prompt(request: generate_pb2.GenerateRequest, tokenizer: TextTokenizer) -> list[int]:
+    form = request.WhichOneof("prompt")
+    if form is None:
+        raise ValueError("prompt must be set: give either text or token_ids.")
+    if form == "text":
+        if not request.text:
+            raise ValueError("prompt text must be non-empty.")
+        ids = tokenizer.encode(request.text)
+        if not ids:
+            raise ValueError("prompt text tokenizes to no tokens.")
+        return ids
+    if not request.token_ids.ids:
+        raise ValueError("prompt token_ids must hold at least one id.")
+    return list(request.token_ids.ids)
+
+
+def _sampling(request: generate_pb2.GenerateRequest) -> SamplingParams:
+    temperature = request.temperature if request.HasField("temperature") else 1.0
+    if not (math.isfinite(temperature) and 0.0 <= temperature <= MAX_TEMPERATURE):
+        raise ValueError(
+            f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 is greedy), got {temperature}."
+        )
+    top_p = request.top_p if request.HasField("top_p") else 1.0
+    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
+        raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {top_p}.")
+    if request.top_k > MAX_TOP_K:
+        raise ValueError(f"top_k must be in [0, {MAX_TOP_K}] (0 disables it), got {request.top_k}.")
+    seed = request.seed if request.HasField("seed") else secrets.randbelow(MAX_SEED + 1)
+    if seed > MAX_SEED:
+        raise ValueError(f"seed must be in [0, {MAX_SEED}], got {seed}.")
+    return SamplingParams(temperature, request.top_k, top_p, seed)
+
+
+def _speculation(request: generate_pb2.GenerateRequest, served: Served) -> tuple[str, int]:
+    spec = request.speculation
+    if spec.proposer == generate_pb2.PROPOSER_DEFAULT:
+        proposer = served.default_proposer
+    elif spec.proposer in PROPOSER_NAMES:
+        proposer = PROPOSER_NAMES[spec.proposer]
+    else:
+        raise ValueError(
+            f"speculation.proposer {spec.proposer} is not a known Proposer (DEFAULT, DRAFT, "
+            f"NGRAM or OFF)."
+        )
+    if proposer == "draft" and not served.has_draft:
+        raise ValueError(
+            "speculation.proposer DRAFT needs a draft model, and this server runs none; use "
+            "NGRAM or OFF."
+        )
+    k = spec.num_draft_tokens if spec.HasField("num_draft_tokens") else None
+    if k is None:
+        k = min(served.default_num_draft_tokens, served.max_num_draft_tokens)
+    elif k > served.max_num_draft_tokens:
+        raise ValueError(
+            f"speculation.num_draft_tokens must be in [0, {served.max_num_draft_tokens}], got {k}."
+        )
+    return proposer, 0 if proposer == "off" else k
+
+
+def _request_id(request: generate_pb2.GenerateRequest) -> str:
+    if len(request.request_id) > MAX_REQUEST_ID_LEN:
+        raise ValueError(
+            f"request_id must be at most {MAX_REQUEST_ID_LEN} characters, "
+            f"got {len(request.request_id)}."
+        )
+    return request.request_id or f"req-{uuid.uuid4().hex}"
+
+
+def parse_request(
+    request: generate_pb2.GenerateRequest, served: Served, tokenizer: TextTokenizer
+) -> tuple[RequestRecord, SamplingParams]:
+    """The request's record and sampling parameters; ValueError names the bad field."""
+    if request.model and request.model != served.name:
+        raise ValueError(f"model must be empty or {served.name!r}, got {request.model!r}.")
+    request_id = _request_id(request)
+    prompt = _prompt(request, tokenizer)
+    for i, token in enumerate(prompt):
+        if not 0 <= token < served.vocab_size:
+            raise ValueError(
+                f"prompt token_ids[{i}] must be in [0, {served.vocab_size}), got {token}."
+            )
+    sampling = _sampling(request)
+    proposer, k = _speculation(request, served)
+    criteria = StopCriteria.from_pb(
+        request,
+        prompt_len=len(prompt),
+        max_seq_len=served.max_seq_len,
+        vocab_size=served.vocab_size,
+        eos_token_ids=served.eos_token_ids,
+    )
+    detok = IncrementalDetokenizer(
+        tokenizer,
+        prompt_ids=prompt,
+        stop=criteria.stop,
+        include_stop_str_in_output=criteria.include_stop_str_in_output,
+    )
+    record = RequestRecord(
+        request_id, prompt, criteria, detokenizer=detok, proposer=proposer, num_draft_tokens=k
+    )
+    return record, sampling
+
+
+class _Failed:
+    __slots__ = ("code", "message")
+
+    def __init__(self, code: grpc.StatusCode, message: str):
+        self.code, self.message = code, message
+
+
+_END = object()
+
+
+class JobMetrics(Protocol):
+    """What a job reports as it runs (`orchestrator.metrics.Metrics` does)."""
+
+    def on_first_token(self, time_to_first_token_s: float) -> None: ...
+
+    def on_finish(self, final: generate_pb2.GenerateResponse) -> None: ...
+
+    def on_error(self, code: grpc.StatusCode) -> None: ...
+
+
+class Job:
+    """One request inside the scheduler: the scheduler's thread applies its verdicts to the
+    record and queues the responses; the servicer's thread reads them (`responses`)."""
+
+    def __init__(
+        self,
+        record: RequestRecord,
+        sampling: SamplingParams,
+        deadline: float | None,
+        metrics: JobMetrics | None = None,
+    ):
+        self.record = record
+        self.sampling = sampling
+        self.deadline = deadline
+        self._metrics = metrics
+        self._first_seen = False
+        self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+
+    @property
+    def request_id(self) -> str:
+        return self.record.request_id
+
+    @property
+    def proposer(self) -> str:
+        return self.record.proposer
+
+    def admission(self) -> PairAdmission:
+        tokens, next_step = self.record.readmission()
+        r = self.record
+        proposer: Proposer = r.proposer  # type: ignore[assignment]
+        return PairAdmission(
+            r.request_id, tokens, self.sampling, proposer, r.num_draft_tokens, next_step
+        )
+
+    def readmission(self) -> tuple[tuple[int, ...], int]:
+        return self.record.readmission()
+
+    def on_admitted(self, committed_length: int) -> None:
+        self.record.mark_admitted()
+
+    def on_event(self, event: object) -> bool:
+        try:
+            delta = self.record.apply(event)  # type: ignore[arg-type]
+        except StepGapError as e:
+            self.on_error(grpc.StatusCode.INTERNAL, str(e))
+            return True
+        if delta is None:
+            return self.record.done
+        if delta.error is not None:
+            self.on_error(delta.error.code, delta.error.message)
+            return True
+        r = self.record
+        if self._metrics is not None and r.first_token_s is not None and not self._first_seen:
+            self._first_seen = True
+            self._metrics.on_first_token(r.first_token_s - r.arrival_s)
+        self._publish(r.response(delta), delta.finished)
+        return delta.finished
+
+    def on_error(self, code: grpc.StatusCode, message: str) -> None:
+        self._outbox.put(_Failed(code, message))
+        self._outbox.put(_END)
+        if self._metrics is not None:
+            self._metrics.on_error(code)
+
+    def on_shutdown(self) -> None:
+        delta = self.record.finish(FinishReason.CANCELLED)
+        if delta is not None:
+            self._publish(self.record.response(delta), finished=True)
+
+    def _publish(self, response: generate_pb2.GenerateResponse, finished: bool) -> None:
+        self._outbox.put(response)
+        if finished:
+            self._outbox.put(_END)
+            if self._metrics is not None:
+                self._metrics.on_finish(response)
+
+    def responses(self, context: grpc.ServicerContext) -> Iterator[generate_pb2.GenerateResponse]:
+        """The request's responses in order; a failure aborts the call with its status."""
+        while True:
+            item = self._outbox.get()
+            if item is _END:
+                return
+            if isinstance(item, _Failed):
+                context.abort(item.code, item.message)
+            assert isinstance(item, generate_pb2.GenerateResponse)
+            yield item
+
+
+def deadline_of(context: grpc.ServicerContext) -> float | None:
+    """The call's deadline on time.monotonic()'s clock; None without one."""
+    remaining = context.time_remaining()
+    if remaining is None or remaining > 1e9:
+        return None
+    return time.monotonic() + remaining
+
+
+def served_model_pb(
+    served: Served,
+    target_dir: str,
+    draft_dir: str | None,
+    target: ModelInfo,
+    draft: ModelInfo | None,
+    draft_up: bool,
+) -> generate_pb2.ServedModel:
+    """The ServedModel that GetModelInfo reports for the served pair."""
+    pb = generate_pb2.ServedModel(
+        name=served.name,
+        target_model=target_dir,
+        draft_model=draft_dir or "",
+        vocab_size=served.vocab_size,
+        max_seq_len=served.max_seq_len,
+        default_proposer=PROPOSER_ENUMS[served.default_proposer],  # type: ignore[arg-type]
+        default_num_draft_tokens=served.default_num_draft_tokens,
+        max_num_draft_tokens=served.max_num_draft_tokens,
+        eos_token_ids=served.eos_token_ids,
+        draft_up=draft_up,
+        target=target.to_pb(),
+    )
+    if draft is not None:
+        pb.draft.CopyFrom(draft.to_pb())
+    return pb

@@ -1,0 +1,190 @@
+"""`specdec serve`: the client API in front of Ray-placed service pairs.
+
+Start-up order: the gRPC server binds first and answers health NOT_SERVING (and UNAVAILABLE to
+requests) while Ray places the pairs and their services load and warm up; each pair's hub
+stream opens, the scheduler starts, then health turns SERVING. Stop: NOT_SERVING, `drain_s`,
+then in-flight calls get `grace_s` (requests still running just before it ends finish with
+FINISH_REASON_CANCELLED), then the hubs' streams close (releasing everything on the services),
+the actors stop, and a Ray cluster this process started shuts down.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from functools import partial
+from typing import Any
+
+import ray
+
+from orchestrator.config import ServeConfig
+from orchestrator.detokenizer import TextTokenizer, eos_token_ids
+from orchestrator.metrics import Metrics, start_metrics_server
+from orchestrator.pair import PairClient
+from orchestrator.placement import PairPlacement, Placement, connect
+from orchestrator.requests import Served, served_model_pb
+from orchestrator.scheduler import Scheduler
+from orchestrator.servicer import SERVICE_NAME, Backend, GenerateServicer, add_to_server
+from specdec.pb.specdec.v1 import generate_pb2
+from specdec.serving.messages import ModelInfo
+from specdec.serving.server import Server, ServerConfig
+
+log = logging.getLogger(__name__)
+
+
+def served_limits(config: ServeConfig, target: ModelInfo, draft: ModelInfo | None) -> Served:
+    """The limits every request is checked against: the tighter of the two services'."""
+    max_k = min(config.services.max_num_draft_tokens, target.max_num_draft_tokens)
+    max_seq_len = target.max_seq_len
+    if draft is not None:
+        max_k = min(max_k, draft.max_num_draft_tokens)
+        max_seq_len = min(max_seq_len, draft.max_seq_len)
+    return Served(
+        name=config.model_name,
+        vocab_size=target.tokenizer_vocab_size,
+        max_seq_len=max_seq_len,
+        max_num_draft_tokens=max_k,
+        default_proposer=config.scheduler.proposer,
+        default_num_draft_tokens=min(config.scheduler.num_draft_tokens, max_k),
+        has_draft=draft is not None,
+        eos_token_ids=eos_token_ids(config.services.target),
+    )
+
+
+def pair_capacity(pair: PairPlacement) -> int:
+    if pair.draft_info is None:
+        return pair.target_info.max_requests
+    return min(pair.target_info.max_requests, pair.draft_info.max_requests)
+
+
+class Orchestrator:
+    """Owns the client-facing server, the placement, the pair clients and the scheduler."""
+
+    def __init__(self, config: ServeConfig):
+        self.config = config
+        self.metrics = Metrics(config.model_name)
+        self.metrics_port: int | None = None
+        self._metrics_server: Any = None
+        self.servicer = GenerateServicer()
+        self.server = Server(
+            ServerConfig(
+                host=config.host,
+                port=config.port,
+                grace_s=config.grace_s,
+                drain_s=config.drain_s,
+                max_workers=config.max_workers,
+            ),
+            [SERVICE_NAME],
+            lambda s: add_to_server(self.servicer, s),
+        )
+        self.placement = Placement(config.placement, config.services)
+        self.clients: list[PairClient] = []
+        self.scheduler: Scheduler | None = None
+        self._owns_ray = False
+        self._stopped = threading.Event()
+        self._done = threading.Event()
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def start(self) -> int:
+        """Binds, places and connects every pair, then SERVING; returns the port."""
+        port = self.server.start()
+        log.info("GenerateService on port %d (NOT_SERVING until the services are warm)", port)
+        if self.config.metrics_port is not None:
+            self._metrics_server, self.metrics_port = start_metrics_server(
+                self.config.metrics_port, self.config.host, self.metrics.registry
+            )
+            log.info("metrics on http://%s:%d/metrics", self.config.host, self.metrics_port)
+        try:
+            self._owns_ray = connect(self.config.placement, self.placement.services_per_pair)
+            pairs = self.placement.start()
+            self._connect(pairs)
+        except BaseException:
+            self.stop(0.0)
+            raise
+        self.server.set_serving(True)
+        log.info("serving %d pair(s) of %s", len(pairs), self.config.model_name)
+        return port
+
+    def _connect(self, pairs: list[PairPlacement]) -> None:
+        served = served_limits(self.config, pairs[0].target_info, pairs[0].draft_info)
+        tokenizer = TextTokenizer.from_dir(self.config.services.target)
+        sched = Scheduler(
+            [pair_capacity(p) for p in pairs],
+            self.config.scheduler.max_queue,
+            has_draft=served.has_draft,
+            recover=self._recover,
+            observer=self.metrics,
+        )
+        self.scheduler = sched
+        for p in pairs:
+            i = p.index
+            client = PairClient(
+                p.target_address,
+                on_step=partial(sched.post_step, i),
+                on_admitted=partial(sched.post_admitted, i),
+                on_draft_down=partial(sched.post_draft_down, i),
+                on_close=partial(sched.post_closed, i),
+            )
+            self.clients.append(client)
+            sched.attach(i, client)
+        sched.start()
+        self.servicer.backend = Backend(
+            sched, served, tokenizer, lambda: self.model_info(served), self.metrics
+        )
+
+    def _recover(self, index: int) -> str:
+        address, _ = self.placement.wait_draft(self.placement.pairs[index])
+        return address
+
+    def model_info(self, served: Served) -> generate_pb2.ServedModelInfo:
+        target, draft = self.clients[0].model_info()
+        draft_up = served.has_draft and all(c.draft_up for c in self.clients)
+        pb = served_model_pb(
+            served, self.config.services.target, self.config.services.draft, target, draft, draft_up
+        )
+        return generate_pb2.ServedModelInfo(models=[pb])
+
+    def stop(self, grace_s: float | None = None) -> None:
+        """Graceful stop (see the module docstring); safe to call twice."""
+        if self._stopped.is_set():
+            return
+        self._stopped.set()
+        grace = self.config.grace_s if grace_s is None else grace_s
+        sched = self.scheduler
+        timer = None
+        if sched is not None:  # end what still runs just before the grace period ends
+            timer = threading.Timer(max(0.0, grace - 0.5), sched.stop)
+            timer.start()
+        self.server.stop(grace)
+        if timer is not None:
+            timer.cancel()
+        if sched is not None:
+            sched.stop()
+        for client in self.clients:
+            client.close()
+        self.placement.stop(min(grace, 5.0))
+        if self._owns_ray and ray.is_initialized():
+            ray.shutdown()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
+            self._metrics_server.server_close()
+        self._done.set()
+
+    def wait(self) -> None:
+        self.server.wait()
+
+    def serve_until_signal(self) -> None:
+        """Blocks until SIGTERM or SIGINT, then stops gracefully."""
+        import signal
+
+        def on_signal(signum: int, _frame: object) -> None:
+            log.info("signal %d: stopping (grace %.1f s)", signum, self.config.grace_s)
+            threading.Thread(target=self.stop, daemon=True).start()
+
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+        self.server.wait()
+        self._done.wait()

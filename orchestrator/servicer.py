@@ -1,0 +1,82 @@
+"""`specdec.v1.GenerateService`: protobuf in, scheduler jobs, protobuf out.
+
+Calls before the services are ready answer UNAVAILABLE. Errors become statuses through the
+server's interceptor: a ValueError from validation is INVALID_ARGUMENT naming the field, a full
+queue RESOURCE_EXHAUSTED; a request's own failure aborts only its call.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from orchestrator.detokenizer import TextTokenizer
+from orchestrator.requests import Job, JobMetrics, Served, deadline_of, parse_request
+from orchestrator.scheduler import Scheduler
+from specdec.pb.specdec.v1 import generate_pb2, generate_pb2_grpc
+
+SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
+
+
+@dataclass(frozen=True, slots=True)
+class Backend:
+    """What the servicer needs once the services are up."""
+
+    scheduler: Scheduler
+    served: Served
+    tokenizer: TextTokenizer
+    model_info: Callable[[], generate_pb2.ServedModelInfo]
+    metrics: JobMetrics | None = None
+
+
+class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
+    def __init__(self) -> None:
+        self.backend: Backend | None = None
+
+    def _backend(self, context: grpc.ServicerContext) -> Backend:
+        if self.backend is None:
+            context.abort(
+                grpc.StatusCode.UNAVAILABLE,
+                "The services are still starting; the health service reports SERVING once "
+                "every pair is warm.",
+            )
+        assert self.backend is not None
+        return self.backend
+
+    def _submit(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext) -> Job:
+        b = self._backend(context)
+        record, sampling = parse_request(request, b.served, b.tokenizer)
+        job = Job(record, sampling, deadline_of(context), b.metrics)
+        b.scheduler.submit(job)
+
+        def cancelled() -> None:  # runs whenever the call ends; a no-op once the job ended
+            b.scheduler.cancel(job, grpc.StatusCode.CANCELLED, "The client cancelled the call.")
+
+        if not context.add_callback(cancelled):
+            cancelled()  # the call ended already
+        return job
+
+    def Generate(
+        self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> Iterator[generate_pb2.GenerateResponse]:
+        yield from self._submit(request, context).responses(context)
+
+    def Complete(
+        self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext
+    ) -> generate_pb2.GenerateResponse:
+        job = self._submit(request, context)
+        for _ in job.responses(context):
+            pass
+        return job.record.complete_response()
+
+    def GetModelInfo(
+        self, request: generate_pb2.GetServedModelInfoRequest, context: grpc.ServicerContext
+    ) -> generate_pb2.ServedModelInfo:
+        return self._backend(context).model_info()
+
+
+def add_to_server(servicer: GenerateServicer, server: Any) -> None:
+    generate_pb2_grpc.add_GenerateServiceServicer_to_server(servicer, server)

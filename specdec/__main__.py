@@ -1,0 +1,7 @@
+"""python -m specdec: the `specdec` command (serve, generate, demo)."""
+
+import sys
+
+from orchestrator.cli import main
+
+sys.exit(main())
