@@ -76,9 +76,10 @@ def test_ragged_graph_step_matches_eager_and_buffers_change_on_replay() -> None:
     _, graphed, eager = _graph_runners((2, 4))
     g = torch.Generator().manual_seed(0)
     ids = ["a", "b", "c"]
+    prompts = {rid: torch.randint(0, 300, (6 + i,), generator=g).tolist()
+               for i, rid in enumerate(ids)}  # fmt: skip
     for r in (graphed, eager):
-        _prefill(r, {rid: torch.randint(0, 300, (6 + i,), generator=g).tolist()
-                     for i, rid in enumerate(ids)})  # fmt: skip
+        _prefill(r, prompts)
     g = torch.Generator().manual_seed(1)
     before = None
     for step in range(3):
