@@ -1,0 +1,210 @@
+"""The demo's model pair, trained on this machine on text that ships with Python.
+
+`build_demo_models` trains, once, a byte-level BPE tokenizer, a small Llama target and a
+smaller Llama draft on the standard library's top-level `.py` sources, and caches both
+checkpoints under `~/.cache/specdec/demo/<key>/` (`SPECDEC_CACHE_DIR` or `XDG_CACHE_HOME` move
+it). The key hashes the recipe: the budget, the source files and the library versions whose
+output it depends on. The draft is distilled from the target (trained on the target's
+next-token distributions, as DistillSpec does, arXiv:2310.08461) rather than on the text, which
+is what makes its greedy guesses agree with the target's.
+
+torch is imported only inside functions, so `import orchestrator` stays torch-free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import sys
+import sysconfig
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from orchestrator import demo_training
+
+RECIPE_VERSION = 1  # bump when the training code changes what a cached pair contains
+EOS = "<|endoftext|>"
+HELDOUT_EVERY = 20  # a source file is held out when the hash of its name is 0 mod this
+
+
+@dataclass(frozen=True, slots=True)
+class LlamaShape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+
+    def __post_init__(self) -> None:
+        for name in ("layers", "hidden", "heads", "kv_heads", "intermediate"):
+            if getattr(self, name) < 1:
+                raise ValueError(
+                    f"LlamaShape.{name} must be at least 1, got {getattr(self, name)}."
+                )
+        if self.hidden % self.heads or self.heads % self.kv_heads:
+            raise ValueError(
+                f"LlamaShape needs hidden divisible by heads and heads by kv_heads, got hidden="
+                f"{self.hidden}, heads={self.heads}, kv_heads={self.kv_heads}."
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class DemoBudget:
+    """What to train and for how long. A phase stops at whichever limit comes first (steps
+    or seconds); its learning-rate schedule follows the same progress, so a slow machine gets
+    a shorter but complete schedule."""
+
+    vocab_size: int = 1024
+    seq_len: int = 128  # training window, and the checkpoints' max_position_embeddings
+    batch_size: int = 16
+    target: LlamaShape = field(default_factory=lambda: LlamaShape(4, 192, 6, 2, 512))
+    draft: LlamaShape = field(default_factory=lambda: LlamaShape(1, 192, 6, 2, 512))
+    target_steps: int = 700
+    target_seconds: float = 150.0
+    draft_steps: int = 400
+    draft_seconds: float = 55.0
+    corpus_bytes: int = 0  # 0: every top-level source file; else the first files up to this
+    lr: float = 3e-3
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not 260 <= self.vocab_size <= 65536:
+            raise ValueError(f"vocab_size must be in [260, 65536], got {self.vocab_size}.")
+        if not 8 <= self.seq_len <= 4096:
+            raise ValueError(f"seq_len must be in [8, 4096], got {self.seq_len}.")
+        for name in ("batch_size", "target_steps", "draft_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}.")
+        for name in ("target_seconds", "draft_seconds", "lr"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}.")
+        if self.corpus_bytes < 0:
+            raise ValueError(f"corpus_bytes must be 0 (all) or positive, got {self.corpus_bytes}.")
+
+    @classmethod
+    def ci(cls) -> DemoBudget:
+        """A tiny pair for tests and `specdec demo --quick`: seconds, not minutes."""
+        return cls(
+            vocab_size=512,
+            seq_len=64,
+            batch_size=8,
+            target=LlamaShape(2, 64, 4, 2, 128),
+            draft=LlamaShape(1, 64, 4, 2, 128),
+            target_steps=150,
+            target_seconds=15.0,
+            draft_steps=100,
+            draft_seconds=8.0,
+            corpus_bytes=600_000,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class DemoPair:
+    root: Path
+    target: Path
+    draft: Path
+
+    @property
+    def training(self) -> dict[str, Any]:
+        """What the build measured (steps, seconds, losses), as written next to the models."""
+        return dict(json.loads((self.root / "training.json").read_text()))
+
+
+def cache_root() -> Path:
+    if env := os.environ.get("SPECDEC_CACHE_DIR"):
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "specdec"
+
+
+def source_files(corpus_bytes: int = 0) -> list[Path]:
+    """The standard library's top-level `.py` files in name order (first `corpus_bytes`)."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    # _sysconfigdata*.py is this machine's build configuration, not source anyone wrote
+    files = sorted(
+        (f for f in stdlib.glob("*.py") if not f.name.startswith("_sysconfigdata")),
+        key=lambda p: p.name,
+    )
+    if corpus_bytes:
+        kept, total = [], 0
+        for f in files:
+            if total >= corpus_bytes:
+                break
+            kept.append(f)
+            total += f.stat().st_size
+        files = kept
+    return files
+
+
+def is_heldout(path: Path) -> bool:
+    return int(hashlib.sha256(path.name.encode()).hexdigest(), 16) % HELDOUT_EVERY == 0
+
+
+def recipe(budget: DemoBudget) -> dict[str, Any]:
+    files = source_files(budget.corpus_bytes)
+    versions = {m: metadata.version(m) for m in ("torch", "transformers", "tokenizers")}
+    return {
+        "recipe_version": RECIPE_VERSION,
+        "budget": asdict(budget),
+        "python": sys.version.split()[0],
+        "files": [[f.name, f.stat().st_size] for f in files],
+        "versions": versions,
+    }
+
+
+def cache_key(budget: DemoBudget) -> str:
+    blob = json.dumps(recipe(budget), sort_keys=True).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def build_demo_models(
+    cache_dir: Path | None = None,
+    *,
+    budget: DemoBudget | None = None,
+    progress: bool = True,
+) -> DemoPair:
+    """The cached pair for `budget`, trained first if absent (atomically: an interrupted build
+    leaves only a temporary directory, never a half cache entry)."""
+    budget = budget or DemoBudget()
+    parent = (cache_dir or cache_root()) / "demo"
+    final = parent / cache_key(budget)
+    if (final / "training.json").is_file():
+        return DemoPair(final, final / "target", final / "draft")
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=parent))
+    try:
+        files = [f for f in source_files(budget.corpus_bytes) if not is_heldout(f)]
+        stats = demo_training.train_pair(tmp, budget, files, progress)
+        stats["recipe"] = recipe(budget)
+        (tmp / "training.json").write_text(json.dumps(stats, indent=1))
+        try:
+            tmp.rename(final)
+        except OSError:  # another process finished the same key first; keep theirs
+            if not (final / "training.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return DemoPair(final, final / "target", final / "draft")
+
+
+def main() -> int:
+    """python -m orchestrator.demo_models [--quick]: build (or find) the pair, then measure it."""
+    quick = "--quick" in sys.argv[1:]
+    t0 = time.perf_counter()
+    pair = build_demo_models(budget=DemoBudget.ci() if quick else DemoBudget())
+    print(f"pair in {pair.root} ({time.perf_counter() - t0:.1f} s)")
+    prompts = demo_training.heldout_prompts(source_files(), is_heldout, count=16)
+    report = demo_training.measure_acceptance(pair, prompts, k=4, new_tokens=64)
+    stats = {k: v for k, v in pair.training.items() if k != "recipe"}
+    print(json.dumps(stats | {"acceptance": asdict(report)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,317 @@
+"""Training and measuring the demo pair on CPU (see `demo_models`, which caches the result).
+
+Everything here imports torch, transformers and tokenizers inside functions, so that
+`import orchestrator` stays torch-free.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+    from orchestrator.demo_models import DemoBudget, DemoPair, LlamaShape
+
+EOS = "<|endoftext|>"
+
+
+def read_sources(files: Sequence[Path]) -> list[str]:
+    return [f.read_text(encoding="utf-8", errors="replace") for f in files]
+
+
+def train_tokenizer(texts: list[str], vocab_size: int, progress: bool) -> Any:
+    """A byte-level BPE (every byte is an id, so any text round-trips) with one EOS id."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=progress,
+    )
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS, pad_token=EOS, clean_up_tokenization_spaces=False
+    )
+
+
+def encode_corpus(tokenizer: Any, texts: list[str]) -> torch.Tensor:
+    """All texts as one stream of ids [n], each file followed by EOS."""
+    import torch
+
+    eos = int(tokenizer.eos_token_id)
+    ids: list[int] = []
+    for enc in tokenizer.backend_tokenizer.encode_batch(texts):
+        ids.extend(enc.ids)
+        ids.append(eos)
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def llama(shape: LlamaShape, budget: DemoBudget, eos_id: int) -> Any:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=budget.vocab_size,
+        hidden_size=shape.hidden,
+        intermediate_size=shape.intermediate,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_key_value_heads=shape.kv_heads,
+        max_position_embeddings=budget.seq_len,
+        tie_word_embeddings=False,
+        bos_token_id=eos_id,
+        eos_token_id=eos_id,
+        pad_token_id=eos_id,
+    )
+    config.architectures = ["LlamaForCausalLM"]  # the runner's fast path reads it
+    torch.manual_seed(budget.seed)
+    return LlamaForCausalLM(config)
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseStats:
+    steps: int
+    seconds: float
+    tokens_per_s: float
+    final_loss: float  # mean of the last 20 steps' training losses
+
+
+def train_phase(
+    model: Any,
+    loss_of: Callable[[torch.Tensor], torch.Tensor],
+    batches: Callable[[], torch.Tensor],
+    budget: DemoBudget,
+    limits: tuple[int, float],
+    desc: str,
+    progress: bool,
+) -> PhaseStats:
+    """AdamW with warm-up and cosine decay over progress = max(step share, time share)."""
+    import torch
+    from tqdm import tqdm
+
+    max_steps, max_seconds = limits
+    opt = torch.optim.AdamW(model.parameters(), lr=budget.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    model.train()
+    losses: list[float] = []
+    start, step, tokens = time.perf_counter(), 0, 0
+    bar = tqdm(total=100, desc=desc, disable=not progress, unit="%", mininterval=0.5)
+    while True:
+        done = max(step / max_steps, (time.perf_counter() - start) / max_seconds)
+        if done >= 1.0:
+            break
+        for group in opt.param_groups:
+            group["lr"] = budget.lr * _schedule(done)
+        batch = batches()  # [batch, seq_len + 1]
+        loss = loss_of(batch)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step, tokens = step + 1, tokens + batch[:, 1:].numel()
+        losses.append(float(loss.detach()))
+        elapsed = time.perf_counter() - start
+        bar.n = min(100, round(100 * done))
+        bar.set_postfix(
+            loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", tok_s=f"{tokens / elapsed:.0f}"
+        )
+    bar.n = 100
+    bar.close()
+    model.eval()
+    seconds = time.perf_counter() - start
+    tail = losses[-20:] or [math.nan]
+    return PhaseStats(step, seconds, tokens / seconds, sum(tail) / len(tail))
+
+
+def _schedule(done: float) -> float:
+    warm = 0.05
+    if done < warm:
+        return done / warm
+    return 0.1 + 0.45 * (1 + math.cos(math.pi * (done - warm) / (1 - warm)))
+
+
+def batch_sampler(data: torch.Tensor, budget: DemoBudget, seed: int) -> Callable[[], torch.Tensor]:
+    """Random windows [batch, seq_len + 1] of the token stream, reproducible from `seed`."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    offsets = torch.arange(budget.seq_len + 1)
+
+    def sample() -> torch.Tensor:
+        starts = torch.randint(
+            0, data.numel() - budget.seq_len - 1, (budget.batch_size, 1), generator=g
+        )
+        return data[starts + offsets]
+
+    return sample
+
+
+def lm_loss(model: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    import torch.nn.functional as F
+
+    def loss(batch: torch.Tensor) -> torch.Tensor:
+        logits = model(batch[:, :-1]).logits  # [batch, seq_len, vocab]
+        return F.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
+
+    return loss
+
+
+def distill_loss(draft: Any, target: Any) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Forward KL(target || draft) per position: the draft learns the target's whole
+    next-token distribution, not only the text's next token."""
+    import torch
+    import torch.nn.functional as F
+
+    def loss(batch: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            teacher = F.log_softmax(target(batch[:, :-1]).logits, dim=-1)  # [b, t, vocab]
+        student = F.log_softmax(draft(batch[:, :-1]).logits, dim=-1)  # [b, t, vocab]
+        return F.kl_div(
+            student.flatten(0, 1), teacher.flatten(0, 1), log_target=True, reduction="batchmean"
+        )
+
+    return loss
+
+
+def init_draft_from_target(draft: Any, target: Any) -> None:
+    """The draft starts from the target's embeddings, head, final norm and first layers."""
+    state = {k: v for k, v in target.state_dict().items() if k in draft.state_dict()}
+    draft.load_state_dict(state, strict=False)
+
+
+def train_pair(
+    out: Path, budget: DemoBudget, files: Sequence[Path], progress: bool
+) -> dict[str, Any]:
+    """Tokenizer, target, then draft, trained on `files`, saved under `out` (target/, draft/)."""
+    t0 = time.perf_counter()
+    texts = read_sources(files)
+    tokenizer = train_tokenizer(texts, budget.vocab_size, progress)
+    data = encode_corpus(tokenizer, texts)
+    stats: dict[str, Any] = {
+        "tokenizer_seconds": time.perf_counter() - t0,
+        "train_tokens": data.numel(),
+    }
+    eos = int(tokenizer.eos_token_id)
+    target = llama(budget.target, budget, eos)
+    phase = train_phase(
+        target, lm_loss(target), batch_sampler(data, budget, budget.seed), budget,
+        (budget.target_steps, budget.target_seconds), "target", progress,
+    )  # fmt: skip
+    stats["target"] = _asdict(phase)
+    draft = llama(budget.draft, budget, eos)
+    init_draft_from_target(draft, target)
+    phase = train_phase(
+        draft, distill_loss(draft, target), batch_sampler(data, budget, budget.seed + 1), budget,
+        (budget.draft_steps, budget.draft_seconds), "draft (distilled)", progress,
+    )  # fmt: skip
+    stats["draft"] = _asdict(phase)
+    for name, model in (("target", target), ("draft", draft)):
+        model.save_pretrained(str(out / name), safe_serialization=True)
+        tokenizer.save_pretrained(str(out / name))
+    stats["total_seconds"] = time.perf_counter() - t0
+    return stats
+
+
+def _asdict(stats: PhaseStats) -> dict[str, float]:
+    return {
+        "steps": stats.steps,
+        "seconds": stats.seconds,
+        "tokens_per_s": stats.tokens_per_s,
+        "final_loss": stats.final_loss,
+    }
+
+
+def heldout_prompts(
+    files: Sequence[Path], heldout: Callable[[Path], bool], count: int, chars: int = 160
+) -> list[str]:
+    """Prompts from held-out source files: `chars` characters starting at a line that begins
+    a `def` or `class`, cut back to a line end."""
+    prompts: list[str] = []
+    for text in read_sources([f for f in files if heldout(f)]):
+        for start in _definition_starts(text)[1::7]:
+            piece = text[start : start + chars]
+            prompts.append(piece[: piece.rfind("\n") + 1] or piece)
+            if len(prompts) == count:
+                return prompts
+    return prompts
+
+
+def _definition_starts(text: str) -> list[int]:
+    starts, pos = [], 0
+    for line in text.splitlines(keepends=True):
+        if line.lstrip().startswith(("def ", "class ")):
+            starts.append(pos)
+        pos += len(line)
+    return starts
+
+
+@dataclass(frozen=True, slots=True)
+class AcceptanceReport:
+    k: int
+    prompts: int
+    verify_steps: int
+    committed_tokens: int
+    mean_acceptance_length: float  # committed tokens per verify step: accepted drafts + 1
+    acceptance_rate: float  # accepted / drafted tokens
+    sample: str  # the first prompt and the target's greedy continuation
+
+
+def measure_acceptance(
+    pair: DemoPair, prompts: Sequence[str], k: int = 4, new_tokens: int = 64
+) -> AcceptanceReport:
+    """Greedy speculative decoding, replayed: the target continues each prompt greedily; at
+    each verify step the draft proposes k tokens greedily and the step commits the leading
+    proposals equal to the target's tokens plus one. While the proposals match, the draft's
+    context is the target's own text, so one draft pass over that text gives every proposal."""
+    import torch
+    from transformers import AutoTokenizer, LlamaForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(str(pair.target))
+    target = LlamaForCausalLM.from_pretrained(str(pair.target)).eval()
+    draft = LlamaForCausalLM.from_pretrained(str(pair.draft)).eval()
+    steps = committed = accepted = 0
+    sample = ""
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt").input_ids  # [1, p]
+        with torch.no_grad():
+            seq = target.generate(
+                ids,
+                max_new_tokens=new_tokens + k,
+                do_sample=False,
+                pad_token_id=tokenizer.eos_token_id,
+            )
+            guess = (
+                draft(seq).logits[0].argmax(-1)
+            )  # [len]: the draft's next token after each prefix
+        match = (guess[:-1] == seq[0, 1:]).tolist()  # match[i]: draft right about token i + 1
+        pos, end = ids.shape[1], ids.shape[1] + new_tokens
+        while pos < end and pos < seq.shape[1]:
+            a = 0
+            while a < k and pos + a < len(match) + 1 and match[pos + a - 1]:
+                a += 1
+            steps, committed, accepted, pos = (
+                steps + 1,
+                committed + a + 1,
+                accepted + a,
+                pos + a + 1,
+            )
+        sample = sample or str(tokenizer.decode(seq[0]))
+    return AcceptanceReport(
+        k,
+        len(prompts),
+        steps,
+        committed,
+        committed / max(steps, 1),
+        accepted / max(k * steps, 1),
+        sample,
+    )

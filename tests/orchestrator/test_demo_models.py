@@ -1,0 +1,120 @@
+"""The demo pair: trained (CI budget) into a temporary cache, loaded by the runner, cached."""
+
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from orchestrator import demo_models, demo_training
+from orchestrator.demo_models import DemoBudget, DemoPair, LlamaShape, build_demo_models
+from specdec.runner import ForwardItem, ModelRunner, RunnerConfig
+
+TEXT = "def naïve(x):\n    return f'café → {x} 日本語 🐍'\n\tpass  \n"
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory) -> DemoPair:
+    return build_demo_models(
+        tmp_path_factory.mktemp("cache"), budget=DemoBudget.ci(), progress=False
+    )
+
+
+def runner(path: Path) -> ModelRunner:
+    return ModelRunner.load(
+        RunnerConfig(str(path), max_slots=2, max_seq_len=DemoBudget.ci().seq_len)
+    )
+
+
+def test_both_checkpoints_load_on_the_fast_path_with_one_tokenizer(pair: DemoPair) -> None:
+    target, draft = runner(pair.target), runner(pair.draft)
+    assert target.info.fast_path and draft.info.fast_path
+    assert target.info.tokenizer_hash == draft.info.tokenizer_hash
+    assert target.info.vocab_size == draft.info.vocab_size == DemoBudget.ci().vocab_size
+    assert (pair.target / "tokenizer.json").read_bytes() == (
+        pair.draft / "tokenizer.json"
+    ).read_bytes()
+    training = pair.training
+    assert training["target"]["steps"] >= 1 and training["draft"]["steps"] >= 1
+
+
+def test_tokenizer_round_trips_multibyte_text(pair: DemoPair) -> None:
+    tokenizer = runner(pair.target).tokenizer
+    ids = tokenizer(TEXT).input_ids
+    assert tokenizer.decode(ids) == TEXT
+    assert tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids
+    assert len(ids) < len(TEXT.encode())  # merges were learned: fewer ids than bytes
+
+
+def test_runner_greedy_equals_transformers_generate(pair: DemoPair) -> None:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(pair.target)).eval()
+    run = runner(pair.target)
+    prompt = run.tokenizer("import os\n\ndef main(argv):\n").input_ids
+    with torch.no_grad():
+        want = model.generate(torch.tensor([prompt]), max_new_tokens=8, do_sample=False)[0]
+        ref_logits = model(torch.tensor([prompt])).logits[0]  # [p, vocab]
+    run.add_request("a")
+    logits = run.forward([ForwardItem("a", prompt, len(prompt))])  # [p, vocab]
+    torch.testing.assert_close(logits, ref_logits, atol=1e-4, rtol=0)
+    got = list(prompt)
+    for _ in range(8):
+        got.append(int(logits[-1].argmax()))
+        logits = run.forward([ForwardItem("a", got[-1:], 1)])
+    assert got == want.tolist()
+
+
+def test_cached_call_is_fast_and_returns_the_same_directories(pair: DemoPair) -> None:
+    start = time.perf_counter()
+    again = build_demo_models(pair.root.parent.parent, budget=DemoBudget.ci(), progress=False)
+    assert time.perf_counter() - start < 1.0
+    assert again == pair
+
+
+def test_an_interrupted_build_leaves_no_cache_entry_and_trains_on_no_heldout_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    seen: list[Path] = []
+
+    def fail(out: Path, budget: DemoBudget, files: list[Path], progress: bool) -> dict[str, object]:
+        seen.extend(files)
+        (out / "target").mkdir()  # half-written, then interrupted
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo_training, "train_pair", fail)
+    with pytest.raises(KeyboardInterrupt):
+        build_demo_models(tmp_path, budget=DemoBudget(), progress=False)
+    assert list((tmp_path / "demo").iterdir()) == []
+    everything = demo_models.source_files()
+    held = {f for f in everything if demo_models.is_heldout(f)}
+    assert 0 < len(held) < len(everything) // 5
+    assert set(seen) == set(everything) - held
+
+
+def test_cache_location_and_key(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("SPECDEC_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert demo_models.cache_root() == tmp_path / "specdec"
+    monkeypatch.setenv("SPECDEC_CACHE_DIR", str(tmp_path / "mine"))
+    assert demo_models.cache_root() == tmp_path / "mine"
+    ci = DemoBudget.ci()
+    assert demo_models.cache_key(ci) == demo_models.cache_key(DemoBudget.ci())
+    assert demo_models.cache_key(ci) != demo_models.cache_key(replace(ci, seed=1))
+
+
+def test_budget_errors_name_the_field() -> None:
+    with pytest.raises(ValueError, match="vocab_size must be in"):
+        DemoBudget(vocab_size=10)
+    with pytest.raises(ValueError, match="target_seconds must be positive"):
+        DemoBudget(target_seconds=0)
+    with pytest.raises(ValueError, match="divisible"):
+        LlamaShape(1, 100, 3, 2, 64)
+
+
+def test_heldout_prompts_start_at_definitions() -> None:
+    files = demo_models.source_files()
+    prompts = demo_training.heldout_prompts(files, demo_models.is_heldout, count=4)
+    assert len(prompts) == 4
+    assert all(p.lstrip().startswith(("def ", "class ")) and p.endswith("\n") for p in prompts)
