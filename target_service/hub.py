@@ -33,7 +33,7 @@ import queue
 import struct
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 import grpc
@@ -114,8 +114,9 @@ def _speculation(proposer: int, num_draft_tokens: int, limit: int) -> tuple[str,
 class Hub:
     """The loop of one Serve stream: `control` feeds it, `events` drains it."""
 
-    def __init__(self, engine: TargetEngine):
+    def __init__(self, engine: TargetEngine, on_end: Callable[[], None] = lambda: None):
         self.engine = engine
+        self._on_end = on_end  # after every request is released and the draft link closed
         self._config = engine.config
         self._controls: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._events: queue.SimpleQueue[target_pb2.ServeEvent | None] = queue.SimpleQueue()
@@ -158,6 +159,7 @@ class Hub:
                 self._shutdown()
             finally:
                 self._events.put(None)
+                self._on_end()
 
     def _start(self) -> None:
         address = self._config.draft_address
@@ -496,17 +498,21 @@ class HubServicer(TargetServicer):
                 "A Serve stream is already open on this target service; it serves one "
                 "orchestrator at a time.",
             )
-        hub = Hub(self.engine)
+        # The hub frees the gate when its loop has ended: after a cancellation gRPC may leave
+        # this generator suspended instead of closing it.
+        hub = Hub(self.engine, on_end=self._serving.release)
         try:
             context.add_callback(hub.stop)
             hub.start()
-            args = (request_iterator, hub)
-            threading.Thread(target=_read_controls, args=args, daemon=True).start()
+        except BaseException:
+            self._serving.release()
+            raise
+        args = (request_iterator, hub)
+        threading.Thread(target=_read_controls, args=args, daemon=True).start()
+        try:
             yield from hub.events()
         finally:
             hub.stop()  # the client went away: the loop ends after its step
-            hub.join()
-            self._serving.release()
 
 
 def _read_controls(request_iterator: Iterator[target_pb2.ServeControl], hub: Hub) -> None:

@@ -6,6 +6,8 @@ only its requests; one stream at a time."""
 
 from __future__ import annotations
 
+import queue
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,14 +20,14 @@ from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
 from specdec.pb.specdec.v1 import generate_pb2
 from specdec.runner import ModelRunner
 from specdec.serving.client import make_channel
-from specdec.serving.messages import ErrorReason, RequestError
+from specdec.serving.messages import Admission, ErrorReason, RequestError
 from tests.draft_service.models import (
     TOKENIZER_VOCAB,
     build_checkpoints,
     greedy_reference,
     runner_config,
 )
-from tests.target_service.hub_helpers import Driver, Services, hub_services
+from tests.target_service.hub_helpers import GREEDY, Driver, Services, hub_services
 
 
 @pytest.fixture(scope="module")
@@ -184,6 +186,38 @@ def test_failed_step_fails_only_its_requests(
     assert driver.records["z"].generated[:8] == greedy_reference(reference, _prompt(32), 8)
 
 
+def test_failed_draft_admission_runs_the_request_at_k0(
+    svc: Services, reference: ModelRunner
+) -> None:
+    prompt = _prompt(50)
+    svc.draft_engine.admit(Admission("dup", tuple(prompt), GREEDY))  # the draft refuses "dup"
+    try:
+        driver = Driver(svc.target_address, max_new_tokens=6)
+        driver.admit("dup", prompt, "draft", 3)
+        driver.run()
+        driver.client.close()
+    finally:
+        assert svc.draft_engine.release(["dup"]) == 1
+    _check_outputs(driver, reference)
+    assert driver.records["dup"].admitted == len(prompt), "a draft failure failed the request"
+    assert all(e.num_draft_tokens == 0 for e in driver.records["dup"].events)
+
+
+def test_failed_target_admission_is_undone_on_the_draft(svc: Services) -> None:
+    prompt = _prompt(51)
+    svc.target_engine.admit(Admission("twice", tuple(prompt), GREEDY))  # the target refuses
+    try:
+        driver = Driver(svc.target_address, max_new_tokens=6)
+        driver.admit("twice", prompt, "draft", 3)
+        driver.until(lambda: driver.records["twice"].admitted is not None)
+        driver.client.close()
+    finally:
+        assert svc.target_engine.release(["twice"]) == 1
+    result = driver.records["twice"].admitted
+    assert isinstance(result, RequestError) and "already admitted" in result.message
+    assert svc.draft_engine.release(["twice"]) == 0, "the draft kept the refused request"
+
+
 def test_admission_errors_are_answered(svc: Services) -> None:
     driver = Driver(svc.target_address, max_new_tokens=4)
     driver.admit("bad", [1, TOKENIZER_VOCAB + 3], "ngram", 2)
@@ -206,6 +240,35 @@ def test_admission_errors_are_answered(svc: Services) -> None:
     assert (
         answer.error.reason == ErrorReason.INVALID_ARGUMENT and "PROPOSER_" in answer.error.message
     )
+
+
+def test_cancelled_stream_releases_its_requests(svc: Services) -> None:
+    admit = target_pb2.ServeAdmit(
+        request=common_pb2.AdmitRequest(request_id="cut", prompt_token_ids=_prompt(60)),
+        proposer=generate_pb2.PROPOSER_DRAFT,
+        num_draft_tokens=2,
+    )
+    controls: queue.SimpleQueue[target_pb2.ServeControl] = queue.SimpleQueue()
+    controls.put(target_pb2.ServeControl(admit=admit))
+    with make_channel(svc.target_address) as channel:
+        call = target_pb2_grpc.TargetServiceStub(channel).Serve(iter(controls.get, None))
+        kinds = [next(call).WhichOneof("event") for _ in range(3)]
+        assert kinds == ["started", "admitted", "step"]
+        assert _held(svc, "cut")
+        call.cancel()  # the orchestrator went away without closing
+        deadline = time.monotonic() + 10
+        while _held(svc, "cut") and time.monotonic() < deadline:
+            time.sleep(0.05)
+    assert not _held(svc, "cut")
+    assert svc.draft_engine.release(["cut"]) == 0, "the draft still held the request"
+    deadline = time.monotonic() + 10
+    while True:  # the hub frees its gate just after releasing (closing the draft link)
+        try:
+            Driver(svc.target_address, max_new_tokens=1).client.close()
+            break
+        except ConnectionError:
+            assert time.monotonic() < deadline, "the cancelled stream still holds the hub"
+            time.sleep(0.05)
 
 
 def test_second_serve_stream_is_refused(svc: Services) -> None:
