@@ -5,7 +5,8 @@
 
 Variants: the plain case; a unary call instead; the server process with CUDA initialised; both
 processes pinned to their own cores; a server thread pool of one; grpc.aio on both ends; a
-server thread spinning on Python work (GIL contention, as an engine thread would cause). Each
+server thread spinning on Python work (GIL contention, as an engine thread would cause), with
+the interpreter's default 5 ms GIL switch interval and with 100 us. Each
 variant's server runs in a fresh child process; trips are timed in the parent.
 """
 
@@ -18,6 +19,7 @@ import multiprocessing as mp
 import os
 import platform
 import statistics
+import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator
@@ -29,7 +31,11 @@ import grpc
 from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
 from specdec.serving.client import LockstepStream
 
-VARIANTS = ("plain", "unary", "server_cuda", "pinned", "one_worker", "aio", "gil_spinner")
+VARIANTS = (
+    "plain", "unary", "server_cuda", "pinned", "one_worker", "aio", "gil_spinner",
+    "gil_spinner_switch_100us", "switch_100us",
+)  # fmt: skip
+SWITCH_S = 1e-4  # the interpreter's GIL switch interval in the *_switch_100us variants
 
 
 class _Echo(target_pb2_grpc.TargetServiceServicer):
@@ -54,6 +60,8 @@ class _AioEcho(target_pb2_grpc.TargetServiceServicer):
 
 
 def _serve(variant: str, port_out: mp.connection.Connection) -> None:  # child process
+    if variant.endswith("switch_100us"):
+        sys.setswitchinterval(SWITCH_S)
     if variant == "pinned" and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {2 % (os.cpu_count() or 1)})
     if variant == "server_cuda":
@@ -61,7 +69,7 @@ def _serve(variant: str, port_out: mp.connection.Connection) -> None:  # child p
 
         if torch.cuda.is_available():
             torch.zeros(1, device="cuda")
-    if variant == "gil_spinner":
+    if variant.startswith("gil_spinner"):
         threading.Thread(target=_spin, daemon=True).start()
     if variant == "aio":
         asyncio.run(_serve_aio(port_out))
