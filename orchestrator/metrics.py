@@ -35,12 +35,12 @@ Every metric lives in the Metrics object's own CollectorRegistry, never the glob
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Protocol
+from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
-from orchestrator.records import StepEventLike
+from orchestrator.pair import StepReport
 from specdec.pb.specdec.v1 import generate_pb2
 
 PREFIX = "specdec:"
@@ -54,25 +54,6 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                120.0, 240.0, 480.0)  # fmt: skip
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015,
                 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0)  # fmt: skip
-
-
-class StepReportLike(Protocol):
-    """The fields of `orchestrator.pair.StepReport` the metrics read."""
-
-    @property
-    def events(self) -> Sequence[StepEventLike]: ...
-    @property
-    def draft_s(self) -> float: ...
-    @property
-    def transport_s(self) -> float: ...
-    @property
-    def verify_s(self) -> float: ...
-    @property
-    def sampler_s(self) -> float: ...
-    @property
-    def step_s(self) -> float: ...
-    @property
-    def draft_up(self) -> bool: ...
 
 
 class Metrics:
@@ -152,7 +133,7 @@ class Metrics:
         self._steps = self._counter("steps", "Hub steps.").labels(self.model_pair)
         self._draft_up = self._gauge("draft_up", "1 while the draft service is up.")
 
-    def on_step(self, report: StepReportLike, proposer_of: Callable[[str], str | None]) -> None:
+    def on_step(self, report: StepReport, proposer_of: Callable[[str], str | None]) -> None:
         """Counts one hub step's drafts and timings; `proposer_of` maps a request to its proposer
         (None for a request the orchestrator no longer holds)."""
         for event in report.events:

@@ -1,12 +1,12 @@
 """The orchestrator's record of one request: the source of truth for its committed tokens.
 
-The hub streams one verdict per request per step (a `StepEvent`); `RequestRecord.apply` takes
-each exactly once by (request id, step): a duplicate or stale step (a verdict seen again after a
-reconnect) is dropped, a step beyond the next expected one is a `StepGapError`. Applying a
-verdict commits its tokens one at a time, checking after each the stop token ids, the stop
-strings (through the incremental detokenizer) and max_tokens; tokens after the one that
-finished the request are dropped, so a length-limited request has exactly max_tokens tokens.
-After a service restart, `readmission()` is what gets re-prefilled.
+The hub streams one verdict per request per step (an `orchestrator.pair.StepEvent`);
+`RequestRecord.apply` takes each exactly once by (request id, step): a duplicate or stale step
+(a verdict seen again after a reconnect) is dropped, a step beyond the next expected one is a
+`StepGapError`. Applying a verdict commits its tokens one at a time, checking after each the
+stop token ids, the stop strings (through the incremental detokenizer) and max_tokens; tokens
+after the one that finished the request are dropped, so a length-limited request has exactly
+max_tokens tokens. After a service restart, `readmission()` is what gets re-prefilled.
 """
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Protocol
 
 from orchestrator.detokenizer import IncrementalDetokenizer
+from orchestrator.pair import StepEvent
 from specdec.pb.specdec.v1 import generate_pb2
 from specdec.serving.messages import RequestError
 
@@ -39,23 +39,6 @@ class FinishReason(IntEnum):
     STOP_TOKEN = 3
     MAX_SEQ_LEN = 4
     CANCELLED = 5
-
-
-class StepEventLike(Protocol):
-    """The fields of `orchestrator.pair.StepEvent` a record reads."""
-
-    @property
-    def request_id(self) -> str: ...
-    @property
-    def step(self) -> int: ...
-    @property
-    def token_ids(self) -> tuple[int, ...]: ...
-    @property
-    def num_draft_tokens(self) -> int: ...
-    @property
-    def num_accepted(self) -> int: ...
-    @property
-    def error(self) -> RequestError | None: ...
 
 
 class StepGapError(RuntimeError):
@@ -231,7 +214,7 @@ class RequestRecord:
         """What a fresh service prefills: prompt plus committed tokens, and the next step."""
         return (*self.prompt_ids, *self.committed), self.next_step
 
-    def apply(self, event: StepEventLike) -> Delta | None:
+    def apply(self, event: StepEvent) -> Delta | None:
         """Applies one verdict; None when it is a duplicate, stale, or after the request ended."""
         assert event.request_id == self.request_id, "a verdict for another request"
         if self.done or event.step < self.next_step:

@@ -5,38 +5,29 @@ from __future__ import annotations
 
 import urllib.request
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.metrics import Metrics, start_metrics_server
+from orchestrator.pair import StepEvent
+from orchestrator.pair import StepReport as Report
 from specdec.pb.specdec.v1 import generate_pb2
 from specdec.serving.messages import ErrorReason, RequestError
 
 PAIR = "target-8b/draft-1b"
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    request_id: str
-    step: int
-    token_ids: tuple[int, ...]
-    num_draft_tokens: int
-    num_accepted: int
-    error: RequestError | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class Report:
-    events: tuple[Event, ...]
-    draft_s: float
-    transport_s: float
-    verify_s: float
-    sampler_s: float
-    step_s: float
-    draft_up: bool
+def Event(
+    request_id: str,
+    step: int,
+    token_ids: tuple[int, ...],
+    k: int,
+    accepted: int,
+    error: RequestError | None = None,
+) -> StepEvent:
+    return StepEvent(request_id, step, token_ids, k, accepted, error)
 
 
 @pytest.fixture

@@ -3,12 +3,11 @@ the right token, counts and responses agree with what was applied."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import grpc
 import pytest
 
 from orchestrator.detokenizer import IncrementalDetokenizer
+from orchestrator.pair import StepEvent
 from orchestrator.records import (
     FinishReason,
     RequestRecord,
@@ -22,16 +21,15 @@ from tests.orchestrator.bpe import EOS, text_tokenizer, train_bpe
 PROMPT = (5, 6, 7)
 
 
-@dataclass(frozen=True, slots=True)
-class Event:
-    """The fields of orchestrator.pair.StepEvent."""
-
-    request_id: str
-    step: int
-    token_ids: tuple[int, ...]
-    num_draft_tokens: int
-    num_accepted: int
-    error: RequestError | None = None
+def Event(
+    request_id: str,
+    step: int,
+    token_ids: tuple[int, ...],
+    k: int,
+    accepted: int,
+    error: RequestError | None = None,
+) -> StepEvent:
+    return StepEvent(request_id, step, token_ids, k, accepted, error)
 
 
 class Clock:
@@ -52,7 +50,7 @@ def _record(criteria: StopCriteria = NO_LIMIT, *, text: bool = False, **kw) -> R
     return RequestRecord("r", PROMPT, criteria, detokenizer=detok, **kw)
 
 
-def _step(step: int, tokens: tuple[int, ...], k: int | None = None) -> Event:
+def _step(step: int, tokens: tuple[int, ...], k: int | None = None) -> StepEvent:
     k = len(tokens) - 1 if k is None else k
     return Event("r", step, tokens, k, len(tokens) - 1)
 
