@@ -37,6 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--draft-address", help="check this draft's tokenizer at start-up")
     parser.add_argument(
+        "--draft-wait-s",
+        type=float,
+        default=d("draft_wait_s"),
+        help="how long to wait for the draft at --draft-address",
+    )
+    parser.add_argument(
         "--sampler-impl", choices=["auto", "triton", "torch"], default=d("sampler_impl")
     )
     g = parser.add_argument_group("synthetic acceptance", BENCHMARK_ONLY)
@@ -93,6 +99,7 @@ def target_config(args: argparse.Namespace) -> TargetConfig:
         max_num_draft_tokens=args.max_num_draft_tokens,
         max_support_size=args.max_support_size,
         draft_address=args.draft_address,
+        draft_wait_s=args.draft_wait_s,
         sampler_impl=args.sampler_impl,
         synthetic=synthetic(args),
     )

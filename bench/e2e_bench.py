@@ -1,0 +1,343 @@
+"""The whole served system, measured: draft and target services in their own processes, driven
+over gRPC by `specdec.serving.pipeline.Pipeline`, against the same run's in-process graph times.
+
+    PYTHONPATH=. python bench/e2e_bench.py --out bench/results      # GPU: 8B target, 1B draft
+    PYTHONPATH=. python bench/e2e_bench.py --smoke --out /tmp/e2e    # CPU, tiny models, ~1 min
+    PYTHONPATH=. python bench/e2e_bench.py --report bench/results/e2e_NVIDIA_H200.json
+
+Steps, each phase in its own process where it holds device memory:
+1. checkpoints with random weights (Llama-3.1-8B / Llama-3.2-1B shapes, one shared tokenizer of
+   128,256 ids; cached), and their in-process CUDA graph step times (`e2e_inprocess`);
+2. the empty gRPC round trip, a trivial echo server in a child process;
+3. the draft service, then a plain target service: target-only rows (k = 0 blocks, the draft is
+   never called) and the greedy check (target-only and lock-step speculation with real
+   acceptance must commit the same tokens); then a target per synthetic acceptance length L
+   (BENCHMARKING ONLY: its output is not the target's distribution): lock-step rows;
+4. if the greedy runs diverged, the target's logit gap at each first divergence: a near-tie
+   (within `--tie-tolerance` of the row's std) is kernel numerics, anything wider a failure;
+5. `e2e_<GPU>.json`, `.md` (a section ready for BENCHMARKS.md) and `.png` in --out.
+
+Exit code 1 when the greedy check fails. Services are stopped on every way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, NoReturn
+
+from bench import e2e_models, e2e_report
+from bench.e2e_driver import PipelineDriver, Workload, compare, greedy_run, measure
+from bench.e2e_services import (
+    REPO,
+    Service,
+    child_env,
+    empty_round_trip,
+    running,
+    wait_serving,
+)
+
+GRAPH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+class Progress:
+    """tqdm where it is installed, else one updating line on stderr."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.what = total, 0, ""
+        try:
+            from tqdm import tqdm
+
+            self._bar: Any = tqdm(total=total, unit="step", dynamic_ncols=True)
+        except ImportError:
+            self._bar = None
+
+    def phase(self, what: str) -> None:
+        self.what = what
+        if self._bar is not None:
+            self._bar.set_description(what)
+        else:
+            print(f"\r[{self.done}/{self.total}] {what}", end="", file=sys.stderr, flush=True)
+
+    def tick(self, n: int = 1) -> None:
+        self.done += n
+        if self._bar is not None:
+            self._bar.update(n)
+        elif self.done % 8 == 0 or self.done == self.total:
+            print(f"\r[{self.done}/{self.total}] {self.what}", end="", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        else:
+            print(file=sys.stderr)
+
+
+def child(task: str, job: dict[str, Any], log_dir: Path) -> dict[str, Any]:
+    """Runs `bench.e2e_inprocess TASK` in a child process; its JSON result."""
+    log_dir.mkdir(parents=True, exist_ok=True)
+    job_path, out_path, log = (log_dir / f"{task}.{x}" for x in ("job.json", "json", "log"))
+    job_path.write_text(json.dumps(job))
+    cmd = [sys.executable, "-m", "bench.e2e_inprocess", task, str(job_path), str(out_path)]
+    with log.open("wb") as f:
+        done = subprocess.run(cmd, cwd=REPO, env=child_env(), stdout=f, stderr=f)
+    if done.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        raise RuntimeError(f"e2e_inprocess {task} failed (code {done.returncode}):\n{tail}")
+    result: dict[str, Any] = json.loads(out_path.read_text())
+    return result
+
+
+def settings(args: argparse.Namespace) -> dict[str, Any]:
+    k, steps = args.num_draft_tokens, args.warmup + args.steps + 1
+    need = max(args.prompt_len + steps * (k + 1), args.prompt_len + args.greedy_tokens + 2 * k + 2)
+    return {
+        "smoke": args.smoke,
+        "batches": args.batches,
+        "num_draft_tokens": k,
+        "prompt_len": args.prompt_len,
+        "warmup": args.warmup,
+        "steps": args.steps,
+        "lengths": args.lengths,
+        "dtype": "float32" if args.smoke else "bfloat16",
+        "max_slots": max([*args.batches, args.greedy_batch]),
+        "max_seq_len": 64 * ((need + k + 1 + 63) // 64),
+        "ctx": args.prompt_len + args.warmup + args.steps,
+    }
+
+
+def service_args(s: dict[str, Any], path: str, device: str) -> list[str]:
+    out = [
+        "--model",
+        path,
+        "--device",
+        device,
+        "--dtype",
+        s["dtype"],
+        "--grace-s",
+        "1",
+        "--max-slots",
+        str(s["max_slots"]),
+        "--max-seq-len",
+        str(s["max_seq_len"]),
+    ]
+    if device.startswith("cuda"):
+        sizes = [str(b) for b in GRAPH_SIZES if b <= s["max_slots"]]
+        out += ["--cuda-graph-batch-sizes", *sizes]
+    return out
+
+
+@contextmanager
+def target_service(
+    s: dict[str, Any], args: argparse.Namespace, draft: Service, length: float | None
+) -> Iterator[Service]:
+    flags = service_args(s, s["paths"]["target"], s["target_device"])
+    flags += ["--draft-address", draft.address, "--draft-wait-s", str(args.start_timeout_s)]
+    if s["target_device"] == "cpu":  # the Triton interpreter would take about 1 s per step
+        flags += ["--sampler-impl", "torch"]
+    if length is not None:
+        flags += [
+            "--synthetic-acceptance-length",
+            str(length),
+            "--synthetic-num-draft-tokens",
+            str(s["num_draft_tokens"]),
+        ]
+    name = f"target_{e2e_report.config_name(length)}"
+    with running(name, "target_service", flags, args.log_dir, args.start_timeout_s) as target:
+        yield target
+
+
+def serve_rows(
+    s: dict[str, Any], args: argparse.Namespace, progress: Progress
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Target-only rows and the greedy check on a plain target, then lock-step rows per L."""
+    rows: list[dict[str, Any]] = []
+    vocab = s["vocab_size"]
+
+    def work(batch: int, k: int) -> Workload:
+        return Workload(batch, k, s["prompt_len"], vocab, args.warmup, args.steps)
+
+    def run(config: str, driver: PipelineDriver, k: int, length: float | None) -> None:
+        try:
+            for b in s["batches"]:
+                progress.phase(f"{config} batch {b}")
+                row = measure(driver, work(b, k), config, progress.tick)
+                rows.append({"config": config, "synthetic_length": length} | row)
+        finally:
+            driver.close()
+
+    progress.phase("starting the draft and target services")
+    draft_flags = service_args(s, s["paths"]["draft"], s["draft_device"])
+    timeout = args.start_timeout_s
+    with running("draft", "draft_service", draft_flags, args.log_dir, timeout, wait=False) as d:
+        with target_service(s, args, d, None) as t:
+            wait_serving(d, timeout)
+            run(e2e_report.TARGET_ONLY, PipelineDriver(None, t.address), 0, None)
+            progress.phase("greedy check")
+            greedy = greedy_check(s, args, d, t)
+            progress.tick()
+        for length in s["lengths"]:
+            progress.phase(f"starting a target with synthetic L = {length}")
+            with target_service(s, args, d, length) as t:
+                config = e2e_report.config_name(length)
+                run(config, PipelineDriver(d.address, t.address), s["num_draft_tokens"], length)
+    return rows, greedy
+
+
+def greedy_check(
+    s: dict[str, Any], args: argparse.Namespace, draft: Service, target: Service
+) -> dict[str, Any]:
+    k = s["num_draft_tokens"]
+    runs = []
+    for name, draft_address, ks in (("plain", None, 0), ("spec", draft.address, k)):
+        driver = PipelineDriver(draft_address, target.address)
+        try:
+            w = Workload(args.greedy_batch, ks, s["prompt_len"], s["vocab_size"], 0, 0)
+            runs.append(greedy_run(driver, w, f"greedy-{name}", args.greedy_tokens))
+        finally:
+            driver.close()
+    w = Workload(args.greedy_batch, k, s["prompt_len"], s["vocab_size"], 0, 0)
+    return compare(w, runs[0], runs[1])
+
+
+def diagnose(s: dict[str, Any], greedy: dict[str, Any], args: argparse.Namespace) -> dict:
+    job = {
+        "path": s["paths"]["target"],
+        "device": s["target_device"],
+        "dtype": s["dtype"],
+        "divergences": greedy["divergences"],
+    }
+    out = child("diagnose", job, args.log_dir)
+    out["tolerance"] = args.tie_tolerance
+    out["ties_only"] = all(d["gap_in_std"] <= args.tie_tolerance for d in out["divergences"])
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    s = settings(args)
+    n_rows = len(s["batches"]) * (1 + len(s["lengths"]))
+    progress = Progress(2 + n_rows * args.steps + 1)
+    try:
+        progress.phase("checkpoints and in-process graph times")
+        job = s | {
+            "cache": str(args.cache),
+            "graph_sizes": list(GRAPH_SIZES),
+            "iters": args.inprocess_iters,
+        }
+        prep = child("prepare", job, args.log_dir)
+        progress.tick()
+        s |= {k: prep[k] for k in ("paths", "draft_device", "target_device")}
+        s["vocab_size"] = e2e_models.plan(args.smoke)["target"][1]["vocab_size"]
+        s["models"] = {
+            "target": Path(s["paths"]["target"]).name,
+            "draft": Path(s["paths"]["draft"]).name,
+        }
+        progress.phase("empty gRPC round trip")
+        rtt = empty_round_trip(args.log_dir)
+        progress.tick()
+        rows, greedy = serve_rows(s, args, progress)
+    finally:
+        progress.close()
+    result = {
+        "command": shlex.join(["python", *sys.argv]),
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "environment": prep["environment"],
+        "settings": s,
+        "empty_round_trip": rtt,
+        "inprocess_ms": {"target": prep["target_ms"], "draft": prep["draft_ms"]},
+        "rows": rows,
+        "greedy_check": greedy,
+        "greedy_diagnosis": None if greedy["passed"] else diagnose(s, greedy, args),
+    }
+    path = e2e_report.write(result, args.out)
+    print(e2e_report.markdown(result))
+    print(f"results: {path} (.md, .png beside it); service logs in {args.log_dir}")
+    ok = greedy["passed"] or result["greedy_diagnosis"]["ties_only"]
+    return 0 if ok else 1
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
+    p.add_argument(
+        "--cache",
+        type=Path,
+        default=Path("/tmp/specdec_e2e_models"),
+        help="checkpoint directory (reused when it holds the same models)",
+    )
+    p.add_argument("--log-dir", type=Path, help="service logs (default: OUT/e2e_logs)")
+    p.add_argument("--smoke", action="store_true", help="tiny models on the CPU, a few steps")
+    p.add_argument("--batches", type=int, nargs="+")
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument(
+        "--lengths",
+        type=float,
+        nargs="*",
+        default=[1.5, 3.0],
+        help="synthetic mean acceptance lengths of the lock-step rows",
+    )
+    p.add_argument("--prompt-len", type=int)
+    p.add_argument("--warmup", type=int, help="untimed steps first (graphs are captured lazily)")
+    p.add_argument("--steps", type=int, help="timed steps per row")
+    p.add_argument("--greedy-batch", type=int)
+    p.add_argument("--greedy-tokens", type=int)
+    p.add_argument(
+        "--tie-tolerance",
+        type=float,
+        default=0.02,
+        help="greedy divergence at a logit gap below this many row stds is a tie",
+    )
+    p.add_argument("--inprocess-iters", type=int)
+    p.add_argument("--start-timeout-s", type=float, default=900.0)
+    p.add_argument("--report", type=Path, help="regenerate .md and .png from a results JSON")
+    args = p.parse_args(argv)
+    smoke = dict(
+        batches=[1, 4],
+        prompt_len=16,
+        warmup=2,
+        steps=6,
+        greedy_batch=4,
+        greedy_tokens=8,
+        inprocess_iters=2,
+    )
+    full = dict(
+        batches=[1, 8, 32],
+        prompt_len=64,
+        warmup=16,
+        steps=64,
+        greedy_batch=8,
+        greedy_tokens=16,
+        inprocess_iters=20,
+    )
+    for name, value in (smoke if args.smoke else full).items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.log_dir = args.log_dir or args.out / "e2e_logs"
+    return args
+
+
+def _interrupt(signum: int, frame: object) -> NoReturn:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.report is not None:
+        result = json.loads(args.report.read_text())
+        e2e_report.write(result, args.report.parent)
+        print(e2e_report.markdown(result))
+        return 0
+    signal.signal(signal.SIGTERM, _interrupt)  # so the services are stopped on the way out
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,230 @@
+"""The system benchmark's results: goals against the same run's in-process graph times and
+empty round trip, a markdown section (ready to paste at the top of BENCHMARKS.md) and a plot.
+Needs no GPU and no torch: `e2e_bench.py --report RESULTS.json` regenerates both."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+TARGET_ONLY = "target_only"
+# tokens/s of lock-step speculation at L = 3 over target-only, per batch
+SPEEDUP_GOALS = {1: 1.4, 8: 1.3, 32: 1.05}
+LOCKSTEP_SLACK, TARGET_ONLY_SLACK = 1.15, 1.1
+
+
+def config_name(length: float | None) -> str:
+    return TARGET_ONLY if length is None else f"lockstep_L{length:g}"
+
+
+def bounds(result: dict[str, Any], batch: int) -> dict[str, float]:
+    """In-process graph step times (ms) at `batch`: decode, verify, draft, and the bounds."""
+    k = result["settings"]["num_draft_tokens"]
+    t, d = result["inprocess_ms"]["target"], result["inprocess_ms"]["draft"]
+    decode, verify, draft = t[f"1,{batch}"], t[f"{k + 1},{batch}"], d[f"1,{batch}"]
+    return {"decode": decode, "verify": verify, "draft": draft, "lockstep": k * draft + verify}
+
+
+def _row(result: dict[str, Any], config: str, batch: int) -> dict[str, Any] | None:
+    return next((r for r in result["rows"] if r["config"] == config and r["batch"] == batch), None)
+
+
+def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
+    """Each goal with its measured value, its limit and whether it is met."""
+    rtt = result["empty_round_trip"]["median_ms"]
+    out = []
+    for r in result["rows"]:
+        b = bounds(result, r["batch"])
+        if r["config"] == TARGET_ONLY:
+            limit, what = TARGET_ONLY_SLACK * b["decode"], "1.1 x graph decode"
+        else:
+            limit = LOCKSTEP_SLACK * b["lockstep"] + 2 * rtt
+            what = "1.15 x (k T_draft + T_verify) + 2 empty round trips"
+        value = r["step_ms_median"]
+        out.append(
+            {
+                "goal": f"{r['config']} step ms <= {what}",
+                "batch": r["batch"],
+                "value": value,
+                "limit": limit,
+                "met": value <= limit,
+            }
+        )
+    for batch, want in SPEEDUP_GOALS.items():
+        spec, plain = _row(result, config_name(3.0), batch), _row(result, TARGET_ONLY, batch)
+        if spec is None or plain is None:
+            continue
+        value = spec["tokens_per_s"] / plain["tokens_per_s"]
+        out.append(
+            {
+                "goal": "tokens/s at L = 3 / target-only >=",
+                "batch": batch,
+                "value": value,
+                "limit": want,
+                "met": value >= want,
+            }
+        )
+    return out
+
+
+def _f(x: float) -> str:
+    return f"{x:.3f}" if abs(x) < 100 else f"{x:.0f}"
+
+
+def _tables(result: dict[str, Any]) -> list[str]:
+    lines = [
+        "| config | batch | step ms median | p90 | bound ms | step / bound | tokens/s "
+        "| ms per output token | tokens per step per request | graphed steps |",
+        "|---" * 10 + "|",
+    ]
+    for r in result["rows"]:
+        b = bounds(result, r["batch"])
+        bound = b["decode"] if r["config"] == TARGET_ONLY else b["lockstep"]
+        lines.append(
+            f"| {r['config']} | {r['batch']} | {_f(r['step_ms_median'])} | {_f(r['step_ms_p90'])} "
+            f"| {_f(bound)} | {r['step_ms_median'] / bound:.2f} | {_f(r['tokens_per_s'])} "
+            f"| {_f(r['time_per_output_token_ms'])} | {r['tokens_per_step_per_request']:.2f} "
+            f"| {r['graphed_steps']}/{r['steps']} |"
+        )
+    lines += [
+        "",
+        "Where a step's time went (mean ms per step; transport = round trips minus the services' "
+        "own time, Python = service time minus device time):",
+        "",
+        "| config | batch | draft forward | verify forward | sampler | Python (services) "
+        "| Python (driver) | transport | sum | mean step |",
+        "|---" * 10 + "|",
+    ]
+    for r in result["rows"]:
+        s = r["split_ms_mean"]
+        services = s["draft_python"] + s["target_python"]
+        lines.append(
+            f"| {r['config']} | {r['batch']} | {_f(s['draft_forward'])} "
+            f"| {_f(s['verify_forward'])} | {_f(s['sampler'])} | {_f(services)} "
+            f"| {_f(s['driver'])} | {_f(s['transport'])} | {_f(sum(s.values()))} "
+            f"| {_f(r['step_ms_mean'])} |"
+        )
+    return lines
+
+
+def _inprocess(result: dict[str, Any]) -> list[str]:
+    k = result["settings"]["num_draft_tokens"]
+    lines = [
+        f"In-process graph steps (ms; `ModelRunner.graph_step`, {result['settings']['ctx']} "
+        "tokens of KV):",
+        "",
+        f"| batch | target decode (n = 1) | target verify (n = {k + 1}) | draft step (n = 1) "
+        f"| k T_draft + T_verify |",
+        "|---" * 5 + "|",
+    ]
+    for batch in result["settings"]["batches"]:
+        b = bounds(result, batch)
+        lines.append(
+            f"| {batch} | {_f(b['decode'])} | {_f(b['verify'])} | {_f(b['draft'])} "
+            f"| {_f(b['lockstep'])} |"
+        )
+    return lines
+
+
+def _greedy(result: dict[str, Any]) -> str:
+    g = result["greedy_check"]
+    head = (
+        f"Greedy check (real acceptance, batch {g['batch']}, {g['new_tokens']} new tokens, "
+        f"target-only vs lock-step k = {g['num_draft_tokens']}): "
+    )
+    if g["passed"]:
+        return head + "identical tokens (passed)."
+    diag = result.get("greedy_diagnosis") or {}
+    ds = diag.get("divergences", [])
+    gaps = ", ".join(f"{d['gap_in_std']:.4f}" for d in ds) or "not diagnosed"
+    verdict = "passed (near-ties only)" if diag.get("ties_only") else "FAILED"
+    return (
+        head + f"{len(g['divergences'])} requests diverged; target logit gaps at the first "
+        f"divergence in row stds: {gaps} (tie tolerance {diag.get('tolerance')}): {verdict}."
+    )
+
+
+def markdown(result: dict[str, Any]) -> str:
+    env, s = result["environment"], result["settings"]
+    rtt = result["empty_round_trip"]
+    goal_lines = [
+        f"- {'met' if g['met'] else 'MISSED'}: {g['goal']} at batch {g['batch']}: "
+        f"{_f(g['value'])} vs {_f(g['limit'])}"
+        for g in goals(result)
+    ]
+    lines = [
+        f"## System benchmark (`bench/e2e_bench.py`), {env['gpu']}, {result['date']}",
+        "",
+        f"{env['gpu']} x {max(env['gpu_count'], 1)} (draft on {s['draft_device']}, target on "
+        f"{s['target_device']}), driver {env['driver']}; torch {env['torch']}, triton "
+        f"{env['triton']}, grpcio {env['grpcio']}, Python {env['python']}. Command: "
+        f"`{result['command']}`.",
+        "",
+        f"Models: {s['models']['target']} target, {s['models']['draft']} draft, {s['dtype']}, "
+        f"random weights; {s['prompt_len']}-token prompts, k = {s['num_draft_tokens']}, greedy; "
+        f"{s['warmup']} warm-up then {s['steps']} timed steps per row. Lock-step rows use "
+        f"synthetic acceptance (BENCHMARKING ONLY) at mean acceptance length L. Empty gRPC "
+        f"round trip (lock-step stream, loopback): {rtt['median_ms']:.3f} ms median, "
+        f"{rtt['p90_ms']:.3f} ms p90.",
+        "",
+        *_tables(result),
+        "",
+        *_inprocess(result),
+        "",
+        "Goals:",
+        "",
+        *goal_lines,
+        "",
+        _greedy(result),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def plot(result: dict[str, Any], path: Path) -> bool:
+    """Step time and tokens/s per batch; False where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    batches = result["settings"]["batches"]
+    configs = list(dict.fromkeys(r["config"] for r in result["rows"]))
+    fig, (ax_step, ax_tps) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for config in configs:
+        rows = [r for r in result["rows"] if r["config"] == config]
+        xs = [r["batch"] for r in rows]
+        ax_step.plot(xs, [r["step_ms_median"] for r in rows], "o-", label=config)
+        ax_tps.plot(xs, [r["tokens_per_s"] for r in rows], "o-", label=config)
+    for key, label in (("decode", "in-process decode"), ("lockstep", "in-process k T_d + T_v")):
+        ax_step.plot(
+            batches,
+            [bounds(result, b)[key] for b in batches],
+            "k--" if key == "decode" else "k:",
+            label=label,
+        )
+    for ax, ylabel in ((ax_step, "step time, ms (median)"), (ax_tps, "committed tokens/s")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.set_xlabel("batch")
+        ax.set_ylabel(ylabel)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"specdec served system, {result['environment']['gpu']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def write(result: dict[str, Any], out: Path) -> Path:
+    """<out>/e2e_<GPU>.json, .md and .png; returns the json's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    stem = out / f"e2e_{result['environment']['gpu'].replace(' ', '_')}"
+    result["goals"] = goals(result)
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    stem.with_suffix(".md").write_text(markdown(result))
+    plot(result, stem.with_suffix(".png"))
+    return stem.with_suffix(".json")
