@@ -27,8 +27,9 @@ if _version_not_supported:
 
 class GenerateServiceStub:
     """Generates text with speculative decoding. Errors are gRPC statuses: INVALID_ARGUMENT names
-    the field and its allowed range, RESOURCE_EXHAUSTED when the prompt plus max_tokens exceed the
-    model's max_seq_len or the queue is full, UNAVAILABLE while the services are not ready.
+    the field and its allowed range (a prompt plus max_tokens beyond max_seq_len included),
+    RESOURCE_EXHAUSTED when the queue is full, DEADLINE_EXCEEDED past the call's deadline,
+    UNAVAILABLE while the services are not ready.
     """
 
     def __init__(self, channel):
@@ -56,8 +57,9 @@ class GenerateServiceStub:
 
 class GenerateServiceServicer:
     """Generates text with speculative decoding. Errors are gRPC statuses: INVALID_ARGUMENT names
-    the field and its allowed range, RESOURCE_EXHAUSTED when the prompt plus max_tokens exceed the
-    model's max_seq_len or the queue is full, UNAVAILABLE while the services are not ready.
+    the field and its allowed range (a prompt plus max_tokens beyond max_seq_len included),
+    RESOURCE_EXHAUSTED when the queue is full, DEADLINE_EXCEEDED past the call's deadline,
+    UNAVAILABLE while the services are not ready.
     """
 
     def Generate(self, request, context):
@@ -112,8 +114,9 @@ def add_GenerateServiceServicer_to_server(servicer, server):
  # This class is part of an EXPERIMENTAL API.
 class GenerateService:
     """Generates text with speculative decoding. Errors are gRPC statuses: INVALID_ARGUMENT names
-    the field and its allowed range, RESOURCE_EXHAUSTED when the prompt plus max_tokens exceed the
-    model's max_seq_len or the queue is full, UNAVAILABLE while the services are not ready.
+    the field and its allowed range (a prompt plus max_tokens beyond max_seq_len included),
+    RESOURCE_EXHAUSTED when the queue is full, DEADLINE_EXCEEDED past the call's deadline,
+    UNAVAILABLE while the services are not ready.
     """
 
     @staticmethod
