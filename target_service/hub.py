@@ -11,8 +11,8 @@ The local entries' columns are appended to the draft's DraftBlock, so the target
 request of the step in one forward.
 
 Controls (admit, release, set_speculation, set_draft) are applied at step boundaries, in the
-order sent. The hub keeps per request what the draft has been told (`told`), so each ask
-carries the tokens committed since as `new_token_ids`.
+order sent. `target_service.hub_draft` keeps which requests the draft service holds and what it
+has been told, so each ask carries the tokens committed since as `new_token_ids`.
 
 Failures: a request whose verdict is an error is released on both services (the orchestrator
 may admit it again from its record). An exception inside a step fails that step's requests
@@ -42,13 +42,12 @@ from draft_service.ngram import NgramConfig, propose_ngram
 from specdec.errors import CacheFullError, InvalidInputError
 from specdec.pb import common_pb2, draft_pb2, target_pb2
 from specdec.pb.specdec.v1 import generate_pb2
-from specdec.sampling_params import SamplingParams
 from specdec.serving.blocks import Q_NONE, ProposalBlock
-from specdec.serving.messages import Admission, ErrorReason, RequestError, check_compatible
+from specdec.serving.messages import Admission, ErrorReason, RequestError
 from specdec.serving.status import status_for
 from specdec.serving.verdicts import Verdicts
-from target_service.draft_link import DraftDown, DraftLink, PendingAdmits
 from target_service.engine import TargetEngine
+from target_service.hub_draft import DraftSide, HubRequest
 from target_service.servicer import TargetServicer
 
 log = logging.getLogger(__name__)
@@ -62,22 +61,10 @@ _STOP = object()
 
 
 @dataclass(slots=True)
-class _Request:
-    request_id: str
-    sampling: SamplingParams
-    proposer: str  # "draft", "ngram" or "off"
-    num_draft_tokens: int
-    tokens: list[int]  # prompt + committed tokens, as the target holds them
-    next_step: int
-    on_draft: bool = False  # admitted on the current draft service
-    told: int = 0  # how many of `tokens` the draft service knows
-
-
-@dataclass(slots=True)
 class _Group:
     """One step: its requests, then the block being built and the draft's times."""
 
-    requests: list[_Request]
+    requests: list[HubRequest]
     block: common_pb2.DraftBlock = field(default_factory=common_pb2.DraftBlock)
     drafted: bool = False  # the draft service answered for this group
     draft_s: float = 0.0
@@ -120,8 +107,8 @@ class Hub:
         self._config = engine.config
         self._controls: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._events: queue.SimpleQueue[target_pb2.ServeEvent | None] = queue.SimpleQueue()
-        self._requests: dict[str, _Request] = {}
-        self._draft: DraftLink | None = None
+        self._requests: dict[str, HubRequest] = {}
+        self._draft = DraftSide(self._config, engine.info, self._requests, self._emit)
         self._ngram = NgramConfig()
         self._max_seq_len = engine.info.max_seq_len
         self._thread = threading.Thread(target=self._run, name="hub", daemon=True)
@@ -156,17 +143,18 @@ class Hub:
             log.exception("the hub's loop failed")
         finally:
             try:
-                self._shutdown()
+                self._release(list(self._requests))
+                self._draft.close()
             finally:
                 self._events.put(None)
                 self._on_end()
 
     def _start(self) -> None:
         address = self._config.draft_address
-        failure = None if address is None else self._connect(address)
+        failure = None if address is None else self._draft.connect(address)
         started = target_pb2.ServeStarted(target=self.engine.info.to_pb())
-        if self._draft is not None:
-            started.draft.CopyFrom(self._draft.info.to_pb())
+        if self._draft.link is not None:
+            started.draft.CopyFrom(self._draft.link.info.to_pb())
         self._emit(started=started)
         if failure is not None:
             self._emit(draft_down=target_pb2.DraftDown(message=failure))
@@ -195,51 +183,43 @@ class Hub:
                 elif kind == "set_speculation":
                     self._set_speculation(pb.set_speculation)
                 elif kind == "set_draft":
-                    self._set_draft(pb.set_draft)
+                    records = {r.request_id: r for r in pb.set_draft.records}
+                    self._draft.replace(pb.set_draft.address, records)
             except Exception:  # one bad control must not end the stream
                 log.exception("control %s failed", kind)
         return True
-
-    def _shutdown(self) -> None:
-        try:
-            self._release(list(self._requests))
-        finally:
-            if self._draft is not None:
-                self._draft.close()
-                self._draft = None
 
     # Controls
 
     def _admit(self, pb: target_pb2.ServeAdmit) -> None:
         rid = pb.request.request_id
-        pending: PendingAdmits | None = None
+        pending = None
         try:
             adm = Admission.from_pb(pb.request)
             limit = self._config.max_num_draft_tokens
             proposer, k = _speculation(pb.proposer, pb.num_draft_tokens, limit)
-            if proposer == "draft" and self._draft is not None:
-                pending = self._draft.start_admit([adm])  # runs while the target prefills
+            if proposer == "draft":
+                pending = self._draft.start_admit(adm)  # runs while the target prefills
             length, step = self.engine.admit(adm)
         except Exception as e:
             if pending is not None:
-                self._settle(pending, [])
+                self._draft.settle(pending, [])
             error = request_error(e).to_pb()
             self._emit(admitted=target_pb2.ServeAdmitted(request_id=rid, error=error))
             return
-        req = _Request(rid, adm.sampling, proposer, k, list(adm.prompt_token_ids), step)
+        req = HubRequest(rid, adm.sampling, proposer, k, list(adm.prompt_token_ids), step)
         self._requests[rid] = req
         if pending is not None:
-            self._settle(pending, [req])
+            self._draft.settle(pending, [req])
         admitted = target_pb2.ServeAdmitted(request_id=rid, committed_length=length, next_step=step)
         self._emit(admitted=admitted)
 
     def _release(self, request_ids: list[str]) -> None:
         ids = [rid for rid in dict.fromkeys(request_ids) if rid in self._requests]
         held = [self._requests.pop(rid) for rid in ids]
-        if not held:
-            return
-        self.engine.release([r.request_id for r in held])
-        self._release_on_draft([r for r in held if r.on_draft])
+        if held:
+            self.engine.release(ids)
+            self._draft.release(held)
 
     def _set_speculation(self, pb: target_pb2.SetSpeculation) -> None:
         req = self._requests.get(pb.request_id)
@@ -251,115 +231,11 @@ class Hub:
         except ValueError as e:
             log.warning("set_speculation for %r ignored: %s", pb.request_id, e)
             return
-        if proposer != "draft" and req.on_draft:
-            self._release_on_draft([req])  # it would miss steps; re-admitted if it comes back
-            req.on_draft = False
+        if proposer != "draft":
+            self._draft.release([req])  # it would miss steps; re-admitted if it comes back
         req.proposer, req.num_draft_tokens = proposer, k
-        if proposer == "draft" and not req.on_draft and self._draft is not None:
-            self._admit_to_draft([req], {})
-
-    def _set_draft(self, pb: target_pb2.SetDraft) -> None:
-        self._release_on_draft([r for r in self._requests.values() if r.on_draft])
-        if self._draft is not None:  # still up after that release
-            self._draft.close()
-            self._draft = None
-        for r in self._requests.values():
-            r.on_draft = False
-        if not pb.address:
-            return
-        failure = self._connect(pb.address)
-        if failure is not None:
-            self._emit(draft_down=target_pb2.DraftDown(message=failure))
-            return
-        records = {r.request_id: r for r in pb.records}
-        self._admit_to_draft([r for r in self._requests.values() if r.proposer == "draft"], records)
-        if self._draft is not None:
-            self._emit(draft_up=target_pb2.DraftUp(draft=self._draft.info.to_pb()))
-
-    # The draft service
-
-    def _connect(self, address: str) -> str | None:
-        """Connects to the draft service at `address` and checks its tokenizer; else why not."""
-        timeout = self._config.draft_wait_s
-        try:
-            link = DraftLink(address, self._config.server.max_message_bytes, timeout)
-        except DraftDown as e:
-            return str(e)
-        try:
-            check_compatible(self.engine.info, link.info)
-        except ValueError as e:
-            link.close()
-            return f"Refusing the draft service at {address}: {e}"
-        self._draft = link
-        return None
-
-    def _draft_down(self, message: str) -> None:
-        if self._draft is None:
-            return
-        log.warning("draft service down, requests run at k = 0: %s", message)
-        self._draft.close(graceful=False)
-        self._draft = None
-        for r in self._requests.values():
-            r.on_draft = False
-        self._emit(draft_down=target_pb2.DraftDown(message=message))
-
-    def _admit_to_draft(
-        self, reqs: list[_Request], records: dict[str, target_pb2.DraftRecord]
-    ) -> None:
-        """Admits running requests to the draft from their records; the next ask tops up."""
-        assert self._draft is not None
-        admissions = []
-        for r in reqs:
-            record = records.get(r.request_id)
-            tokens = r.tokens
-            if record is not None and self._fits(r, record):
-                tokens = record.token_ids[:]
-            admissions.append(Admission(r.request_id, tuple(tokens), r.sampling, r.next_step))
-        if admissions:
-            self._settle(self._draft.start_admit(admissions), reqs)
-
-    @staticmethod
-    def _fits(req: _Request, record: target_pb2.DraftRecord) -> bool:
-        """Whether the record is a past state of the request (a prefix of its tokens)."""
-        n = len(record.token_ids)
-        ok = 0 < n <= len(req.tokens) and record.next_step <= req.next_step
-        if ok and req.tokens[:n] == record.token_ids[:]:
-            return True
-        log.warning("record of %r does not fit its tokens; using the target's", req.request_id)
-        return False
-
-    def _settle(self, pending: PendingAdmits, reqs: list[_Request]) -> None:
-        """Waits for draft admissions: `reqs` admitted there go on the draft, the others run at
-        k = 0; admissions of requests not in `reqs` (their target admission failed) are undone."""
-        try:
-            errors = pending.wait()
-        except DraftDown as e:
-            self._draft_down(str(e))
-            return
-        told = {a.request_id: len(a.prompt_token_ids) for a in pending.admissions}
-        wanted = {r.request_id for r in reqs}
-        undo = [rid for rid, err in errors.items() if err is None and rid not in wanted]
-        for r in reqs:
-            error = errors.get(r.request_id)
-            if error is None:
-                r.on_draft, r.told = True, told[r.request_id]
-            else:
-                log.warning("draft admission of %r failed: %s", r.request_id, error)
-        if undo and self._draft is not None:
-            self._draft_call_release(undo)
-
-    def _release_on_draft(self, reqs: list[_Request]) -> None:
-        if reqs and self._draft is not None:
-            self._draft_call_release([r.request_id for r in reqs])
-
-    def _draft_call_release(self, request_ids: list[str]) -> None:
-        assert self._draft is not None
-        try:
-            self._draft.release(request_ids)
-        except DraftDown as e:
-            self._draft_down(str(e))
-        except grpc.RpcError as e:
-            log.warning("release on the draft service failed: %s", e)
+        if proposer == "draft" and not req.on_draft:
+            self._draft.admit([req], {})
 
     # The step
 
@@ -376,7 +252,7 @@ class Hub:
         step = target_pb2.ServeStep(
             verdicts=verdicts.to_pb(), draft_s=group.draft_s, transport_s=group.transport_s,
             verify_s=verify_s, sampler_s=sampler_s, step_s=time.perf_counter() - start,
-            draft_up=self._draft is not None,
+            draft_up=self._draft.up,
         )  # fmt: skip
         self._emit(step=step)
         self._record(verdicts)
@@ -388,9 +264,9 @@ class Hub:
         try:
             return ProposalBlock.from_pb(group.block, max_support_size=limit)
         except ValueError as e:
-            if not group.drafted or self._draft is None:
+            if not group.drafted:
                 raise
-            self._draft_down(f"The draft service at {self._draft.address} sent a bad block: {e}")
+            self._draft.down(f"The draft service sent a malformed DraftBlock: {e}")
         retry = _Group(group.requests)  # at k = 0 now, nothing was committed
         self._propose(retry)
         group.block, group.draft_s, group.transport_s = retry.block, 0.0, 0.0
@@ -399,49 +275,33 @@ class Hub:
     def _propose(self, group: _Group) -> None:
         """Fills group.block: the draft's proposals, then the local entries (ngram, k = 0)."""
         asks = [r for r in group.requests if r.on_draft]
+        answer = self._draft.propose(asks, [self._ask(r) for r in asks]) if asks else None
         served: set[str] = set()
-        if asks and self._draft is not None:
-            try:
-                response, round_trip = self._draft.propose([self._ask(r) for r in asks])
-            except DraftDown as e:
-                self._draft_down(str(e))  # this step goes on at k = 0: nothing was committed
-            else:
-                group.block, group.drafted = response.block, True
-                served = set(response.block.request_ids)
-                for r in asks:
-                    if r.request_id in served:
-                        r.told = len(r.tokens)
-                group.draft_s = response.timing.forward_s
-                group.transport_s = max(0.0, round_trip - response.timing.service_s)
-                self._demote(response.errors)
+        if answer is not None:  # else the draft failed: this step goes on at k = 0
+            response, round_trip = answer
+            group.block, group.drafted = response.block, True
+            served = set(response.block.request_ids)
+            group.draft_s = response.timing.forward_s
+            group.transport_s = max(0.0, round_trip - response.timing.service_s)
         self._append_local(group.block, [r for r in group.requests if r.request_id not in served])
 
-    def _ask(self, r: _Request) -> draft_pb2.ProposeEntry:
+    def _ask(self, r: HubRequest) -> draft_pb2.ProposeEntry:
         return draft_pb2.ProposeEntry(
             request_id=r.request_id, step=r.next_step, new_token_ids=r.tokens[r.told :],
             committed_length=len(r.tokens), num_draft_tokens=self._k(r),
         )  # fmt: skip
 
-    def _k(self, r: _Request) -> int:
+    def _k(self, r: HubRequest) -> int:
         """The request's k this step: its setting, within the services' limits."""
         if r.proposer == "off":
             return 0
         k = min(r.num_draft_tokens, self._max_seq_len - len(r.tokens) - 1)
-        if r.on_draft and self._draft is not None:
-            info = self._draft.info
+        if r.on_draft and self._draft.link is not None:
+            info = self._draft.link.info
             k = min(k, info.max_num_draft_tokens, info.max_seq_len - len(r.tokens))
         return max(k, 0)
 
-    def _demote(self, errors: Iterable[draft_pb2.ProposeError]) -> None:
-        """Requests the draft could not serve run at k = 0 from now on."""
-        reqs = [self._requests[e.request_id] for e in errors if e.request_id in self._requests]
-        for e in errors:
-            log.warning("the draft refused %r, it runs at k = 0: %s", e.request_id, e.error.message)
-        self._release_on_draft(reqs)
-        for r in reqs:
-            r.on_draft = False
-
-    def _append_local(self, block: common_pb2.DraftBlock, reqs: list[_Request]) -> None:
+    def _append_local(self, block: common_pb2.DraftBlock, reqs: list[HubRequest]) -> None:
         """Entries with prompt-lookup drafts (no q) or none, appended as columns."""
         drafts = [
             propose_ngram(r.tokens, self._k(r), self._ngram) if r.proposer == "ngram" else []
