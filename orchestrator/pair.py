@@ -173,7 +173,9 @@ class PairClient:
         if not self._ready.wait(timeout_s) or self._info is None:
             self._call.cancel()
             self._channel.close()
-            why = self._failure or f"no answer within {timeout_s} s"
+            why = f"no answer within {timeout_s} s"
+            if isinstance(self._failure, grpc.RpcError):
+                why = f"{self._failure.code().name}: {self._failure.details()}"  # type: ignore[attr-defined]
             raise ConnectionError(
                 f"The target service at {target_address} did not open the Serve stream: {why}"
             ) from self._failure
