@@ -96,6 +96,10 @@ class IncrementalDetokenizer:
         self._include_stop = include_stop_str_in_output
         self._skip_special = skip_special_tokens
         self._ids = list(prompt_ids[-PROMPT_CONTEXT:])
+        if self._decode(self._ids).endswith(REPLACEMENT):
+            # The prompt ends inside a character: its missing bytes are generated, and text
+            # is positional, so the generated tokens are decoded on their own.
+            self._ids = []
         self._prefix = 0  # window start: a stable point
         self._read = len(self._ids)  # ids before it are in `_text` (or are prompt)
         self._text = ""  # stable generated text

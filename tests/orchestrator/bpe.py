@@ -37,3 +37,28 @@ def train_bpe(vocab_size: int = 400) -> Tokenizer:
 
 def text_tokenizer() -> TextTokenizer:
     return TextTokenizer(train_bpe(), fast=True)
+
+
+@functools.cache
+def train_metaspace() -> Tokenizer:
+    """SentencePiece-style BPE (Llama 2): "▁" marks a space and the decoder drops the leading
+    one, so a token decoded alone loses its space; byte fallback splits unknown characters.
+    The byte tokens are registered as special tokens here: decode them with
+    skip_special_tokens=False."""
+    tokenizer = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Metaspace()
+    tokenizer.decoder = decoders.Sequence(  # Llama 2's tokenizer.json decoder
+        [
+            decoders.Replace("▁", " "),
+            decoders.ByteFallback(),
+            decoders.Fuse(),
+            decoders.Strip(content=" ", left=1, right=0),
+        ]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<unk>", EOS, *(f"<0x{b:02X}>" for b in range(256))],
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(SENTENCES[:1] + SENTENCES[4:] * 4, trainer=trainer)
+    return tokenizer

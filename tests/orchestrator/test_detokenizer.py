@@ -14,7 +14,7 @@ from orchestrator.detokenizer import (
     TextTokenizer,
     eos_token_ids,
 )
-from tests.orchestrator.bpe import EOS, SENTENCES, text_tokenizer, train_bpe
+from tests.orchestrator.bpe import EOS, SENTENCES, text_tokenizer, train_bpe, train_metaspace
 
 
 def _run(
@@ -70,6 +70,35 @@ def test_prompt_context_does_not_change_the_generated_text() -> None:
         ids = tok.encode(sentence)
         deltas, _ = _run(IncrementalDetokenizer(tok, prompt_ids=prompt), ids, full=sentence)
         assert "".join(deltas) == sentence
+    vocab = train_bpe().get_vocab_size()
+    rng = random.Random(3)
+    for _ in range(200):  # random prompts end inside a character about half the time
+        prompt = [rng.randrange(vocab) for _ in range(rng.randrange(1, 8))]
+        ids = [rng.randrange(vocab) for _ in range(rng.randrange(1, 20))]
+        full = tok.decode(ids)
+        deltas, _ = _run(IncrementalDetokenizer(tok, prompt_ids=prompt), ids, full=full)
+        assert "".join(deltas) == full
+
+
+def test_prompt_context_keeps_the_leading_space_of_sentencepiece_tokens() -> None:
+    tok = TextTokenizer(train_metaspace(), fast=True)
+    rng = random.Random(2)
+    for sentence in ("Hello wörld 😀 and 中文", *SENTENCES) * 5:
+        ids = tok.encode(sentence)
+        cut = rng.randrange(1, len(ids))
+        prompt, generated = ids[:cut], ids[cut:]
+        whole, head = (tok.decode(x, skip_special_tokens=False) for x in (ids, prompt))
+        expected = whole[len(head) :]
+        if head.endswith(REPLACEMENT):  # the cut split a character: no context to keep
+            expected = tok.decode(generated, skip_special_tokens=False)
+        detok = IncrementalDetokenizer(tok, prompt_ids=prompt, skip_special_tokens=False)
+        deltas, _ = _run(detok, generated, full=expected)
+        assert "".join(deltas) == expected
+    # without the prompt's context the first token's space would be lost
+    ids = tok.encode("Hello wörld")
+    assert tok.decode(ids[6:], skip_special_tokens=False) == "wörld"
+    detok = IncrementalDetokenizer(tok, prompt_ids=ids[:6], skip_special_tokens=False)
+    assert "".join(_run(detok, ids[6:])[0]) == " wörld"
 
 
 def _spanning_stop(tok: TextTokenizer, ids: list[int], text: str, stop: str) -> int:
