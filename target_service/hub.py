@@ -360,8 +360,8 @@ class HubServicer(TargetServicer):
             )
         # The hub frees the gate when its loop has ended: after a cancellation gRPC may leave
         # this generator suspended instead of closing it.
-        hub = Hub(self.engine, on_end=self._serving.release)
         try:
+            hub = Hub(self.engine, on_end=self._serving.release)
             context.add_callback(hub.stop)
             hub.start()
         except BaseException:
