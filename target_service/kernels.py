@@ -766,7 +766,9 @@ def _reference_race(x: KernelInputs, p: torch.Tensor, first_reject: torch.Tensor
         and x.draft_ids.numel()
     ):
         ids = x.q_ids[t].long()
-        inside = ids < vocab
+        # ids below -1 are invalid q (the request's status says so; the kernel reads none of
+        # them) and must not reach scatter_add_ as negative indices
+        inside = (ids >= 0) & (ids < vocab)
         q.scatter_add_(1, torch.where(inside, ids, 0), torch.where(inside, x.q_probs[t], 0.0))
     elif x.draft_ids.numel():
         q.scatter_(1, x.draft_ids.long()[t].clamp(0, vocab - 1)[:, None], 1.0)

@@ -16,26 +16,38 @@ def logit_thresholds(
     inv_temperature: torch.Tensor,  # [R] float32; 1/T (1 for greedy rows)
     top_k: torch.Tensor,  # [R] int32; 0 = off
     top_p: torch.Tensor,  # [R] float32; 1 = off
+    *,
+    rows: torch.Tensor | None = None,  # [r] int32 | int64: the rows with top-k or top-p
 ) -> torch.Tensor:
-    """Per-row threshold [R] float32: -inf where a row keeps every token."""
+    """Per-row threshold [R] float32: -inf where a row keeps every token.
+
+    `rows` (from the caller's host-side knowledge) saves finding them on the device, which
+    reads a count back (a sync); rows it names that need no threshold still get -inf.
+    """
     thresholds = torch.full((logits.shape[0],), float("-inf"), device=logits.device)
-    rows = ((top_k > 0) | (top_p < 1.0)).nonzero().flatten()
+    if rows is None:
+        rows = ((top_k > 0) | (top_p < 1.0)).nonzero().flatten()
     if rows.numel() == 0:
         return thresholds
-    sorted_logits = logits[rows].float().sort(dim=-1, descending=True).values  # [r, V]
-    vocab = sorted_logits.shape[1]
-    k = top_k[rows].long()
+    rows = rows.long()
+    top_k, top_p = top_k.index_select(0, rows), top_p.index_select(0, rows)
+    sorted_logits = logits.index_select(0, rows).float().sort(dim=-1, descending=True).values
+    vocab = sorted_logits.shape[1]  # sorted_logits: [r, V]
+    k = top_k.long()
     k = torch.where((k <= 0) | (k > vocab), vocab, k)
     positions = torch.arange(vocab, device=logits.device)
     in_top_k = positions[None, :] < k[:, None]
-    scaled = torch.where(in_top_k, sorted_logits * inv_temperature[rows, None], float("-inf"))
+    scaled = torch.where(
+        in_top_k, sorted_logits * inv_temperature.index_select(0, rows)[:, None], float("-inf")
+    )
     probs = torch.softmax(scaled, dim=-1)
     # Smallest prefix whose mass reaches top_p: count the entries strictly before it.
     mass_before = probs.cumsum(dim=-1) - probs
-    keep = in_top_k & (mass_before < top_p[rows, None])
+    keep = in_top_k & (mass_before < top_p[:, None])
     last_kept = keep.sum(dim=-1).clamp(min=1) - 1
-    thresholds[rows] = sorted_logits.gather(1, last_kept[:, None]).squeeze(1)
-    return thresholds
+    found = sorted_logits.gather(1, last_kept[:, None]).squeeze(1)
+    found = torch.where((top_k > 0) | (top_p < 1.0), found, float("-inf"))
+    return thresholds.scatter_(0, rows, found)
 
 
 def target_distribution(

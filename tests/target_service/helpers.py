@@ -25,8 +25,9 @@ class Batch:
         q = self.q
         if q is not None:
             q = type(q)(*(getattr(q, f).to(device) for f in q.__slots__))  # type: ignore[union-attr]
-        fields = RequestSampling.__slots__
-        sampling = RequestSampling(*(getattr(self.sampling, f).to(device) for f in fields))
+        s = self.sampling
+        tensors = (s.temperature, s.top_k, s.top_p, s.seed, s.position)
+        sampling = RequestSampling(*(t.to(device) for t in tensors), truncated=s.truncated)
         return Batch(
             self.k.to(device), self.draft_ids.to(device), self.logits.to(device), q, sampling,
             self.params, self.positions,

@@ -92,6 +92,9 @@ def sparse_edit(name: str) -> Callable[[Batch], None]:
             ids[1] = ids[0]
         elif name == "id >= V":
             ids[0] = 64
+        elif name in ("id -2", "id -2**31"):  # -1 is padding; lower ids are invalid q
+            # in every q row of request 1, so the row its race reads has one too
+            b.q.token_ids[2:5, 0] = -2 if name == "id -2" else -(2**31)
         elif name == "nan":
             probs[0] = float("nan")
         elif name == "unnormalized":
@@ -105,6 +108,8 @@ def sparse_edit(name: str) -> Callable[[Batch], None]:
 SPARSE_CASES = [
     ("duplicate id", SampleStatus.INVALID_DRAFT_PROBS),
     ("id >= V", SampleStatus.INVALID_DRAFT_PROBS),
+    ("id -2", SampleStatus.INVALID_DRAFT_PROBS),
+    ("id -2**31", SampleStatus.INVALID_DRAFT_PROBS),
     ("nan", SampleStatus.INVALID_DRAFT_PROBS),
     ("unnormalized", SampleStatus.DRAFT_PROBS_NOT_NORMALIZED),
     ("not in support", SampleStatus.DRAFT_TOKEN_OUT_OF_SUPPORT),

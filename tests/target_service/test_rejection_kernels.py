@@ -192,7 +192,10 @@ def select(b: Batch, order: list[int]) -> Batch:
     q = b.q
     if q is not None:
         q = type(q)(*(getattr(q, f)[drafts] for f in q.__slots__))  # type: ignore[attr-defined]
-    sampling = RequestSampling(*(getattr(b.sampling, f)[order] for f in RequestSampling.__slots__))
+    s = b.sampling
+    tensors = (s.temperature, s.top_k, s.top_p, s.seed, s.position)
+    truncated = None if s.truncated is None else tuple(s.truncated[i] for i in order)
+    sampling = RequestSampling(*(t[order] for t in tensors), truncated=truncated)
     return Batch(
         b.k[order], b.draft_ids[drafts], b.logits[rows], q, sampling,
         [b.params[i] for i in order], [b.positions[i] for i in order],
