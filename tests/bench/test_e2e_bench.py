@@ -1,0 +1,113 @@
+"""bench/e2e_bench.py --smoke runs the whole flow on the CPU (checkpoints, service processes,
+gRPC, timing split, greedy check, report), and --report regenerates the report from its JSON.
+The smoke run takes over a minute here, so those tests are marked slow."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from bench import e2e_report
+from bench.e2e_bench import child, parse
+
+REPO = Path(__file__).resolve().parents[2]
+CONFIGS = ("target_only", "lockstep_L1.5", "lockstep_L3")
+
+
+def _bench(*args: str) -> subprocess.CompletedProcess[str]:
+    env = os.environ | {"PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, str(REPO / "bench" / "e2e_bench.py"), *args]
+    return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    out = tmp_path_factory.mktemp("e2e")
+    done = _bench("--smoke", "--out", str(out), "--cache", str(out / "models"))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return out, json.loads((out / "e2e_cpu.json").read_text())
+
+
+@pytest.mark.slow  # the smoke run takes 80 to 110 s on 2 busy cores
+def test_smoke_has_every_row_with_positive_times(smoke: tuple[Path, dict[str, Any]]) -> None:
+    out, result = smoke
+    rows = {(r["config"], r["batch"]): r for r in result["rows"]}
+    assert set(rows) == {(c, b) for c in CONFIGS for b in (1, 4)}
+    for (config, _), r in rows.items():
+        assert r["steps"] == 6 and r["step_ms_median"] > 0 and r["step_ms_p90"] > 0
+        assert r["tokens_per_s"] > 0 and r["time_per_output_token_ms"] > 0
+        split = r["split_ms_mean"]
+        # the services report their own time: forwards are seen, and the parts add up
+        assert split["verify_forward"] > 0 and split["transport"] > 0
+        assert (split["draft_forward"] > 0) == (config != "target_only")
+        assert sum(split.values()) == pytest.approx(r["step_ms_mean"], rel=0.02)
+        per_step = r["tokens_per_step_per_request"]
+        if config == "target_only":
+            assert per_step == 1.0
+        else:  # the synthetic length decides how many tokens a step commits, on average
+            assert per_step == pytest.approx(r["synthetic_length"], abs=0.75)
+    for key in ("1,1", "5,1", "1,4", "5,4"):
+        assert result["inprocess_ms"]["target"][key] > 0
+    assert result["empty_round_trip"]["median_ms"] > 0
+    greedy = result["greedy_check"]
+    assert greedy["passed"] and len(greedy["speculative"]) == 4
+    assert greedy["target_only"] == greedy["speculative"]
+    assert {g["batch"] for g in result["goals"]} == {1, 4}
+    assert (out / "e2e_cpu.md").is_file() and (out / "e2e_cpu.png").is_file()
+
+
+@pytest.mark.slow  # the smoke run takes 80 to 110 s on 2 busy cores
+def test_report_regenerates_markdown(smoke: tuple[Path, dict[str, Any]]) -> None:
+    out, result = smoke
+    (out / "e2e_cpu.md").unlink()
+    done = _bench("--report", str(out / "e2e_cpu.json"))
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = (out / "e2e_cpu.md").read_text()
+    assert text == e2e_report.markdown(result) and text in done.stdout
+    assert text.startswith("## System benchmark (`bench/e2e_bench.py`), cpu, ")
+    assert "identical tokens (passed)" in text and "| lockstep_L3 | 4 |" in text
+
+
+@pytest.mark.slow  # the smoke run takes 80 to 110 s on 2 busy cores
+def test_diagnose_measures_the_gap_at_a_divergence(smoke: tuple[Path, dict[str, Any]]) -> None:
+    out, result = smoke
+    greedy = result["greedy_check"]
+    prompt, made = greedy["target_only"][0], greedy["target_only"][1]  # any token sequences
+    divergence = {"prompt": prompt, "prefix": made[:3], "target_only_token": made[3],
+                  "speculative_token": (made[3] + 1) % 1024}  # fmt: skip
+    job = {"path": result["settings"]["paths"]["target"], "device": "cpu",
+           "dtype": "float32", "divergences": [divergence]}  # fmt: skip
+    d = child("diagnose", job, out / "diag")["divergences"][0]
+    # transformers' own model, teacher-forced the same way, is the reference
+    model = AutoModelForCausalLM.from_pretrained(job["path"], dtype=torch.float32)
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + made[:3]])).logits[0, -1].double()
+    a, b = divergence["target_only_token"], divergence["speculative_token"]
+    assert d["gap"] == pytest.approx(abs(float(logits[a] - logits[b])), rel=1e-3, abs=1e-4)
+    assert d["gap_in_std"] == pytest.approx(d["gap"] / float(logits.std()), rel=1e-3)
+    assert d["argmax"] == int(logits.argmax())
+
+
+def test_goals_compare_against_the_bounds() -> None:
+    args = parse(["--smoke"])
+    result = {
+        "settings": {"num_draft_tokens": 4},
+        "empty_round_trip": {"median_ms": 0.5},
+        "inprocess_ms": {"target": {"1,1": 4.0, "5,1": 5.0}, "draft": {"1,1": 1.0}},
+        "rows": [
+            {"config": "target_only", "batch": 1, "step_ms_median": 4.5, "tokens_per_s": 200.0},
+            {"config": "lockstep_L3", "batch": 1, "step_ms_median": 11.0, "tokens_per_s": 270.0},
+        ],
+    }
+    goals = {g["goal"].split()[0]: g for g in e2e_report.goals(result)}
+    assert goals["target_only"]["limit"] == pytest.approx(4.4) and not goals["target_only"]["met"]
+    # 1.15 * (4 * 1.0 + 5.0) + 2 * 0.5
+    assert goals["lockstep_L3"]["limit"] == pytest.approx(11.35) and goals["lockstep_L3"]["met"]
+    assert goals["tokens/s"]["value"] == pytest.approx(1.35) and not goals["tokens/s"]["met"]
+    assert args.batches == [1, 4] and args.steps == 6
