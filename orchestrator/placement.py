@@ -7,8 +7,10 @@ draft → target hop stays on the node.
 
 An actor starts its service's gRPC server in its own process (the service modules, and torch,
 are imported there, never in the orchestrator) and reports `node_ip:port` and the service's
-ModelInfo. Actors restart without limit: when a draft dies, Ray starts a new one, whose new
-address `wait_draft` returns, and the orchestrator hands it to the hub.
+ModelInfo. All services of all pairs load at once; the orchestrator then checks each pair's
+tokenizers and hands the hub its draft's address. Actors restart without limit: when a draft
+dies, Ray starts a new one, whose new address `wait_draft` returns, and the orchestrator hands
+that to the hub the same way.
 """
 
 from __future__ import annotations
@@ -34,15 +36,19 @@ RETRY_S = 0.5
 class ServiceActor:
     """One service (role "target" or "draft") serving from this actor's process."""
 
-    def __init__(self, role: str, config: ServiceConfig, draft_address: str | None = None):
+    def __init__(self, role: str, config: ServiceConfig):
         from orchestrator.services import start_service  # torch lives in the actor only
 
-        self._server, self._info = start_service(role, config, draft_address)
+        self._server, self._info = start_service(role, config)
         host = ray.util.get_node_ip_address()
         self._address = f"{host}:{self._server.port}"
 
     def info(self) -> tuple[str, ModelInfo]:
         return self._address, self._info
+
+    def gpu_ids(self) -> list[str]:
+        """The GPUs Ray gave this actor (its CUDA_VISIBLE_DEVICES)."""
+        return [str(i) for i in ray.get_gpu_ids()]
 
     def stop(self, grace_s: float) -> None:
         self._server.stop(grace_s)
@@ -105,6 +111,21 @@ def _bundles(gpus: int, services: int) -> tuple[list[dict[str, float]], list[int
     return [{"CPU": 1} for _ in range(services)], list(range(services)), 0.0
 
 
+def _started(actor: Any, role: str, pair: int, timeout_s: float) -> tuple[str, ModelInfo]:
+    """The actor's address and info once its service is warm; a failed start is a
+    RuntimeError that ends with the service's own error."""
+    try:
+        address, info = ray.get(actor.info.remote(), timeout=timeout_s)
+    except RayActorError as e:
+        cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+        raise RuntimeError(f"The {role} service of pair {pair} failed to start: {cause}") from e
+    except GetTimeoutError as e:
+        raise RuntimeError(
+            f"The {role} service of pair {pair} was not up within {timeout_s:g} s."
+        ) from e
+    return address, info
+
+
 class Placement:
     """Starts, watches and stops every pair's actors."""
 
@@ -153,27 +174,27 @@ class Placement:
         ).remote(*args)
 
     def _start_actors(self, groups: list[PlacementGroup], index: list[int], share: float) -> None:
-        timeout = self.config.start_timeout_s
-        drafts: list[Any] = []
-        if self.services.draft is not None:
-            drafts = [self._actor(g, index[1], share, "draft", self.services) for g in groups]
-            draft_infos = ray.get([d.info.remote() for d in drafts], timeout=timeout)
-        targets = [
-            self._actor(g, index[0], share, "target", self.services,
-                        draft_infos[i][0] if drafts else None)
-            for i, g in enumerate(groups)
-        ]  # fmt: skip
-        target_infos = ray.get([t.info.remote() for t in targets], timeout=timeout)
+        """Starts every service at once (loading in parallel), then checks each pair's
+        tokenizers; the hub is given its draft afterwards (`PairClient.set_draft`)."""
+        roles = ["target", "draft"][: self.services_per_pair]
+        actors = [
+            [self._actor(g, index[j], share, role, self.services) for j, role in enumerate(roles)]
+            for g in groups
+        ]
         for i, group in enumerate(groups):
-            (t_addr, t_info) = target_infos[i]
-            pair = PairPlacement(i, group, targets[i], t_addr, t_info)
-            if drafts:
-                pair.draft, (pair.draft_address, pair.draft_info) = drafts[i], draft_infos[i]
-                try:
-                    check_compatible(t_info, draft_infos[i][1])
-                except ValueError as e:
-                    raise ValueError(f"Refusing the draft {self.services.draft!r}: {e}") from e
+            infos = [_started(a, role, i, self.config.start_timeout_s)
+                     for a, role in zip(actors[i], roles, strict=True)]  # fmt: skip
+            pair = PairPlacement(i, group, actors[i][0], *infos[0])
             self.pairs.append(pair)
+            if len(infos) == 2:
+                pair.draft, (pair.draft_address, pair.draft_info) = actors[i][1], infos[1]
+                try:
+                    check_compatible(pair.target_info, infos[1][1])
+                except ValueError as e:
+                    raise ValueError(
+                        f"Refusing the draft {self.services.draft!r} for the target "
+                        f"{self.services.target!r}: {e}"
+                    ) from e
 
     def wait_draft(self, pair: PairPlacement) -> tuple[str, ModelInfo]:
         """The (restarted) draft's address and info, once it answers; RuntimeError after

@@ -57,6 +57,11 @@ def pair_capacity(pair: PairPlacement) -> int:
     return min(pair.target_info.max_requests, pair.draft_info.max_requests)
 
 
+def _draft_down(sched: Scheduler, index: int, linked: threading.Event) -> None:
+    linked.set()  # start-up waits for the first answer to SetDraft, up or down
+    sched.post_draft_down(index)
+
+
 class Orchestrator:
     """Owns the client-facing server, the placement, the pair clients and the scheduler."""
 
@@ -121,15 +126,23 @@ class Orchestrator:
         self.scheduler = sched
         for p in pairs:
             i = p.index
+            linked = threading.Event()
             client = PairClient(
                 p.target_address,
                 on_step=partial(sched.post_step, i),
                 on_admitted=partial(sched.post_admitted, i),
-                on_draft_down=partial(sched.post_draft_down, i),
+                on_draft_down=partial(_draft_down, sched, i, linked),
+                on_draft_up=linked.set,
                 on_close=partial(sched.post_closed, i),
             )
             self.clients.append(client)
             sched.attach(i, client)
+            if p.draft_address is not None:
+                client.set_draft(p.draft_address, {})
+                if not linked.wait(self.config.placement.start_timeout_s) or not client.draft_up:
+                    raise RuntimeError(
+                        f"The target of pair {i} could not reach its draft at {p.draft_address}."
+                    )
         sched.start()
         self.servicer.backend = Backend(
             sched, served, tokenizer, lambda: self.model_info(served), self.metrics

@@ -7,6 +7,7 @@ queue RESOURCE_EXHAUSTED; a request's own failure aborts only its call.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,7 +18,11 @@ from orchestrator.detokenizer import TextTokenizer
 from orchestrator.requests import Job, JobMetrics, Served, deadline_of, parse_request
 from orchestrator.scheduler import Scheduler
 from specdec.pb.specdec.v1 import generate_pb2, generate_pb2_grpc
+from specdec.serving.status import status_for
 
+# gRPC ends a call at its deadline on its own clock; a call ending this close to the job's
+# deadline counts as expired, not cancelled
+DEADLINE_SLACK_S = 0.01
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
 
 
@@ -48,12 +53,20 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
 
     def _submit(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext) -> Job:
         b = self._backend(context)
-        record, sampling = parse_request(request, b.served, b.tokenizer)
-        job = Job(record, sampling, deadline_of(context), b.metrics)
-        b.scheduler.submit(job)
+        try:
+            record, sampling = parse_request(request, b.served, b.tokenizer)
+            job = Job(record, sampling, deadline_of(context), b.metrics)
+            b.scheduler.submit(job)
+        except Exception as e:  # refused before it ran: still an error by status code
+            if b.metrics is not None:
+                b.metrics.on_error(status_for(e)[0])
+            raise
 
         def cancelled() -> None:  # runs whenever the call ends; a no-op once the job ended
-            b.scheduler.cancel(job, grpc.StatusCode.CANCELLED, "The client cancelled the call.")
+            if job.deadline is not None and time.monotonic() >= job.deadline - DEADLINE_SLACK_S:
+                b.scheduler.cancel(job, grpc.StatusCode.DEADLINE_EXCEEDED, "The deadline passed.")
+            else:
+                b.scheduler.cancel(job, grpc.StatusCode.CANCELLED, "The client cancelled the call.")
 
         if not context.add_callback(cancelled):
             cancelled()  # the call ended already

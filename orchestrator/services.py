@@ -40,11 +40,10 @@ def _runner(config: ServiceConfig, model: str, device: str) -> Any:
     )
 
 
-def start_service(
-    role: str, config: ServiceConfig, draft_address: str | None
-) -> tuple[Any, ModelInfo]:
+def start_service(role: str, config: ServiceConfig) -> tuple[Any, ModelInfo]:
     """Starts the target (role "target") or the draft (role "draft"); returns the running
-    server and the service's ModelInfo."""
+    server and the service's ModelInfo. The target starts without a draft: the orchestrator
+    checks the pair's tokenizers and then points the hub at it."""
     from specdec.serving.server import ServerConfig
 
     device = actor_device(config)
@@ -73,7 +72,6 @@ def start_service(
             _runner(config, config.target, device),
             server,
             max_num_draft_tokens=config.max_num_draft_tokens,
-            draft_address=draft_address,
             sampler_impl=config.sampler_impl,
         )
     )
