@@ -67,8 +67,8 @@ def _random_model(spec: dict[str, Any], made: dict[str, Any], device: str) -> An
     config = LlamaConfig(**spec)
     config.architectures = ["LlamaForCausalLM"]
     dtype = getattr(torch, made["dtype"])
-    with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+    with torch.device(device):  # built in place where transformers honours the context
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval().to(device)
     gen = torch.Generator(device=device).manual_seed(made["seed"])
     with torch.no_grad():
         for p in model.parameters():
