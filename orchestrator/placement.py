@@ -129,10 +129,15 @@ def _started(actor: Any, role: str, pair: int, timeout_s: float) -> tuple[str, M
 class Placement:
     """Starts, watches and stops every pair's actors."""
 
-    def __init__(self, config: PlacementConfig, services: ServiceConfig):
+    def __init__(
+        self, config: PlacementConfig, services: ServiceConfig, actor_class: type = ServiceActor
+    ):
         self.config = config
         self.services = services
+        self.actor_class = actor_class  # ServiceActor's interface; tests place stand-ins
         self.pairs: list[PairPlacement] = []
+        self._groups: list[PlacementGroup] = []
+        self._actors: list[Any] = []
 
     @property
     def services_per_pair(self) -> int:
@@ -147,31 +152,31 @@ class Placement:
         log.info("placing %d pair(s): %d GPU(s) per pair (cluster: %g)", self.config.pairs,
                  gpus, total)  # fmt: skip
         groups = [placement_group(bundles, strategy="PACK") for _ in range(self.config.pairs)]
+        self._groups = groups
         try:
-            ray.get([g.ready() for g in groups], timeout=self.config.start_timeout_s)
-        except GetTimeoutError as e:
-            for g in groups:
-                remove_placement_group(g)
-            raise RuntimeError(
-                f"Ray could not reserve {bundles} for each of {self.config.pairs} pair(s) within "
-                f"{self.config.start_timeout_s:g} s; cluster resources: {ray.cluster_resources()}."
-            ) from e
-        try:
+            try:
+                ray.get([g.ready() for g in groups], timeout=self.config.start_timeout_s)
+            except GetTimeoutError as e:
+                raise RuntimeError(
+                    f"Ray could not reserve {bundles} for each of {self.config.pairs} pair(s) "
+                    f"within {self.config.start_timeout_s:g} s; cluster resources: "
+                    f"{ray.cluster_resources()}."
+                ) from e
             self._start_actors(groups, index, share)
         except BaseException:
             self.stop(0.0)
-            for g in groups:
-                remove_placement_group(g)
             raise
         return self.pairs
 
     def _actor(self, group: PlacementGroup, bundle: int, share: float, *args: Any) -> Any:
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle)
         cpus = 1.0 if share in (0.0, 1.0) else share
-        cls = ray.remote(ServiceActor)
-        return cls.options(  # type: ignore[attr-defined]
+        cls: Any = ray.remote(self.actor_class)
+        actor = cls.options(
             num_cpus=cpus, num_gpus=share, max_restarts=-1, scheduling_strategy=strategy
         ).remote(*args)
+        self._actors.append(actor)
+        return actor
 
     def _start_actors(self, groups: list[PlacementGroup], index: list[int], share: float) -> None:
         """Starts every service at once (loading in parallel), then checks each pair's
@@ -219,13 +224,13 @@ class Placement:
 
     def stop(self, grace_s: float) -> None:
         """Stops every service (grace for in-flight calls), then frees actors and groups."""
-        actors = [a for p in self.pairs for a in (p.draft, p.target) if a is not None]
+        actors, self._actors = self._actors, []
         try:
             ray.get([a.stop.remote(grace_s) for a in actors], timeout=grace_s + 10.0)
-        except Exception as e:  # a dead actor has nothing left to stop
+        except Exception as e:  # a dead or never started actor has nothing left to stop
             log.info("stopping services: %s", e)
         for a in actors:
             ray.kill(a, no_restart=True)
-        for p in self.pairs:
-            remove_placement_group(p.group)
-        self.pairs = []
+        for g in self._groups:
+            remove_placement_group(g)
+        self._groups, self.pairs = [], []
