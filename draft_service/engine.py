@@ -298,10 +298,10 @@ class DraftEngine:
             step_in = [t if sel is None else t[sel] for t in inputs]
             step_in[4] = step_in[4] + j
             zero = self._zeros[: len(rows)]
-            out = runner.graph_step([ids[b] for b in rows], prev[:, None], self._head,
-                                    (zero, *step_in))  # fmt: skip
-            assert isinstance(out, tuple)
-            steps.append(_kept(rows, out))
+            outs = runner.graph_step([ids[b] for b in rows], prev[:, None], self._head,
+                                     (zero, *step_in))  # fmt: skip
+            assert isinstance(outs, tuple)
+            steps.append(_kept(rows, outs))
         clock.mark()
         sampled = [not r.sampling.greedy for r in reqs]
         drafted, q = _read_drafts(steps, ks, sampled, runner)  # the step's one sync

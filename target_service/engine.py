@@ -29,6 +29,7 @@ from specdec.serving.verdicts import Verdicts
 from target_service.config import TargetConfig
 from target_service.rejection_sampler import (
     DenseProbs,
+    HostShape,
     RequestSampling,
     SampleStatus,
     SparseProbs,
@@ -297,7 +298,7 @@ class TargetEngine:
             synthetic=self.config.synthetic,
             vocab_size=self.vocab_size,
             impl=self.config.sampler_impl,
-            # TODO(lead): host=HostShape(tuple(ks), max(lengths)) once the sampler takes it
+            host=HostShape(tuple(ks), max(lengths)),
         )
         return torch.cat(
             [

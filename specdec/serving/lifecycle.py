@@ -12,9 +12,12 @@ from specdec.serving.messages import Admission
 
 
 class _StepTimes(Protocol):
-    forward_s: float
-    sampler_s: float
-    graphed: bool
+    @property
+    def forward_s(self) -> float: ...
+    @property
+    def sampler_s(self) -> float: ...
+    @property
+    def graphed(self) -> bool: ...
 
 
 def step_timing(times: _StepTimes, service_s: float) -> common_pb2.StepTiming:
