@@ -19,28 +19,32 @@ import numpy as np
 import torch
 
 _ALIGN = 8  # every segment starts on an 8-byte boundary, so int64 views of it are aligned
+_DTYPES = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
+           np.dtype(np.float32): torch.float32}  # fmt: skip
 
 
 def upload(arrays: Sequence[np.ndarray], device: torch.device) -> list[torch.Tensor]:
-    """The arrays (int32, int64 or float32, any shape) on `device`, as views into one buffer
-    that crosses to a GPU in one non-blocking copy from pinned memory (a copy from pageable
-    memory would wait for the device)."""
-    offsets, size = [], 0
-    for a in arrays:
-        offsets.append(size)
-        size += -(-a.nbytes // _ALIGN) * _ALIGN
-    on_gpu = device.type == "cuda"
-    buffer = torch.empty(max(size, _ALIGN), dtype=torch.uint8, pin_memory=on_gpu)
-    raw = buffer.numpy()
-    for a, off in zip(arrays, offsets, strict=True):
-        raw[off : off + a.nbytes] = np.ascontiguousarray(a).view(np.uint8).reshape(-1)
-    moved = buffer.to(device, non_blocking=True) if on_gpu else buffer.to(device)
-    dtypes = {np.dtype(np.int32): torch.int32, np.dtype(np.int64): torch.int64,
-              np.dtype(np.float32): torch.float32}  # fmt: skip
-    return [
-        moved[off : off + a.nbytes].view(dtypes[a.dtype]).view(a.shape)
-        for a, off in zip(arrays, offsets, strict=True)
-    ]
+    """The 1-D arrays (int32, int64 or float32) on `device`, as views into one buffer that
+    crosses to a GPU in one non-blocking copy from pinned memory (a copy from pageable memory
+    would wait for the device)."""
+    sizes = [-(-a.nbytes // _ALIGN) * _ALIGN for a in arrays]
+    raw = np.empty(sum(sizes) or _ALIGN, dtype=np.uint8)
+    start = 0
+    for a, size in zip(arrays, sizes, strict=True):
+        raw[start : start + a.nbytes] = a.view(np.uint8)
+        start += size
+    host = torch.from_numpy(raw)
+    if device.type == "cuda":
+        moved = host.pin_memory().to(device, non_blocking=True)
+    else:
+        moved = host.to(device)
+    typed = {dtype: moved.view(_DTYPES[dtype]) for dtype in {a.dtype for a in arrays}}
+    out, start = [], 0
+    for a, size in zip(arrays, sizes, strict=True):
+        first = start // a.itemsize  # segments start on 8-byte boundaries: exact
+        out.append(typed[a.dtype][first : first + a.shape[0]])
+        start += size
+    return out
 
 
 @dataclass(frozen=True, slots=True)
