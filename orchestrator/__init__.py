@@ -1,5 +1,7 @@
-"""The Ray orchestrator (admission, request order, committed tokens, the client API, metrics).
+"""The orchestrator behind `specdec serve`: places each draft/target pair's services as Ray
+actors (`placement`), admits and routes requests (`scheduler`), keeps every request's committed
+tokens (`records`), and serves the client API (`servicer`, `server`) with metrics; `cli` is the
+`specdec` command.
 
-Not built yet: no issue has asked for it. It must import without torch or Triton (STYLE.md
-habit 7); `specdec.serving.pipeline` is the draft -> target driver it will schedule.
+It imports without torch or Triton: the services, and torch, load only inside their actors.
 """

@@ -3,7 +3,8 @@
     specdec serve --target DIR --draft DIR [--num-draft-tokens 4] [--pairs 1] [--port 50050]
     specdec serve --target DIR --proposer ngram
     specdec serve --config serve.toml          # keys are the flags' names
-    specdec generate "def fibonacci(" --server localhost:50050
+    specdec generate "def fibonacci(" --address localhost:50050
+    specdec demo
 
 Every serve default is the config dataclasses' (`orchestrator.config`); a flag given on the
 command line wins over the same key in --config.
@@ -31,6 +32,8 @@ from orchestrator.config import (
     ServiceConfig,
     default_of,
 )
+from orchestrator.demo import add_demo_args, run_demo
+from orchestrator.generate_cli import add_generate_args, run_generate
 
 PROG = "specdec"
 
@@ -169,21 +172,12 @@ Command = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[..
 
 
 def _commands() -> list[Command]:
-    """serve, plus generate and demo where their modules are present."""
-    commands: list[Command] = [
-        ("serve", "run the orchestrator and its services", add_serve_args, run_serve)
-    ]
-    import importlib.util
-
-    if importlib.util.find_spec("orchestrator.generate_cli") is not None:  # TODO(h4): final
-        from orchestrator.generate_cli import add_generate_args, run_generate
-
-        commands.append(("generate", "send a prompt to a server", add_generate_args, run_generate))
-    if importlib.util.find_spec("orchestrator.demo") is not None:
-        from orchestrator.demo import add_demo_args, run_demo
-
-        commands.append(("demo", "a tiny local pair, served and queried", add_demo_args, run_demo))
-    return commands
+    return [
+        ("serve", "run the orchestrator and its services", add_serve_args, run_serve),
+        ("generate", "stream a completion from a running server", add_generate_args,
+         run_generate),
+        ("demo", "train or load a tiny pair, serve it, query it", add_demo_args, run_demo),
+    ]  # fmt: skip
 
 
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:

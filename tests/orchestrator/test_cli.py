@@ -1,0 +1,109 @@
+"""The `specdec` command line: flags and --config files to ServeConfig, clear refusals, and
+`specdec serve` + `specdec generate` as real processes (SIGTERM stops the server cleanly)."""
+
+from __future__ import annotations
+
+import json
+import re
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from orchestrator.cli import parse_args, serve_config
+from orchestrator.config import PlacementConfig, SchedulerConfig, ServeConfig, ServiceConfig
+from tests.draft_service.models import build_checkpoints
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return build_checkpoints(tmp_path_factory.mktemp("cli"))
+
+
+def test_defaults_are_the_config_dataclasses(checkpoints: tuple[Path, Path]) -> None:
+    target, draft = checkpoints
+    config = serve_config(parse_args(["serve", "--target", str(target), "--draft", str(draft)]))
+    expected = ServeConfig(ServiceConfig(str(target), str(draft)))
+    assert config == expected
+    assert config.placement == PlacementConfig() and config.scheduler == SchedulerConfig()
+
+
+def test_flags_override_the_config_file(checkpoints: tuple[Path, Path], tmp_path: Path) -> None:
+    target, draft = checkpoints
+    toml = tmp_path / "serve.toml"
+    toml.write_text(f'target = "{target}"\ndraft = "{draft}"\nk = 2\nmax-queue = 7\npairs = 2\n')
+    config = serve_config(parse_args(["serve", "--config", str(toml), "--pairs", "3"]))
+    assert config.scheduler.num_draft_tokens == 2 and config.scheduler.max_queue == 7
+    assert config.placement.pairs == 3 and config.services.draft == str(draft)
+    js = tmp_path / "serve.json"
+    js.write_text(json.dumps({"target": str(target), "proposer": "off", "metrics_port": -1}))
+    config = serve_config(parse_args(["serve", "--config", str(js)]))
+    assert config.scheduler.proposer == "off" and config.metrics_port is None
+
+
+def test_refusals_name_the_problem(checkpoints: tuple[Path, Path], tmp_path: Path) -> None:
+    target, _ = checkpoints
+    with pytest.raises(ValueError, match=re.escape("huggingface-cli download meta-llama/Llama-3.1-8B")):
+        serve_config(parse_args(["serve", "--target", "meta-llama/Llama-3.1-8B"]))
+    no_draft = serve_config(parse_args(["serve", "--target", str(target)]))
+    assert no_draft.scheduler.proposer == "ngram"
+    with pytest.raises(ValueError, match="proposer 'draft' needs a draft model"):
+        serve_config(parse_args(["serve", "--target", str(target), "--proposer", "draft"]))
+    with pytest.raises(ValueError, match=r"num_draft_tokens must be in \[0, max_num_draft_tok"):
+        serve_config(parse_args(["serve", "--target", str(target), "-k", "17"]))
+    bad = tmp_path / "bad.toml"
+    bad.write_text("bogus = 1\n")
+    with pytest.raises(SystemExit):
+        parse_args(["serve", "--config", str(bad)])
+
+
+def test_imports_without_torch() -> None:
+    code = (
+        "import sys; sys.modules['torch'] = None; sys.modules['triton'] = None; "
+        "import orchestrator.cli, orchestrator.server"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+    for module in ("specdec", "orchestrator"):
+        out = subprocess.run(
+            [sys.executable, "-m", module, "--help"], check=True, cwd=ROOT, capture_output=True
+        )
+        assert b"serve" in out.stdout and b"generate" in out.stdout and b"demo" in out.stdout
+
+
+@pytest.fixture
+def server(checkpoints: tuple[Path, Path]) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    target, draft = checkpoints
+    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RAY_ADDRESS")}
+    cmd = [sys.executable, "-m", "specdec", "serve", "--target", str(target), "--draft",
+           str(draft), "--device", "cpu", "--sampler-impl", "torch", "--max-seq-len", "128",
+           "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--grace-s", "2",
+           "--num-cpus", "4"]  # fmt: skip
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()  # printed once SERVING
+    try:
+        assert "serving target on 127.0.0.1:" in line, line
+        yield proc, line.strip().rsplit(" ", 1)[-1]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+
+def test_serve_then_generate_then_sigterm(server: tuple[subprocess.Popen[str], str]) -> None:
+    proc, address = server
+    out = subprocess.run(
+        [sys.executable, "-m", "specdec", "generate", "5 6 7 8", "--prompt-ids", "--address",
+         address, "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--json"],
+        cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    result = json.loads(out.stdout)
+    assert len(result["token_ids"]) == 6, result
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 0
