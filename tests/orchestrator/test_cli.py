@@ -4,8 +4,8 @@
 from __future__ import annotations
 
 import json
-import re
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -49,7 +49,8 @@ def test_flags_override_the_config_file(checkpoints: tuple[Path, Path], tmp_path
 
 def test_refusals_name_the_problem(checkpoints: tuple[Path, Path], tmp_path: Path) -> None:
     target, _ = checkpoints
-    with pytest.raises(ValueError, match=re.escape("huggingface-cli download meta-llama/Llama-3.1-8B")):
+    hint = re.escape("huggingface-cli download meta-llama/Llama-3.1-8B --local-dir DIR")
+    with pytest.raises(ValueError, match=hint):
         serve_config(parse_args(["serve", "--target", "meta-llama/Llama-3.1-8B"]))
     no_draft = serve_config(parse_args(["serve", "--target", str(target)]))
     assert no_draft.scheduler.proposer == "ngram"
