@@ -131,7 +131,8 @@ def _block(kind: str) -> common_pb2.DraftBlock:
     [
         ("dense", lambda pb: setattr(pb.dense, "probs", pb.dense.probs[:-4]),
          r"dense\.probs has 348 bytes; expected 352 \(8 x 11 little-endian float32\)"),
-        ("dense", lambda pb: setattr(pb.dense, "vocab_size", 0), r"dense\.vocab_size must be in \[1, 16777216\], got 0"),
+        ("dense", lambda pb: setattr(pb.dense, "vocab_size", 0),
+         r"dense\.vocab_size must be in \[1, 16777216\], got 0"),
         ("dense", lambda pb: pb.ClearField("dense"),
          r"entries\[0\]\.q_form is DENSE but the block has no dense"),
         ("sparse", lambda pb: setattr(pb.sparse, "token_ids", b"\0" * 12),
