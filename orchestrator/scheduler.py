@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import grpc
 
 from specdec.errors import SpecdecError
+from specdec.serving.messages import ErrorReason
 
 log = logging.getLogger(__name__)
 TICK_S = 0.05  # deadline resolution when nothing else happens
@@ -132,6 +133,7 @@ class Scheduler:
         self._waiting: deque[Job] = deque()
         self._lock = threading.Lock()
         self._active: set[str] = set()  # accepted and not finished; guarded by _lock
+        self._retried: set[str] = set()  # re-admitted once after a failed step
         self._thread = threading.Thread(target=self._run, name="scheduler", daemon=True)
         self._stopping = False
 
@@ -222,6 +224,7 @@ class Scheduler:
             if release and pair.alive:
                 assert pair.client is not None
                 pair.client.release([request_id])
+        self._retried.discard(request_id)
         with self._lock:
             self._active.discard(request_id)
 
@@ -259,22 +262,10 @@ class Scheduler:
         pair = self._pairs[index]
         if self._observer is not None:  # before the step's verdicts end any request
             self._observer.on_step(report, lambda rid: _proposer(pair.running.get(rid)))
-        done: list[str] = []
-        for event in report.events:
-            job = pair.running.get(event.request_id)
-            if job is None:
-                continue  # released or cancelled; a late verdict is dropped
-            if event.error is not None:
-                # the hub released it already
-                self._finish(pair, event.request_id, release=False)
-                job.on_error(event.error.code, event.error.message)
-            elif job.on_event(event):
-                done.append(event.request_id)
+        done = [e.request_id for e in report.events if self._apply(pair, e)]
         for request_id in done:
-            pair.running.pop(request_id, None)
-            with self._lock:
-                self._active.discard(request_id)
-        if done:
+            self._finish(pair, request_id, release=False)
+        if done:  # one control for all of them
             assert pair.client is not None
             pair.client.release(done)
         pair.draft_up = report.draft_up
@@ -282,6 +273,26 @@ class Scheduler:
             pair.awaiting_up = False
         elif pair.has_draft and not pair.awaiting_up:
             self._start_recovery(pair)
+
+    def _apply(self, pair: _PairState, event: Any) -> bool:
+        """Applies one verdict; True when its request finished and is to be released."""
+        job = pair.running.get(event.request_id)
+        if job is None:
+            return False  # released or cancelled; a late verdict is dropped
+        if event.error is None:
+            return job.on_event(event)
+        # the hub released the request already; a failed step left it as it was, so it is
+        # admitted again once from its record (re-prefill), and fails on a second failure
+        if event.error.reason == ErrorReason.STEP_FAILED and job.request_id not in self._retried:
+            log.warning("request %r: step failed (%s); re-admitting it", job.request_id,
+                        event.error.message)  # fmt: skip
+            self._retried.add(job.request_id)
+            assert pair.client is not None
+            pair.client.admit(job.admission())
+            return False
+        self._finish(pair, event.request_id, release=False)
+        job.on_error(event.error.code, event.error.message)
+        return False
 
     def _on_tick(self) -> None:
         now = time.monotonic()

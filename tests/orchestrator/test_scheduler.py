@@ -21,11 +21,13 @@ from specdec.serving.messages import ErrorReason, RequestError
 @dataclass
 class FakePair:
     admitted: list[str] = field(default_factory=list)
+    admissions: list[PairAdmission] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     drafts: list[tuple[str | None, dict[str, Any]]] = field(default_factory=list)
 
     def admit(self, admission: PairAdmission) -> None:
         self.admitted.append(admission.request_id)
+        self.admissions.append(admission)
 
     def release(self, request_ids: Sequence[str]) -> None:
         self.released.extend(request_ids)
@@ -47,7 +49,8 @@ class FakeJob:
     done: threading.Event = field(default_factory=threading.Event)
 
     def admission(self) -> PairAdmission:
-        return PairAdmission(self.request_id, (1, 2), SamplingParams(0.0), "draft", 2)
+        tokens, next_step = self.readmission()
+        return PairAdmission(self.request_id, tokens, SamplingParams(0.0), "draft", 2, next_step)
 
     def readmission(self) -> tuple[tuple[int, ...], int]:
         return (1, 2, *self.tokens), self.next_step
@@ -107,10 +110,24 @@ def make() -> Iterator[Callable[..., tuple[Scheduler, list[FakePair]]]]:
 
 def test_routes_each_request_to_the_least_loaded_pair(make: Any) -> None:
     sched, (a, b) = make([2, 2], 4)
-    for name in "wxy":
+    for count, name in enumerate("wxy", 1):
         sched.submit(FakeJob(name))
-        eventually(lambda n=name: n in a.admitted + b.admitted)
+        eventually(lambda c=count: len(a.admitted + b.admitted) == c)  # type: ignore[misc]
     assert a.admitted == ["w", "y"] and b.admitted == ["x"]
+
+
+def test_a_late_cancel_spares_a_newer_request_with_the_same_id(make: Any) -> None:
+    sched, (pair,) = make([2], 0)
+    old, new = FakeJob("a", max_tokens=1), FakeJob("a", max_tokens=2)
+    sched.submit(old)
+    eventually(lambda: pair.admitted == ["a"])
+    sched.post_step(0, step(event("a", 0, 3)))
+    eventually(old.done.is_set)
+    sched.submit(new)
+    sched.cancel(old, grpc.StatusCode.CANCELLED, "the old call ended")
+    sched.post_step(0, step(event("a", 0, 4, 5)))
+    eventually(new.done.is_set)
+    assert new.error is None and new.tokens == [4, 5]
 
 
 def test_queue_waits_then_refuses_beyond_max_queue(make: Any) -> None:
@@ -168,11 +185,27 @@ def test_step_error_fails_only_that_request(make: Any) -> None:
     sched.submit(bad)
     sched.submit(good)
     eventually(lambda: len(pair.admitted) == 2)
-    error = RequestError(ErrorReason.STEP_FAILED, grpc.StatusCode.INTERNAL, "boom")
+    error = RequestError(ErrorReason.NONFINITE_LOGITS, grpc.StatusCode.INTERNAL, "nan")
     sched.post_step(0, step(StepEvent("bad", 0, (), 0, 0, error), event("good", 0, 9)))
     eventually(lambda: bad.done.is_set() and good.done.is_set())
-    assert bad.error == (grpc.StatusCode.INTERNAL, "boom") and good.error is None
+    assert bad.error == (grpc.StatusCode.INTERNAL, "nan") and good.error is None
     assert pair.released == ["good"]  # the hub released "bad" itself
+
+
+def test_failed_step_is_readmitted_once_from_the_record(make: Any) -> None:
+    sched, (pair,) = make([2], 0)
+    job = FakeJob("a", max_tokens=10)
+    sched.submit(job)
+    eventually(lambda: pair.admitted == ["a"])
+    sched.post_step(0, step(event("a", 0, 4, 5)))
+    failed = RequestError(ErrorReason.STEP_FAILED, grpc.StatusCode.INTERNAL, "step failed")
+    sched.post_step(0, step(StepEvent("a", 1, (), 0, 0, failed)))
+    eventually(lambda: pair.admitted == ["a", "a"])
+    assert pair.admissions[-1].token_ids == (1, 2, 4, 5) and pair.admissions[-1].first_step == 1
+    sched.post_step(0, step(event("a", 1, 6)))
+    sched.post_step(0, step(StepEvent("a", 2, (), 0, 0, failed)))
+    eventually(job.done.is_set)
+    assert job.tokens == [4, 5, 6] and job.error == (grpc.StatusCode.INTERNAL, "step failed")
 
 
 def test_admission_error_frees_the_slot(make: Any) -> None:
