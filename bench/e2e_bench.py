@@ -44,6 +44,7 @@ from bench.e2e_services import (
     running,
     wait_serving,
 )
+from specdec.serving.server import apply_switch_interval
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256)  # those up to max_slots are captured
 # On random weights the two best logits of a 128,256-wide row are ~0.2 std apart on average and
@@ -339,6 +340,7 @@ def _interrupt(signum: int, frame: object) -> NoReturn:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
+    apply_switch_interval()  # the driver's threads too, when SPECDEC_SWITCH_INTERVAL_S is set
     if args.report is not None:
         result = json.loads(args.report.read_text())
         e2e_report.write(result, args.report.parent)

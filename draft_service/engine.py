@@ -62,6 +62,18 @@ def make_head(vocab_size: int, support_size: int | None) -> Head:
     return head
 
 
+def make_greedy_head(vocab_size: int) -> Head:
+    """Step head of a block whose requests are all greedy: (token_ids [B],). Their q is never
+    sent, and the full head's sort and softmax over the vocabulary cost more than the argmax."""
+
+    def head(logits: torch.Tensor, last: torch.Tensor, *_: torch.Tensor) -> tuple[torch.Tensor]:
+        index = last[:, None, None].expand(-1, 1, logits.shape[2])
+        rows = logits.gather(1, index).squeeze(1)[:, :vocab_size]  # [B, V]
+        return (rows.argmax(dim=-1).to(torch.int32),)
+
+    return head
+
+
 @dataclass(slots=True)
 class _Request:
     tokens: list[int]  # prompt + committed tokens
@@ -87,6 +99,7 @@ class DraftEngine:
         self.vocab_size = info.tokenizer_vocab_size
         support = config.support_size if config.q_form == "sparse" else None
         self._head = make_head(self.vocab_size, support)
+        self._greedy_head = make_greedy_head(self.vocab_size)
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
         if runner is not None:  # the `last` head input of one-token steps: row 0
@@ -289,7 +302,9 @@ class DraftEngine:
         tails = self._catch_up_tails(asks, reqs)
         inputs = self._sampling_inputs(reqs)  # temperature, top_k, top_p, seed, position
         last = runner.upload(torch.tensor([len(t) - 1 for t in tails]))
-        _, out = runner.ragged_step(ids, tails, self._head, (last, *inputs))
+        sampled = [not r.sampling.greedy for r in reqs]
+        head = self._head if any(sampled) else self._greedy_head
+        _, out = runner.ragged_step(ids, tails, head, (last, *inputs))
         steps = [_kept(list(range(len(asks))), out)]
         for j in range(1, max(ks)):
             rows = [b for b in steps[-1].rows if ks[b] > j]
@@ -298,12 +313,11 @@ class DraftEngine:
             step_in = [t if sel is None else t[sel] for t in inputs]
             step_in[4] = step_in[4] + j
             zero = self._zeros[: len(rows)]
-            outs = runner.graph_step([ids[b] for b in rows], prev[:, None], self._head,
+            outs = runner.graph_step([ids[b] for b in rows], prev[:, None], head,
                                      (zero, *step_in))  # fmt: skip
             assert isinstance(outs, tuple)
             steps.append(_kept(rows, outs))
         clock.mark()
-        sampled = [not r.sampling.greedy for r in reqs]
         drafted, q = _read_drafts(steps, ks, sampled, runner)  # the step's one sync
         for b, req in enumerate(reqs):
             req.kv = req.tokens + drafted[b][: ks[b] - 1]
@@ -358,8 +372,8 @@ class _Step:
 
     rows: list[int]  # the requests (positions in the block) this step drafted for
     tokens: torch.Tensor  # [R] int32
-    probs: torch.Tensor  # [R, K' | V] float32
-    support: torch.Tensor | None  # [R, K'] int32; None for dense q
+    probs: torch.Tensor | None  # [R, K' | V] float32; None from the greedy head
+    support: torch.Tensor | None  # [R, K'] int32; None for dense q and the greedy head
 
     def select(
         self, rows: list[int], upload: Callable[[torch.Tensor], torch.Tensor]
@@ -372,8 +386,9 @@ class _Step:
 
 
 def _kept(rows: list[int], out: tuple[torch.Tensor, ...]) -> _Step:
+    probs = out[1].clone() if len(out) > 1 else None
     support = out[2].clone() if len(out) > 2 else None
-    return _Step(rows, out[0].clone(), out[1].clone(), support)
+    return _Step(rows, out[0].clone(), probs, support)
 
 
 def _read_drafts(
@@ -396,7 +411,8 @@ def _read_drafts(
     wanted: list[torch.Tensor] = [tokens]
     if index:
         rows = runner.upload(torch.tensor(index, dtype=torch.long))
-        wanted.append(torch.cat([s.probs for s in steps]).index_select(0, rows))
+        wanted.append(torch.cat([s.probs for s in steps if s.probs is not None])
+                      .index_select(0, rows))  # fmt: skip
         if steps[0].support is not None:
             support = torch.cat([s.support for s in steps if s.support is not None])
             wanted.append(support.index_select(0, rows))

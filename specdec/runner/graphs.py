@@ -80,7 +80,8 @@ class StepGraphs:
     def _fill(static: torch.Tensor, value: torch.Tensor, pad: int) -> None:
         b = value.shape[0]
         static[:b].copy_(value, non_blocking=True)
-        static[b:].fill_(pad)
+        if b < static.shape[0]:
+            static[b:].fill_(pad)
 
     def _capture(
         self, bs: int, n: int, head: Head | None, head_inputs: Sequence[torch.Tensor]

@@ -343,8 +343,8 @@ class ModelRunner:
                 "graph_step needs one distinct request id per row of token_ids."
             )
         lengths = [self._cache.length(r) for r in request_ids]
-        slots = self._to_device([self._cache.slot(r) for r in request_ids])
-        starts = self._to_device(lengths)
+        slots_starts = self._to_device([[self._cache.slot(r) for r in request_ids], lengths])
+        slots, starts = slots_starts[0], slots_starts[1]  # one copy for both
         tokens = token_ids.to(self._device, torch.long, non_blocking=True)
         bs = self._graphs.padded_size(b) if self._graphs is not None else None
         if self._graphs is not None and bs is not None:
