@@ -70,7 +70,7 @@ def _placement_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-cpus", type=int, default=d("num_cpus"), help="local cluster only")
     g.add_argument("--num-gpus", type=int, default=d("num_gpus"), help="local cluster only")
     g.add_argument("--start-timeout-s", type=float, default=d("start_timeout_s"))
-    g.add_argument("--draft-restart-timeout-s", type=float, default=d("draft_restart_timeout_s"))
+    g.add_argument("--restart-timeout-s", type=float, default=d("restart_timeout_s"))
 
 
 def _scheduler_args(parser: argparse.ArgumentParser) -> None:
@@ -136,7 +136,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         placement=PlacementConfig(
             pairs=args.pairs, address=args.address, num_cpus=args.num_cpus,
             num_gpus=args.num_gpus, start_timeout_s=args.start_timeout_s,
-            draft_restart_timeout_s=args.draft_restart_timeout_s,
+            restart_timeout_s=args.restart_timeout_s,
         ),
         scheduler=SchedulerConfig(
             max_queue=args.max_queue, proposer=proposer, num_draft_tokens=args.num_draft_tokens

@@ -115,7 +115,7 @@ class PlacementConfig:
     num_cpus: int | None = None
     num_gpus: int | None = None
     start_timeout_s: float = 900.0
-    draft_restart_timeout_s: float = 600.0
+    restart_timeout_s: float = 600.0
 
     def __post_init__(self) -> None:
         if not 1 <= self.pairs <= 256:
@@ -124,8 +124,8 @@ class PlacementConfig:
             raise ValueError(f"num_cpus must be >= 1, got {self.num_cpus}.")
         if self.num_gpus is not None and self.num_gpus < 0:
             raise ValueError(f"num_gpus must be >= 0, got {self.num_gpus}.")
-        if self.start_timeout_s <= 0 or self.draft_restart_timeout_s <= 0:
-            raise ValueError("start_timeout_s and draft_restart_timeout_s must be > 0 seconds.")
+        if self.start_timeout_s <= 0 or self.restart_timeout_s <= 0:
+            raise ValueError("start_timeout_s and restart_timeout_s must be > 0 seconds.")
 
 
 @dataclass(frozen=True, slots=True)

@@ -202,24 +202,30 @@ class Placement:
                     ) from e
 
     def wait_draft(self, pair: PairPlacement) -> tuple[str, ModelInfo]:
-        """The (restarted) draft's address and info, once it answers; RuntimeError after
-        `draft_restart_timeout_s`."""
+        """The (restarted) draft's address and info, once it answers."""
         assert pair.draft is not None
-        deadline = time.monotonic() + self.config.draft_restart_timeout_s
+        pair.draft_address, pair.draft_info = self._wait(pair.draft, "draft", pair.index)
+        return pair.draft_address, pair.draft_info
+
+    def wait_target(self, pair: PairPlacement) -> tuple[str, ModelInfo]:
+        """The (restarted) target's address and info, once it answers."""
+        pair.target_address, pair.target_info = self._wait(pair.target, "target", pair.index)
+        return pair.target_address, pair.target_info
+
+    def _wait(self, actor: Any, role: str, index: int) -> tuple[str, ModelInfo]:
+        """Asks `actor` until it answers; RuntimeError after `restart_timeout_s`."""
+        timeout = self.config.restart_timeout_s
+        deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise RuntimeError(
-                    f"pair {pair.index}'s draft did not come back within "
-                    f"{self.config.draft_restart_timeout_s:g} s."
-                )
+                raise RuntimeError(f"pair {index}'s {role} did not come back within {timeout:g} s.")
             try:
-                address, info = ray.get(pair.draft.info.remote(), timeout=remaining)
+                address, info = ray.get(actor.info.remote(), timeout=remaining)
             except (RayActorError, GetTimeoutError) as e:
-                log.info("pair %d: draft not back yet (%s)", pair.index, type(e).__name__)
+                log.info("pair %d: %s not back yet (%s)", index, role, type(e).__name__)
                 time.sleep(RETRY_S)
                 continue
-            pair.draft_address, pair.draft_info = address, info
             return address, info
 
     def stop(self, grace_s: float) -> None:

@@ -112,6 +112,9 @@ class Scheduler:
 
     `recover(i)`, when given, blocks until pair i's draft service is back and returns its
     address; it runs on a thread of its own after the hub reports the draft down.
+    `reconnect(i, request_ids)`, when given, blocks until pair i's target service is back and
+    returns a new client to it, after the hub's stream failed; the pair's running requests
+    wait meanwhile and are then admitted again from their records.
     """
 
     def __init__(
@@ -121,12 +124,14 @@ class Scheduler:
         *,
         has_draft: bool = False,
         recover: Callable[[int], str] | None = None,
+        reconnect: Callable[[int, list[str]], Pair] | None = None,
         observer: Observer | None = None,
     ):
         assert capacities and all(c >= 1 for c in capacities), capacities
         self._pairs = [_PairState(i, c, has_draft=has_draft) for i, c in enumerate(capacities)]
         self.max_queue = max_queue
         self._recover = recover
+        self._reconnect = reconnect
         self._observer = observer
         self._events: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]]
         self._events = queue.SimpleQueue()
@@ -324,22 +329,45 @@ class Scheduler:
                 self._finish(pair, job.request_id, release=False)
                 job.on_error(grpc.StatusCode.UNAVAILABLE, f"admission failed: {e}")
 
+    # ---- target recovery ----
+
     def _on_closed(self, index: int, error: BaseException | None) -> None:
         pair = self._pairs[index]
         pair.alive = False
         if self._stopping:
             return
         log.error("pair %d: the target's Serve stream ended: %s", index, error)
-        message = f"The target service of pair {index} failed: {error}"
-        jobs = list(pair.running.values())
-        for job in jobs:
-            self._finish(pair, job.request_id, release=False)
-            job.on_error(grpc.StatusCode.UNAVAILABLE, message)
-        if not any(p.alive for p in self._pairs):
-            while self._waiting:
-                job = self._waiting.popleft()
-                self._finish(None, job.request_id, release=False)
-                job.on_error(grpc.StatusCode.UNAVAILABLE, "No target service is left.")
+        if self._reconnect is None:
+            self._on_target_back(index, None, f"The target service of pair {index} failed.")
+            return
+        ids = list(pair.running)
+        threading.Thread(target=self._reconnect_target, args=(index, ids), daemon=True).start()
+
+    def _reconnect_target(self, index: int, request_ids: list[str]) -> None:
+        assert self._reconnect is not None
+        try:
+            self._post(self._on_target_back, index, self._reconnect(index, request_ids), "")
+        except Exception as e:
+            log.error("pair %d: target recovery failed: %s", index, e)
+            self._post(self._on_target_back, index, None, f"pair {index}'s target is gone: {e}")
+
+    def _on_target_back(self, index: int, client: Pair | None, failure: str) -> None:
+        """Re-admits the pair's requests to its new hub; fails them if there is none."""
+        pair = self._pairs[index]
+        if client is None or self._stopping:
+            for job in list(pair.running.values()):
+                self._finish(pair, job.request_id, release=False)
+                job.on_error(grpc.StatusCode.UNAVAILABLE, failure)
+            if not any(p.alive for p in self._pairs):
+                while self._waiting:
+                    job = self._waiting.popleft()
+                    self._finish(None, job.request_id, release=False)
+                    job.on_error(grpc.StatusCode.UNAVAILABLE, "No target service is left.")
+            return
+        pair.client, pair.alive = client, True
+        log.info("pair %d: target back; re-admitting %d request(s)", index, len(pair.running))
+        for job in pair.running.values():
+            client.admit(job.admission())  # prompt + committed tokens, from the next step
 
     # ---- draft recovery ----
 

@@ -15,6 +15,7 @@ import threading
 from functools import partial
 from typing import Any
 
+import grpc
 import ray
 
 from orchestrator.config import ServeConfig
@@ -25,7 +26,9 @@ from orchestrator.placement import PairPlacement, Placement, connect
 from orchestrator.requests import Served, served_model_pb
 from orchestrator.scheduler import Scheduler
 from orchestrator.servicer import SERVICE_NAME, Backend, GenerateServicer, add_to_server
+from specdec.pb import common_pb2, draft_pb2_grpc
 from specdec.pb.specdec.v1 import generate_pb2
+from specdec.serving.client import make_channel
 from specdec.serving.messages import ModelInfo
 from specdec.serving.server import Server, ServerConfig
 
@@ -55,6 +58,17 @@ def pair_capacity(pair: PairPlacement) -> int:
     if pair.draft_info is None:
         return pair.target_info.max_requests
     return min(pair.target_info.max_requests, pair.draft_info.max_requests)
+
+
+def release_on(address: str, request_ids: list[str]) -> None:
+    """Releases requests on a draft service directly (best effort: it may be down too)."""
+    try:
+        with make_channel(address) as channel:
+            stub = draft_pb2_grpc.DraftServiceStub(channel)
+            stub.Release(common_pb2.ReleaseRequest(request_ids=request_ids), timeout=10.0)
+    except grpc.RpcError as e:
+        log.warning("releasing %d request(s) on the draft at %s: %s", len(request_ids),
+                    address, e.code())  # fmt: skip
 
 
 def _draft_down(sched: Scheduler, index: int, linked: threading.Event) -> None:
@@ -121,36 +135,54 @@ class Orchestrator:
             self.config.scheduler.max_queue,
             has_draft=served.has_draft,
             recover=self._recover,
+            reconnect=self._reconnect,
             observer=self.metrics,
         )
         self.scheduler = sched
         for p in pairs:
-            i = p.index
-            linked = threading.Event()
-            client = PairClient(
-                p.target_address,
-                on_step=partial(sched.post_step, i),
-                on_admitted=partial(sched.post_admitted, i),
-                on_draft_down=partial(_draft_down, sched, i, linked),
-                on_draft_up=linked.set,
-                on_close=partial(sched.post_closed, i),
-            )
-            self.clients.append(client)
-            sched.attach(i, client)
-            if p.draft_address is not None:
-                client.set_draft(p.draft_address, {})
-                if not linked.wait(self.config.placement.start_timeout_s) or not client.draft_up:
-                    raise RuntimeError(
-                        f"The target of pair {i} could not reach its draft at {p.draft_address}."
-                    )
+            self.clients.append(self._client(sched, p))
+            sched.attach(p.index, self.clients[-1])
         sched.start()
         self.servicer.backend = Backend(
             sched, served, tokenizer, lambda: self.model_info(served), self.metrics
         )
 
+    def _client(self, sched: Scheduler, p: PairPlacement) -> PairClient:
+        """A hub stream to pair p's target, linked to its draft (waits for draft_up)."""
+        i, linked = p.index, threading.Event()
+        client = PairClient(
+            p.target_address,
+            on_step=partial(sched.post_step, i),
+            on_admitted=partial(sched.post_admitted, i),
+            on_draft_down=partial(_draft_down, sched, i, linked),
+            on_draft_up=linked.set,
+            on_close=partial(sched.post_closed, i),
+        )
+        if p.draft_address is not None:
+            client.set_draft(p.draft_address, {})
+            if not linked.wait(self.config.placement.start_timeout_s) or not client.draft_up:
+                client.close()
+                raise RuntimeError(
+                    f"The target of pair {i} could not reach its draft at {p.draft_address}."
+                )
+        return client
+
     def _recover(self, index: int) -> str:
         address, _ = self.placement.wait_draft(self.placement.pairs[index])
         return address
+
+    def _reconnect(self, index: int, request_ids: list[str]) -> PairClient:
+        """A client to pair `index`'s restarted target. The dead hub could not release its
+        requests on the draft, so that is done here before the new hub admits them again."""
+        pair = self.placement.pairs[index]
+        self.placement.wait_target(pair)
+        if pair.draft_address is not None and request_ids:
+            release_on(pair.draft_address, request_ids)
+        assert self.scheduler is not None
+        client = self._client(self.scheduler, pair)
+        self.clients[index], old = client, self.clients[index]
+        old.close()
+        return client
 
     def model_info(self, served: Served) -> generate_pb2.ServedModelInfo:
         target, draft = self.clients[0].model_info()

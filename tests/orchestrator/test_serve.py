@@ -62,7 +62,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             str(target), str(draft), device="cpu", max_requests=MAX_REQUESTS, max_seq_len=256,
             sampler_impl="torch",  # the Triton interpreter costs ~1 s per step on CPU
         ),
-        PlacementConfig(num_cpus=4, draft_restart_timeout_s=120.0),
+        PlacementConfig(num_cpus=4, restart_timeout_s=120.0),
         SchedulerConfig(max_queue=MAX_QUEUE, proposer="draft", num_draft_tokens=3),
         host="127.0.0.1", port=0, metrics_port=0, grace_s=2.0,
     )  # fmt: skip
@@ -367,3 +367,37 @@ def test_killed_draft_restarts_and_speculation_resumes(stack: Stack) -> None:
     assert any(0 in k and k[0] > 0 for k in ks), "some request ran target-only for a while"
     resumed = [k for k in ks if 0 in k and any(n > 0 for n in k[k.index(0) :])]
     assert resumed, "drafting resumed inside a request that spanned the restart"
+
+
+def test_killed_target_restarts_and_its_requests_finish(stack: Stack) -> None:
+    """Kill the target actor mid-generation: its requests wait for Ray to restart it, are
+    admitted again from the orchestrator's records (prompt + committed tokens) and finish with
+    target-only greedy output, steps numbered on without a gap."""
+    prompt = list(PROMPTS[1])
+    expected = oracle(stack.target_dir, tuple(prompt), 150)
+    pair = stack.orchestrator.placement.pairs[0]
+    old_address = pair.target_address
+    results: dict[str, Any] = {}
+    started = threading.Barrier(4)
+
+    def run(proposer: str) -> None:
+        calls = stack.stub.Generate(request(prompt, 150, proposer, 3, request_id=proposer))
+        first = next(calls)
+        started.wait()
+        try:
+            rest = list(calls)
+            results[proposer] = [t for r in (first, *rest) for t in r.token_ids]
+        except BaseException as e:
+            results[proposer] = e
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in ("draft", "ngram", "off")]
+    for t in threads:
+        t.start()
+    started.wait()
+    ray.kill(pair.target, no_restart=False)
+    for t in threads:
+        t.join(180)
+    assert results == {"draft": expected, "ngram": expected, "off": expected}
+    assert pair.target_address != old_address, "a new target process serves the pair"
+    tokens, steps, _ = stream(stack.stub, request(prompt, 20, "draft", 3))
+    assert tokens == expected[:20] and any(s.num_accepted for s in steps)
