@@ -320,14 +320,21 @@ def test_invalid_requests_name_the_field(stack: Stack) -> None:
         assert message in (err.value.details() or ""), (message, err.value.details())
 
 
-def test_health_and_model_info(stack: Stack) -> None:
+def test_health_reflection_and_model_info(stack: Stack) -> None:
     from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
     with grpc.insecure_channel(stack.address) as channel:
         health = health_pb2_grpc.HealthStub(channel).Check(
             health_pb2.HealthCheckRequest(service="specdec.v1.GenerateService"), timeout=5
         )
+        ask = reflection_pb2.ServerReflectionRequest(list_services="")
+        (answer,) = reflection_pb2_grpc.ServerReflectionStub(channel).ServerReflectionInfo(
+            iter([ask]), timeout=5
+        )
     assert health.status == health_pb2.HealthCheckResponse.SERVING
+    names = {s.name for s in answer.list_services_response.service}
+    assert {"specdec.v1.GenerateService", "grpc.health.v1.Health"} <= names
     info = stack.stub.GetModelInfo(pb.GetServedModelInfoRequest()).models[0]
     assert info.vocab_size == TOKENIZER_VOCAB and info.max_seq_len == 256
     assert info.default_proposer == pb.PROPOSER_DRAFT and info.default_num_draft_tokens == 3
