@@ -17,7 +17,7 @@ from typing import Protocol
 import grpc
 
 from orchestrator.detokenizer import IncrementalDetokenizer, TextTokenizer
-from orchestrator.pair import PairAdmission, Proposer
+from orchestrator.pair import PairAdmission, Proposer, StepEvent
 from orchestrator.records import FinishReason, RequestRecord, StepGapError, StopCriteria
 from specdec.limits import MAX_SEED, MAX_TOP_K
 from specdec.pb.specdec.v1 import generate_pb2
@@ -209,9 +209,9 @@ class Job:
     def on_admitted(self, committed_length: int) -> None:
         self.record.mark_admitted()
 
-    def on_event(self, event: object) -> bool:
+    def on_event(self, event: StepEvent) -> bool:
         try:
-            delta = self.record.apply(event)  # type: ignore[arg-type]
+            delta = self.record.apply(event)
         except StepGapError as e:
             self.on_error(grpc.StatusCode.INTERNAL, str(e))
             return True

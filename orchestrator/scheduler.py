@@ -6,9 +6,9 @@ is cancelled, and keeps the rest waiting in arrival order. Beyond `max_queue` wa
 a new one is refused at once (RESOURCE_EXHAUSTED); running ones are never touched.
 
 All state lives on the scheduler's own thread. The PairClients' callbacks, the servicer's
-threads and the draft-recovery threads only post events to its queue, so no callback blocks and
-no lock guards the request tables; `submit` alone takes a lock, for the capacity count it must
-answer synchronously.
+threads and the recovery threads (waiting for a restarted draft or target) only post events to
+its queue, so no callback blocks and no lock guards the request tables; `submit` alone takes a
+lock, for the capacity count it must answer synchronously.
 """
 
 from __future__ import annotations
@@ -24,8 +24,9 @@ from typing import Any, Protocol
 
 import grpc
 
+from orchestrator.pair import PairAdmission, StepEvent, StepReport
 from specdec.errors import SpecdecError
-from specdec.serving.messages import ErrorReason
+from specdec.serving.messages import ErrorReason, RequestError
 
 log = logging.getLogger(__name__)
 TICK_S = 0.05  # deadline resolution when nothing else happens
@@ -56,13 +57,13 @@ class Job(Protocol):
     @property
     def proposer(self) -> str: ...
 
-    def admission(self) -> Any: ...  # PairAdmission for the first admission
+    def admission(self) -> PairAdmission: ...  # from the record: a re-admission goes on
 
     def readmission(self) -> tuple[tuple[int, ...], int]: ...  # (prompt + committed, next step)
 
     def on_admitted(self, committed_length: int) -> None: ...
 
-    def on_event(self, event: Any) -> bool: ...  # applies a StepEvent; True once finished
+    def on_event(self, event: StepEvent) -> bool: ...  # True once finished
 
     def on_error(self, code: grpc.StatusCode, message: str) -> None: ...  # terminal
 
@@ -72,7 +73,7 @@ class Job(Protocol):
 class Pair(Protocol):
     """The PairClient methods the scheduler calls."""
 
-    def admit(self, admission: Any) -> None: ...
+    def admit(self, admission: PairAdmission) -> None: ...
 
     def release(self, request_ids: Sequence[str]) -> None: ...
 
@@ -84,7 +85,7 @@ class Pair(Protocol):
 class Observer(Protocol):
     """Where the scheduler reports steps and queue sizes (the metrics)."""
 
-    def on_step(self, report: Any, proposer_of: Callable[[str], str | None]) -> None: ...
+    def on_step(self, report: StepReport, proposer_of: Callable[[str], str | None]) -> None: ...
 
     def set_queue(self, running: int, waiting: int) -> None: ...
 
@@ -181,10 +182,10 @@ class Scheduler:
         that reuses the id."""
         self._post(self._on_cancel, job, code, message)
 
-    def post_step(self, pair: int, report: Any) -> None:
+    def post_step(self, pair: int, report: StepReport) -> None:
         self._post(self._on_step, pair, report)
 
-    def post_admitted(self, pair: int, request_id: str, result: Any) -> None:
+    def post_admitted(self, pair: int, request_id: str, result: int | RequestError) -> None:
         self._post(self._on_admitted, pair, request_id, result)
 
     def post_draft_down(self, pair: int) -> None:
@@ -252,7 +253,7 @@ class Scheduler:
         self._finish(pair, job.request_id, release=True)
         job.on_error(code, message)
 
-    def _on_admitted(self, index: int, request_id: str, result: Any) -> None:
+    def _on_admitted(self, index: int, request_id: str, result: int | RequestError) -> None:
         pair = self._pairs[index]
         job = pair.running.get(request_id)
         if job is None:
@@ -263,7 +264,7 @@ class Scheduler:
         self._finish(pair, request_id, release=True)
         job.on_error(result.code, result.message)
 
-    def _on_step(self, index: int, report: Any) -> None:
+    def _on_step(self, index: int, report: StepReport) -> None:
         pair = self._pairs[index]
         if self._observer is not None:  # before the step's verdicts end any request
             self._observer.on_step(report, lambda rid: _proposer(pair.running.get(rid)))
@@ -279,7 +280,7 @@ class Scheduler:
         elif pair.has_draft and not pair.awaiting_up:
             self._start_recovery(pair)
 
-    def _apply(self, pair: _PairState, event: Any) -> bool:
+    def _apply(self, pair: _PairState, event: StepEvent) -> bool:
         """Applies one verdict; True when its request finished and is to be released."""
         job = pair.running.get(event.request_id)
         if job is None:
