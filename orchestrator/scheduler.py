@@ -127,12 +127,14 @@ class Scheduler:
         recover: Callable[[int], str] | None = None,
         reconnect: Callable[[int, list[str]], Pair] | None = None,
         observer: Observer | None = None,
+        on_serving: Callable[[bool], None] | None = None,
     ):
         assert capacities and all(c >= 1 for c in capacities), capacities
         self._pairs = [_PairState(i, c, has_draft=has_draft) for i, c in enumerate(capacities)]
         self.max_queue = max_queue
         self._recover = recover
         self._reconnect = reconnect
+        self._on_serving = on_serving  # False while no pair has a target, True when one is back
         self._observer = observer
         self._events: queue.SimpleQueue[tuple[Callable[..., None], tuple[Any, ...]]]
         self._events = queue.SimpleQueue()
@@ -338,6 +340,8 @@ class Scheduler:
         if self._stopping:
             return
         log.error("pair %d: the target's Serve stream ended: %s", index, error)
+        if self._on_serving is not None and not any(p.alive for p in self._pairs):
+            self._on_serving(False)
         if self._reconnect is None:
             self._on_target_back(index, None, f"The target service of pair {index} failed.")
             return
@@ -366,6 +370,8 @@ class Scheduler:
                     job.on_error(grpc.StatusCode.UNAVAILABLE, "No target service is left.")
             return
         pair.client, pair.alive = client, True
+        if self._on_serving is not None:
+            self._on_serving(True)
         log.info("pair %d: target back; re-admitting %d request(s)", index, len(pair.running))
         for job in pair.running.values():
             client.admit(job.admission())  # prompt + committed tokens, from the next step

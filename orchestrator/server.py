@@ -137,6 +137,7 @@ class Orchestrator:
             recover=self._recover,
             reconnect=self._reconnect,
             observer=self.metrics,
+            on_serving=self._set_serving,
         )
         self.scheduler = sched
         for p in pairs:
@@ -166,6 +167,10 @@ class Orchestrator:
                     f"The target of pair {i} could not reach its draft at {p.draft_address}."
                 )
         return client
+
+    def _set_serving(self, serving: bool) -> None:
+        if not self._stopped.is_set():  # shutdown owns health from then on
+            self.server.set_serving(serving)
 
     def _recover(self, index: int) -> str:
         address, _ = self.placement.wait_draft(self.placement.pairs[index])

@@ -376,10 +376,20 @@ def test_killed_draft_restarts_and_speculation_resumes(stack: Stack) -> None:
     assert resumed, "drafting resumed inside a request that spanned the restart"
 
 
+def health(stack: Stack) -> str:
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(stack.address) as channel:
+        ask = health_pb2.HealthCheckRequest(service="specdec.v1.GenerateService")
+        status = health_pb2_grpc.HealthStub(channel).Check(ask, timeout=5).status
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+
 def test_killed_target_restarts_and_its_requests_finish(stack: Stack) -> None:
     """Kill the target actor mid-generation: its requests wait for Ray to restart it, are
     admitted again from the orchestrator's records (prompt + committed tokens) and finish with
-    target-only greedy output, steps numbered on without a gap."""
+    target-only greedy output, steps numbered on without a gap. Health is NOT_SERVING while
+    no pair has a target."""
     prompt = list(PROMPTS[1])
     expected = oracle(stack.target_dir, tuple(prompt), 150)
     pair = stack.orchestrator.placement.pairs[0]
@@ -402,6 +412,8 @@ def test_killed_target_restarts_and_its_requests_finish(stack: Stack) -> None:
         t.start()
     started.wait()
     ray.kill(pair.target, no_restart=False)
+    eventually(lambda: health(stack) == "NOT_SERVING", timeout_s=30)  # no pair has a target
+    eventually(lambda: health(stack) == "SERVING", timeout_s=120)
     for t in threads:
         t.join(180)
     assert results == {"draft": expected, "ngram": expected, "off": expected}
