@@ -33,17 +33,41 @@ from specdec.serving.client import LockstepStream
 
 VARIANTS = (
     "plain", "unary", "server_cuda", "pinned", "one_worker", "aio", "gil_spinner",
-    "gil_spinner_switch_100us", "switch_100us",
+    "gil_spinner_switch_100us", "switch_100us", "gpu_work", "gpu_work_poll",
 )  # fmt: skip
+GPU_WORK_S = 4e-3  # device time a gpu_work server spends per message, about an 8B verify step
 SWITCH_S = 1e-4  # the interpreter's GIL switch interval in the *_switch_100us variants
 
 
 class _Echo(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, work: str = "") -> None:
+        self._work = work
+
     def Verify(
         self, request_iterator: Iterator[common_pb2.DraftBlock], context: grpc.ServicerContext
     ) -> Iterator[target_pb2.VerifyResponse]:
         for _ in request_iterator:
-            yield target_pb2.VerifyResponse()
+            start = time.perf_counter()
+            if self._work:
+                _gpu_work(self._work == "gpu_work_poll")
+            response = target_pb2.VerifyResponse()
+            response.timing.service_s = time.perf_counter() - start
+            yield response
+
+
+def _gpu_work(poll: bool) -> None:
+    """GPU_WORK_S of device time, then a wait for it: a stream synchronize, or polling an
+    event with short sleeps (which surely lets other threads have the GIL)."""
+    import torch
+
+    torch.cuda._sleep(int(GPU_WORK_S * _CYCLES_PER_S))
+    if not poll:
+        torch.cuda.current_stream().synchronize()
+        return
+    done = torch.cuda.Event()
+    done.record()
+    while not done.query():
+        time.sleep(20e-6)
 
     def GetModelInfo(
         self, request: common_pb2.GetModelInfoRequest, context: grpc.ServicerContext
@@ -76,10 +100,30 @@ def _serve(variant: str, port_out: mp.connection.Connection) -> None:  # child p
         return
     workers = 1 if variant == "one_worker" else 16
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
-    target_pb2_grpc.add_TargetServiceServicer_to_server(_Echo(), server)
+    work = variant if variant.startswith("gpu_work") else ""
+    if work:
+        _calibrate()
+    target_pb2_grpc.add_TargetServiceServicer_to_server(_Echo(work), server)
     port_out.send(server.add_insecure_port("127.0.0.1:0"))
     server.start()
     server.wait_for_termination()
+
+
+_CYCLES_PER_S = 1.5e9
+
+
+def _calibrate() -> None:
+    """Cycles per second of torch.cuda._sleep on this GPU."""
+    import torch
+
+    global _CYCLES_PER_S
+    torch.cuda._sleep(1000)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(10**7)
+    end.record()
+    end.synchronize()
+    _CYCLES_PER_S = 10**7 / (start.elapsed_time(end) / 1e3)
 
 
 def _spin() -> None:
@@ -109,8 +153,10 @@ def _time_sync(variant: str, address: str, trips: int) -> list[float]:
             call = lambda: stream(common_pb2.DraftBlock())
         for _ in range(trips + 50):
             start = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - start)
+            response = call()
+            elapsed = time.perf_counter() - start
+            service = response.timing.service_s if variant.startswith("gpu_work") else 0.0
+            times.append(elapsed - service)  # the round trip less the server's own time
         if variant != "unary":
             stream.close()
     if hasattr(os, "sched_setaffinity"):
@@ -169,7 +215,7 @@ def host() -> dict[str, object]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--trips", type=int, default=2000)
+    parser.add_argument("--trips", type=int, default=1000)
     parser.add_argument("--variants", default=",".join(VARIANTS))
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
