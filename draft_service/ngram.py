@@ -3,7 +3,7 @@
 No model and no q: the last n tokens of the sequence are looked up earlier in the same
 sequence, and the tokens that followed the most recent earlier match are proposed. n runs from
 max_n down to min_n, so the longest matching suffix wins. The target accepts such a draft x with
-probability p(x) (q one-hot at x; DESIGN.md rule 6), so the output stays exact.
+probability p(x) (q one-hot at x; docs/design.md, "Exactness"), so the output stays exact.
 
 Example, tokens [5 6 7 9 5 6], max_n 2, k 3: the suffix [5 6] occurred at 0, followed by
 [7 9 5]; proposal [7 9 5].

@@ -3,7 +3,7 @@ a draft step can run inside a CUDA graph).
 
 Processing matches the target's (`target_service.logits_processing`): temperature, then top-k
 (ties at the boundary kept), then top-p over the top-k survivors renormalised. The draft then
-samples from q and returns q itself, bit for bit (DESIGN.md, "Sending q cheaply"):
+samples from q and returns q itself, bit for bit (docs/design.md, "Sending q cheaply"):
 
 - dense: q is the processed distribution over the whole vocabulary, float32 [B, V];
 - sparse: q is the processed distribution restricted to its `support_size` most likely tokens

@@ -4,7 +4,7 @@ Every random draw in specdec is a pure function of the request's seed, the absol
 the token it decides, the stream it belongs to and (for per-vocabulary noise) the vocabulary
 index. Nothing depends on the batch, the slot or a global generator, so a seeded request gives
 the same tokens alone, in any batch, after a retry, or through a pipelined schedule
-(DESIGN.md, "Exactness" rule 4).
+(docs/design.md, "Exactness").
 
 The generator is Philox-4x32-10 (Salmon et al., SC'11). The same function is written here in
 torch (int64 arithmetic on values in [0, 2**32)) and in Triton (`philox_uint32` in

@@ -17,11 +17,21 @@ if TYPE_CHECKING:
         common_pb2,
         draft_pb2,
         draft_pb2_grpc,
+        generate_pb2,
+        generate_pb2_grpc,
         target_pb2,
         target_pb2_grpc,
     )
 
-__all__ = ["common_pb2", "draft_pb2", "draft_pb2_grpc", "target_pb2", "target_pb2_grpc"]
+__all__ = [
+    "common_pb2",
+    "draft_pb2",
+    "draft_pb2_grpc",
+    "generate_pb2",
+    "generate_pb2_grpc",
+    "target_pb2",
+    "target_pb2_grpc",
+]
 
 
 def __getattr__(name: str) -> ModuleType:

@@ -16,6 +16,17 @@ TORCH_FREE_MODULES = (
     "specdec.pb",
     "specdec.serving.messages",
     "specdec.serving.verdicts",
+    "specdec.client",
+    "orchestrator",
+    "orchestrator.cli",
+    "orchestrator.server",
+    "orchestrator.pair",
+    "orchestrator.records",
+    "orchestrator.detokenizer",
+    "orchestrator.metrics",
+    "orchestrator.scheduler",
+    "orchestrator.placement",
+    "orchestrator.generate_cli",
 )
 FORBIDDEN = ("torch", "triton")
 
