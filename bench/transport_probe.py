@@ -34,6 +34,7 @@ from specdec.serving.client import LockstepStream
 VARIANTS = (
     "plain", "unary", "server_cuda", "pinned", "one_worker", "aio", "gil_spinner",
     "gil_spinner_switch_100us", "switch_100us", "gpu_work", "gpu_work_poll",
+    "gpu_work_aio",
 )  # fmt: skip
 GPU_WORK_S = 4e-3  # device time a gpu_work server spends per message, about an 8B verify step
 SWITCH_S = 1e-4  # the interpreter's GIL switch interval in the *_switch_100us variants
@@ -76,11 +77,19 @@ def _gpu_work(poll: bool) -> None:
 
 
 class _AioEcho(target_pb2_grpc.TargetServiceServicer):
+    def __init__(self, work: bool = False) -> None:
+        self._work = work
+
     async def Verify(  # type: ignore[override]
         self, request_iterator: AsyncIterator[common_pb2.DraftBlock], context: object
     ) -> AsyncIterator[target_pb2.VerifyResponse]:
         async for _ in request_iterator:
-            yield target_pb2.VerifyResponse()
+            start = time.perf_counter()
+            if self._work:
+                _gpu_work(poll=False)  # blocks the event loop: nothing else runs in lock-step
+            response = target_pb2.VerifyResponse()
+            response.timing.service_s = time.perf_counter() - start
+            yield response
 
 
 def _serve(variant: str, port_out: mp.connection.Connection) -> None:  # child process
@@ -95,8 +104,10 @@ def _serve(variant: str, port_out: mp.connection.Connection) -> None:  # child p
             torch.zeros(1, device="cuda")
     if variant.startswith("gil_spinner"):
         threading.Thread(target=_spin, daemon=True).start()
-    if variant == "aio":
-        asyncio.run(_serve_aio(port_out))
+    if variant in ("aio", "gpu_work_aio"):
+        if variant == "gpu_work_aio":
+            _calibrate()
+        asyncio.run(_serve_aio(port_out, variant == "gpu_work_aio"))
         return
     workers = 1 if variant == "one_worker" else 16
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=workers))
@@ -132,9 +143,9 @@ def _spin() -> None:
         x += 1
 
 
-async def _serve_aio(port_out: mp.connection.Connection) -> None:
+async def _serve_aio(port_out: mp.connection.Connection, work: bool) -> None:
     server = grpc.aio.server()
-    target_pb2_grpc.add_TargetServiceServicer_to_server(_AioEcho(), server)
+    target_pb2_grpc.add_TargetServiceServicer_to_server(_AioEcho(work), server)
     port_out.send(server.add_insecure_port("127.0.0.1:0"))
     await server.start()
     await server.wait_for_termination()
@@ -171,8 +182,8 @@ async def _time_aio(address: str, trips: int) -> list[float]:
         for _ in range(trips + 50):
             start = time.perf_counter()
             await call.write(common_pb2.DraftBlock())
-            await call.read()
-            times.append(time.perf_counter() - start)
+            response = await call.read()
+            times.append(time.perf_counter() - start - response.timing.service_s)
         await call.done_writing()
     return times[50:]
 
@@ -185,7 +196,7 @@ def measure(variant: str, trips: int) -> dict[str, object]:
     try:
         address = f"127.0.0.1:{parent.recv()}"
         grpc.channel_ready_future(grpc.insecure_channel(address)).result(timeout=30)
-        if variant == "aio":
+        if variant in ("aio", "gpu_work_aio"):
             times = asyncio.run(_time_aio(address, trips))
         else:
             times = _time_sync(variant, address, trips)
