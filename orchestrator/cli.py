@@ -59,6 +59,13 @@ def _services_args(parser: argparse.ArgumentParser) -> None:
                    default=d("sampler_impl"))  # fmt: skip
     g.add_argument("--cuda-graph-batch-sizes", type=int, nargs="*",
                    default=list(d("cuda_graph_batch_sizes")))  # fmt: skip
+    b = parser.add_argument_group(
+        "benchmarking only", "The served output is NOT distributed as the target's."
+    )
+    b.add_argument("--synthetic-acceptance-length", type=float, metavar="L",
+                   default=d("synthetic_acceptance_length"),
+                   help="BENCHMARKING ONLY: the target accepts drafts at mean acceptance "
+                        "length L in [1, k + 1] for k = --num-draft-tokens")  # fmt: skip
 
 
 def _placement_args(parser: argparse.ArgumentParser) -> None:
@@ -132,6 +139,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             max_num_draft_tokens=args.max_num_draft_tokens, q_form=args.q_form,
             support_size=args.support_size, sampler_impl=args.sampler_impl,
             cuda_graph_batch_sizes=tuple(args.cuda_graph_batch_sizes),
+            synthetic_acceptance_length=args.synthetic_acceptance_length,
+            synthetic_num_draft_tokens=None if args.synthetic_acceptance_length is None
+            else args.num_draft_tokens,
         ),
         placement=PlacementConfig(
             pairs=args.pairs, address=args.address, num_cpus=args.num_cpus,

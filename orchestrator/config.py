@@ -8,6 +8,7 @@ their processes. Every command-line default is read from these dataclasses (`def
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -68,6 +69,11 @@ class ServiceConfig:
     support_size: int = 32
     sampler_impl: Literal["auto", "triton", "torch"] = "auto"
     cuda_graph_batch_sizes: tuple[int, ...] = ()
+    # BENCHMARKING ONLY: the target's acceptance test replaced by a synthetic mean acceptance
+    # length L for k = synthetic_num_draft_tokens (target_service.synthetic); the output is
+    # then NOT distributed as the target's. Both None (the default) or both set.
+    synthetic_acceptance_length: float | None = None
+    synthetic_num_draft_tokens: int | None = None
 
     def __post_init__(self) -> None:
         _check_model_dir("target", self.target)
@@ -100,6 +106,26 @@ class ServiceConfig:
                     f"cuda_graph_batch_sizes entries must be in [1, max_requests="
                     f"{self.max_requests}], got {size}."
                 )
+        self._check_synthetic()
+
+    def _check_synthetic(self) -> None:
+        length, k = self.synthetic_acceptance_length, self.synthetic_num_draft_tokens
+        if (length is None) != (k is None):
+            raise ValueError(
+                "synthetic_acceptance_length and synthetic_num_draft_tokens go together."
+            )
+        if length is None or k is None:
+            return
+        if not 1 <= k <= self.max_num_draft_tokens:
+            raise ValueError(
+                f"synthetic acceptance needs num_draft_tokens in [1, max_num_draft_tokens="
+                f"{self.max_num_draft_tokens}], got {k}."
+            )
+        if not (math.isfinite(length) and 1.0 <= length <= k + 1):
+            raise ValueError(
+                f"synthetic_acceptance_length must be in [1, {k + 1}] (1 + num_draft_tokens), "
+                f"got {length}."
+            )
 
 
 @dataclass(frozen=True, slots=True)

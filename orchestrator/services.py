@@ -40,6 +40,26 @@ def _runner(config: ServiceConfig, model: str, device: str) -> Any:
     )
 
 
+def synthetic_acceptance(config: ServiceConfig) -> Any:
+    """BENCHMARKING ONLY: the target's `SyntheticAcceptance` (None unless configured)."""
+    if config.synthetic_acceptance_length is None:
+        return None
+    from target_service.synthetic import SyntheticAcceptance
+
+    assert config.synthetic_num_draft_tokens is not None
+    synthetic = SyntheticAcceptance(
+        config.synthetic_num_draft_tokens,
+        mean_acceptance_length=config.synthetic_acceptance_length,
+    )
+    log.warning(
+        "synthetic acceptance is on (rates %s for k = %d): BENCHMARKING ONLY, the output is "
+        "NOT distributed as the target's",
+        synthetic.unconditional_rates(),
+        synthetic.num_draft_tokens,
+    )
+    return synthetic
+
+
 def start_service(role: str, config: ServiceConfig) -> tuple[Any, ModelInfo]:
     """Starts the target (role "target") or the draft (role "draft"); returns the running
     server and the service's ModelInfo. The target starts without a draft: the orchestrator
@@ -73,6 +93,7 @@ def start_service(role: str, config: ServiceConfig) -> tuple[Any, ModelInfo]:
             server,
             max_num_draft_tokens=config.max_num_draft_tokens,
             sampler_impl=config.sampler_impl,
+            synthetic=synthetic_acceptance(config),
         )
     )
     log.info("%s service on %s", role, device)

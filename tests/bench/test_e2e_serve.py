@@ -1,0 +1,97 @@
+"""The system benchmark's serve mode: the benchmarking-only synthetic acceptance flag of
+`specdec serve` (flag → ServeConfig → the target's SyntheticAcceptance), and the window and
+/metrics arithmetic of `bench.e2e_serve`. The end-to-end run is in test_e2e_bench (slow)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.e2e_serve import Stream, hub_ms, seq_len_needed, serve_args, window_figures
+from orchestrator.cli import parse_args, serve_config
+from orchestrator.config import ServiceConfig
+from orchestrator.services import synthetic_acceptance
+from tests.draft_service.models import build_checkpoints
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    return build_checkpoints(tmp_path_factory.mktemp("serve_flag"))
+
+
+def _config(target: Path, draft: Path, *flags: str) -> ServiceConfig:
+    args = parse_args(["serve", "--target", str(target), "--draft", str(draft), *flags])
+    return serve_config(args).services
+
+
+def test_synthetic_flag_reaches_the_target_config(checkpoints: tuple[Path, Path]) -> None:
+    target, draft = checkpoints
+    plain = _config(target, draft)
+    assert plain.synthetic_acceptance_length is None and synthetic_acceptance(plain) is None
+    config = _config(target, draft, "--synthetic-acceptance-length", "2.5", "-k", "3")
+    assert (config.synthetic_acceptance_length, config.synthetic_num_draft_tokens) == (2.5, 3)
+    synthetic = synthetic_acceptance(config)
+    assert synthetic.num_draft_tokens == 3 and synthetic.mean_acceptance_length == 2.5
+    assert synthetic.unconditional_rates() == (1.0, 0.5, 0.0)
+
+
+def test_synthetic_flag_refusals(checkpoints: tuple[Path, Path]) -> None:
+    target, draft = checkpoints
+    with pytest.raises(ValueError, match=r"must be in \[1, 5\]"):
+        _config(target, draft, "--synthetic-acceptance-length", "5.5", "-k", "4")
+    with pytest.raises(ValueError, match=r"num_draft_tokens in \[1, max_num_draft_tokens=16\]"):
+        _config(target, draft, "--synthetic-acceptance-length", "1", "-k", "0")
+    with pytest.raises(ValueError, match="go together"):
+        ServiceConfig(str(target), synthetic_acceptance_length=2.0)
+
+
+def test_window_figures_use_the_responses_inside_the_window() -> None:
+    rec = Stream(
+        times=[0.0, 1.0, 1.01, 1.03, 1.04, 2.0],
+        tokens=[3, 1, 3, 2, 5, 1],
+        steps=[1, 1, 1, 1, 1, 1],
+    )
+    f = window_figures(rec, 0.5, 1.5)  # responses at 1.0, 1.01, 1.03, 1.04
+    assert f is not None
+    assert f["steps"] == 3 and f["tokens"] == 10
+    assert f["step_ms"] == pytest.approx(40.0 / 3) and f["tpot_ms"] == pytest.approx(4.0)
+    assert window_figures(rec, 1.5, 2.5) is None  # one response only
+
+
+def test_hub_ms_is_the_window_delta_per_step() -> None:
+    before = {"specdec:step_seconds_count": 10.0, "specdec:step_seconds_sum": 0.1,
+              "specdec:step_verify_seconds_sum": 0.05}  # fmt: skip
+    after = {"specdec:step_seconds_count": 30.0, "specdec:step_seconds_sum": 0.3,
+             "specdec:step_verify_seconds_sum": 0.17,
+             "specdec:step_draft_seconds_sum": 0.04}  # fmt: skip
+    h = hub_ms(before, after)
+    assert h["steps"] == 20 and h["step"] == pytest.approx(10.0)
+    assert h["verify"] == pytest.approx(6.0) and h["draft"] == pytest.approx(2.0)
+    assert h["sampler"] == 0.0
+    with pytest.raises(RuntimeError, match="no step"):
+        hub_ms(after, after)
+
+
+def test_serve_args_match_the_pipeline_services(checkpoints: tuple[Path, Path]) -> None:
+    target, draft = checkpoints
+    s = {"paths": {"target": str(target), "draft": str(draft)}, "target_device": "cuda:0",
+         "dtype": "bfloat16", "max_slots": 32, "max_seq_len": 576, "num_draft_tokens": 4,
+         "graph_sizes": [1, 2, 4, 8, 16, 32]}  # fmt: skip
+    args = parse_args(serve_args(s, 3.0, 50051, 9465))
+    config = serve_config(args)
+    services = config.services
+    assert (services.device, services.dtype, services.max_requests) == ("cuda", "bfloat16", 32)
+    assert services.max_seq_len == 576 and services.cuda_graph_batch_sizes == (1, 2, 4, 8, 16, 32)
+    assert services.synthetic_acceptance_length == 3.0 and services.synthetic_num_draft_tokens == 4
+    assert config.scheduler.proposer == "draft" and config.scheduler.num_draft_tokens == 4
+    assert (config.port, config.metrics_port) == (50051, 9465)
+    cpu = serve_config(parse_args(serve_args(s | {"target_device": "cpu"}, None, 1, 2)))
+    assert cpu.services.sampler_impl == "torch" and cpu.services.cuda_graph_batch_sizes == ()
+    assert cpu.services.synthetic_acceptance_length is None
+
+
+def test_sequences_fit_the_serve_rows_and_ttft() -> None:
+    s = {"prompt_len": 64, "warmup": 16, "steps": 64, "num_draft_tokens": 4,
+         "ttft_prompt_len": 512}  # fmt: skip
+    assert seq_len_needed(s) == max(64 + 88 * 5, 512 + 2) + 5
