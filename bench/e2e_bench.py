@@ -2,6 +2,7 @@
 over gRPC by `specdec.serving.pipeline.Pipeline`, against the same run's in-process graph times.
 
     PYTHONPATH=. python bench/e2e_bench.py --out bench/results      # GPU: 8B target, 1B draft
+    PYTHONPATH=. python bench/e2e_bench.py --out bench/results --serve   # and through serve
     PYTHONPATH=. python bench/e2e_bench.py --smoke --out /tmp/e2e    # CPU, tiny models, ~1 min
     PYTHONPATH=. python bench/e2e_bench.py --report bench/results/e2e_NVIDIA_H200.json
 
@@ -13,9 +14,15 @@ Steps, each phase in its own process where it holds device memory:
    never called) and the greedy check (target-only and lock-step speculation with real
    acceptance must commit the same tokens); then a target per synthetic acceptance length L
    (BENCHMARKING ONLY: its output is not the target's distribution): lock-step rows;
-4. if the greedy runs diverged, the target's logit gap at each first divergence: a near-tie
+4. with --serve, the same checkpoints and service settings through `specdec serve` (a child
+   process with its own local Ray cluster; needs `ray` importable) and `specdec.client`: B
+   concurrent streams, target-only and speculation per --serve-lengths, the client's time
+   per output token and step against the hub's step time from /metrics and the Pipeline
+   rows, and time to first token of a --ttft-prompt-len prompt against the in-process
+   prefill (`bench.e2e_serve`);
+5. if the greedy runs diverged, the target's logit gap at each first divergence: a near-tie
    (within `--tie-tolerance` of the row's std) is kernel numerics, anything wider a failure;
-5. `e2e_<GPU>.json`, `.md` (a section ready for BENCHMARKS.md) and `.png` in --out.
+6. `e2e_<GPU>.json`, `.md` (a section ready for BENCHMARKS.md) and `.png` in --out.
 
 Exit code 1 when the greedy check fails. Services are stopped on every way out.
 """
@@ -23,6 +30,7 @@ Exit code 1 when the greedy check fails. Services are stopped on every way out.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import shlex
 import signal
@@ -34,7 +42,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, NoReturn
 
-from bench import e2e_models, e2e_report
+from bench import e2e_models, e2e_report, e2e_serve
 from bench.e2e_driver import PipelineDriver, Workload, compare, greedy_run, measure
 from bench.e2e_services import (
     REPO,
@@ -104,7 +112,8 @@ def child(task: str, job: dict[str, Any], log_dir: Path) -> dict[str, Any]:
 def settings(args: argparse.Namespace) -> dict[str, Any]:
     k, steps = args.num_draft_tokens, args.warmup + args.steps + 1
     need = max(args.prompt_len + steps * (k + 1), args.prompt_len + args.greedy_tokens + 2 * k + 2)
-    return {
+    max_slots = max([*args.batches, args.greedy_batch])
+    out = {
         "smoke": args.smoke,
         "batches": args.batches,
         "num_draft_tokens": k,
@@ -113,10 +122,20 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "steps": args.steps,
         "lengths": args.lengths,
         "dtype": "float32" if args.smoke else "bfloat16",
-        "max_slots": max([*args.batches, args.greedy_batch]),
-        "max_seq_len": 64 * ((need + k + 1 + 63) // 64),
+        "max_slots": max_slots,
+        "graph_sizes": [b for b in GRAPH_SIZES if b <= max_slots],
         "ctx": args.prompt_len + args.warmup + args.steps,
+        "serve": args.serve,
     }
+    if args.serve:  # every service, Pipeline rows included, gets room for the serve rows
+        out |= {
+            "serve_lengths": args.serve_lengths,
+            "ttft_prompt_len": args.ttft_prompt_len,
+            "ttft_repeats": args.ttft_repeats,
+        }
+        need = max(need, e2e_serve.seq_len_needed(out))
+    out["max_seq_len"] = 64 * ((need + k + 1 + 63) // 64)
+    return out
 
 
 def service_args(s: dict[str, Any], path: str, device: str) -> list[str]:
@@ -221,13 +240,15 @@ def diagnose(s: dict[str, Any], greedy: dict[str, Any], args: argparse.Namespace
 
 def measure_all(result: dict[str, Any], args: argparse.Namespace) -> None:
     s = result["settings"]
-    progress = Progress(2 + len(s["batches"]) * (1 + len(s["lengths"])) * args.steps + 1)
+    total = 2 + len(s["batches"]) * (1 + len(s["lengths"])) * args.steps + 1
+    progress = Progress(total + (e2e_serve.progress_units(s) if s["serve"] else 0))
     try:
         progress.phase("checkpoints and in-process graph times")
         job = s | {
             "cache": str(args.cache),
             "graph_sizes": list(GRAPH_SIZES),
             "iters": args.inprocess_iters,
+            "prefill_len": s["ttft_prompt_len"] if s["serve"] else 0,
         }
         prep = child("prepare", job, args.log_dir)
         progress.tick()
@@ -240,6 +261,11 @@ def measure_all(result: dict[str, Any], args: argparse.Namespace) -> None:
         result["empty_round_trip"] = empty_round_trip(args.log_dir)
         progress.tick()
         serve_rows(result, args, progress)
+        if s["serve"]:
+            result["serve"] = {"rows": [], "ttft": []}
+            e2e_serve.section(
+                result, args.log_dir, args.start_timeout_s, progress.phase, progress.tick
+            )
     finally:
         progress.close()
     greedy = result["greedy_check"]
@@ -255,6 +281,7 @@ def run(args: argparse.Namespace) -> int:
         "rows": [],
         "greedy_check": None,
         "greedy_diagnosis": None,
+        "serve": None,
     }
     try:
         measure_all(result, args)
@@ -304,6 +331,20 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--inprocess-iters", type=int)
     p.add_argument("--start-timeout-s", type=float, default=900.0)
+    p.add_argument(
+        "--serve",
+        action="store_true",
+        help="also measure through `specdec serve` and specdec.client (needs ray importable)",
+    )
+    p.add_argument(
+        "--serve-lengths",
+        type=float,
+        nargs="+",
+        default=[3.0],
+        help="synthetic lengths of the serve rows (one specdec serve start each)",
+    )
+    p.add_argument("--ttft-prompt-len", type=int, help="prompt tokens of the TTFT requests")
+    p.add_argument("--ttft-repeats", type=int, help="timed TTFT requests per config")
     p.add_argument("--report", type=Path, help="regenerate .md and .png from a results JSON")
     args = p.parse_args(argv)
     smoke = dict(
@@ -314,6 +355,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         greedy_batch=4,
         greedy_tokens=8,
         inprocess_iters=2,
+        ttft_prompt_len=64,
+        ttft_repeats=2,
     )
     full = dict(
         batches=[1, 8, 32],
@@ -323,6 +366,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         greedy_batch=8,
         greedy_tokens=16,
         inprocess_iters=20,
+        ttft_prompt_len=512,
+        ttft_repeats=5,
     )
     for name, value in (smoke if args.smoke else full).items():
         if getattr(args, name) is None:
@@ -331,6 +376,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     k = args.num_draft_tokens
     if not all(1 <= length <= k + 1 for length in args.lengths):
         p.error(f"--lengths must be in [1, {k + 1}] (1 + --num-draft-tokens), got {args.lengths}.")
+    if args.serve and args.report is None:
+        if not all(1 <= length <= k + 1 for length in args.serve_lengths) or k < 1:
+            p.error(f"--serve-lengths must be in [1, {k + 1}], got {args.serve_lengths}.")
+        if importlib.util.find_spec("ray") is None:
+            p.error("--serve runs `specdec serve`, which needs ray importable (PYTHONPATH).")
     return args
 
 

@@ -3,7 +3,8 @@ device memory is returned before the services start (`python -m bench.e2e_inproc
 
 prepare: builds (or reuses) the checkpoints, then loads them through `ModelRunner.load` and
   times graph steps as `runner_bench` does: target decode (n = 1), target verify (n = k + 1)
-  and draft step (n = 1) at each batch size, with the services' CUDA graph sizes.
+  and draft step (n = 1) at each batch size, with the services' CUDA graph sizes; with
+  "prefill_len" in the job, also the target's prefill of one prompt of that many tokens.
 diagnose: for greedy runs that diverged, the target's logits at the first divergence
   (teacher-forced along the common prefix): a gap within numerical noise is a near-tie
   between two kernels' batch shapes, a wide gap is a wrong token.
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from bench import e2e_models
-from bench.runner_bench import prefill, runner_step_ms
+from bench.runner_bench import prefill, runner_step_ms, timed
 from specdec.runner import ForwardItem, ModelRunner, RunnerConfig
 
 
@@ -83,19 +84,42 @@ def _free(dev: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def graph_ms(job: dict[str, Any], path: str, device: str, ns: list[int]) -> dict[str, float]:
-    """ "n,b" → mean ms of one graph step of b requests × n tokens at job["ctx"] tokens of KV."""
+def graph_ms(
+    job: dict[str, Any], path: str, device: str, ns: list[int], prefill_len: int = 0
+) -> dict[str, float]:
+    """ "n,b" → mean ms of one graph step of b requests × n tokens at job["ctx"] tokens of KV;
+    with `prefill_len`, also "prefill,N": one request's N-token prompt in one `forward` (its
+    next-token logits included), in a slot of its own."""
     batches, ctx = job["batches"], job["ctx"]
-    runner = _load(path, device, job["dtype"], max(batches), ctx + 64, job["graph_sizes"])
+    slots, seq = max(batches) + (1 if prefill_len else 0), max(ctx + 64, prefill_len + 1)
+    runner = _load(path, device, job["dtype"], slots, seq, job["graph_sizes"])
     dev = torch.device(device)
     ids = prefill(runner, max(batches), ctx, dev)
     out = {}
     for b in batches:
         for n in ns:
             out[f"{n},{b}"] = runner_step_ms(runner, ids[:b], n, ctx, True, dev, job["iters"])
+    if prefill_len:
+        out[f"prefill,{prefill_len}"] = prefill_ms(runner, prefill_len, dev, job["iters"])
     del runner
     _free(dev)
     return out
+
+
+def prefill_ms(runner: ModelRunner, n: int, dev: torch.device, iters: int) -> float:
+    """Mean ms of `ModelRunner.forward` of one n-token item (then rolled back)."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    tokens = torch.randint(1, 1000, (n,), generator=g)
+    runner.add_request("prefill")
+
+    def step() -> None:
+        runner.forward([ForwardItem("prefill", tokens, 1)])
+        runner.truncate("prefill", 0)
+
+    try:
+        return timed(step, dev, warmup=2, iters=iters)
+    finally:
+        runner.release("prefill")
 
 
 def prepare(job: dict[str, Any]) -> dict[str, Any]:
@@ -108,7 +132,9 @@ def prepare(job: dict[str, Any]) -> dict[str, Any]:
         "draft_device": draft_dev,
         "target_device": target_dev,
         "paths": paths,
-        "target_ms": graph_ms(job, paths["target"], target_dev, [1, k + 1]),
+        "target_ms": graph_ms(
+            job, paths["target"], target_dev, [1, k + 1], job.get("prefill_len", 0)
+        ),
         "draft_ms": graph_ms(job, paths["draft"], draft_dev, [1]),
     }
 

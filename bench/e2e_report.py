@@ -12,6 +12,10 @@ TARGET_ONLY = "target_only"
 # tokens/s of lock-step speculation at L = 3 over target-only, per batch
 SPEEDUP_GOALS = {1: 1.4, 8: 1.3, 32: 1.05}
 LOCKSTEP_SLACK, TARGET_ONLY_SLACK = 1.15, 1.1
+# Through specdec serve and the client, at batch 1 and the largest batch: the orchestrator's
+# overhead per step (client step - hub step), time per output token over the same config's
+# Pipeline row, and time to first token over the in-process prefill of the same prompt length.
+SERVE_OVERHEAD_MS, SERVE_TPOT_SLACK, TTFT_SLACK = 0.3, 1.02, 1.3
 
 
 def config_name(length: float | None) -> str:
@@ -63,6 +67,48 @@ def goals(result: dict[str, Any]) -> list[dict[str, Any]]:
                 "value": value,
                 "limit": want,
                 "met": value >= want,
+            }
+        )
+    if result.get("serve"):
+        out += serve_goals(result)
+    return out
+
+
+def prefill_ms(result: dict[str, Any], tokens: int) -> float | None:
+    """The in-process prefill of one `tokens`-token prompt, where the run measured it."""
+    value = result["inprocess_ms"]["target"].get(f"prefill,{tokens}")
+    return None if value is None else float(value)
+
+
+def serve_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
+    serve, batches = result["serve"], result["settings"]["batches"]
+    out = []
+    for r in serve["rows"]:
+        if r["batch"] not in (1, max(batches)):
+            continue
+        pipeline = _row(result, r["config"], r["batch"])
+        checks = [("orchestrator overhead ms per step <=", r["overhead_ms_per_step"],
+                   SERVE_OVERHEAD_MS, r["overhead_ms_per_step"] <= SERVE_OVERHEAD_MS)]  # fmt: skip
+        if pipeline is not None:
+            tpot = r["tpot_ms_median"] / pipeline["time_per_output_token_ms"]
+            checks.append(("TPOT / Pipeline TPOT <=", tpot, SERVE_TPOT_SLACK,
+                           tpot <= SERVE_TPOT_SLACK))  # fmt: skip
+        for what, value, limit, met in checks:
+            out.append({"goal": f"serve {r['config']}: {what}", "batch": r["batch"],
+                        "value": value, "limit": limit, "met": met})  # fmt: skip
+    for t in serve["ttft"]:
+        prefill = prefill_ms(result, t["prompt_len"])
+        if prefill is None:
+            continue
+        value = t["client_ms_median"] / prefill
+        out.append(
+            {
+                "goal": f"serve {t['config']}: TTFT ({t['prompt_len']}-token prompt) / "
+                "in-process prefill <=",
+                "batch": 1,
+                "value": value,
+                "limit": TTFT_SLACK,
+                "met": value <= TTFT_SLACK,
             }
         )
     return out
@@ -145,6 +191,75 @@ def _greedy(result: dict[str, Any]) -> str:
     )
 
 
+def _serve(result: dict[str, Any]) -> list[str]:
+    serve, s = result["serve"], result["settings"]
+    lines = [
+        "### Through specdec serve and the client",
+        "",
+        f"`specdec serve` (a local Ray cluster, both services as Ray actors on "
+        f"{s['target_device']}) on the same checkpoints and service settings, driven by "
+        f"`specdec.client`: B concurrent greedy streams (one thread each) of "
+        f"{s['prompt_len']}-token prompts, ignore_eos, k = {s['num_draft_tokens']} for "
+        f"speculation; synthetic acceptance (BENCHMARKING ONLY) per serve start, L = "
+        f"{', '.join(f'{x:g}' for x in s['serve_lengths'])}; target-only rows (proposer off, "
+        f"no acceptance test at k = 0) ran on the first. Window: from {s['warmup']} to "
+        f"{s['warmup'] + s['steps']} step responses per request. Client figures are medians over "
+        "requests of each request's responses in the window: TPOT = (t_last - t_first) / tokens "
+        "after the first response, step = (t_last - t_first) / steps after the first. Hub step = "
+        "the window's `specdec:step_seconds` sum / count; overhead = client step - hub step.",
+        "",
+        "| config | batch | TPOT ms | Pipeline TPOT ms | TPOT / Pipeline | client step ms "
+        "| steps/s | hub step ms | overhead ms per step | Pipeline step ms | tokens/s "
+        "| tokens per step per request | steps in window (client / hub) |",
+        "|---" * 13 + "|",
+    ]
+    for r in serve["rows"]:
+        p = _row(result, r["config"], r["batch"])
+        p_tpot = p["time_per_output_token_ms"] if p else float("nan")
+        p_step = p["step_ms_mean"] if p else float("nan")
+        lines.append(
+            f"| {r['config']} | {r['batch']} | {_f(r['tpot_ms_median'])} | {_f(p_tpot)} "
+            f"| {r['tpot_ms_median'] / p_tpot:.3f} | {_f(r['client_step_ms_median'])} "
+            f"| {_f(r['steps_per_s'])} | {_f(r['hub_ms']['step'])} "
+            f"| {_f(r['overhead_ms_per_step'])} | {_f(p_step)} | {_f(r['tokens_per_s'])} "
+            f"| {r['tokens_per_step_per_request']:.2f} "
+            f"| {r['client_steps_median']:g} / {r['hub_steps']:g} |"
+        )
+    lines += [
+        "",
+        "The hub's step by part (mean ms per step in the window, from /metrics; draft and "
+        "transport averaged over all steps):",
+        "",
+        "| config | batch | draft forward | Propose transport | verify forward | sampler "
+        "| hub step |",
+        "|---" * 7 + "|",
+    ]
+    for r in serve["rows"]:
+        h = r["hub_ms"]
+        lines.append(
+            f"| {r['config']} | {r['batch']} | {_f(h['draft'])} | {_f(h['transport'])} "
+            f"| {_f(h['verify'])} | {_f(h['sampler'])} | {_f(h['step'])} |"
+        )
+    lines += [
+        "",
+        "Time to first token at batch 1 (idle server, median of the timed requests after one "
+        "warm-up; client: call to first token, server: Timing.time_to_first_token_s), against "
+        "the target's in-process prefill (`ModelRunner.forward` of one prompt of that length):",
+        "",
+        "| config | prompt tokens | client TTFT ms | server TTFT ms | in-process prefill ms "
+        "| client / prefill |",
+        "|---" * 6 + "|",
+    ]
+    for t in serve["ttft"]:
+        prefill = prefill_ms(result, t["prompt_len"])
+        ratio = f"{t['client_ms_median'] / prefill:.2f}" if prefill else "-"
+        lines.append(
+            f"| {t['config']} | {t['prompt_len']} | {_f(t['client_ms_median'])} "
+            f"| {_f(t['server_ms_median'])} | {_f(prefill) if prefill else '-'} | {ratio} |"
+        )
+    return lines
+
+
 def markdown(result: dict[str, Any]) -> str:
     env, s = result["environment"], result["settings"]
     rtt = result["empty_round_trip"]
@@ -172,6 +287,7 @@ def markdown(result: dict[str, Any]) -> str:
         "",
         *_inprocess(result),
         "",
+        *([*_serve(result), ""] if result.get("serve") else []),
         "Goals:",
         "",
         *goal_lines,

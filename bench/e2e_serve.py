@@ -1,0 +1,452 @@
+"""The system benchmark through `specdec serve` and its Python client (`specdec.client`).
+
+`specdec serve` runs as a child process on the same checkpoints and service settings as the
+Pipeline rows (it starts a local Ray cluster and places both services on it; with one GPU both
+share it). Requests are streamed by one thread per request through one `specdec.client.Client`:
+B concurrent greedy requests of token-id prompts, `ignore_eos`, long enough for the warm-up and
+the timed steps, cancelled once the window is measured.
+
+The timed window of a row opens when every request has had `warmup` step responses and closes
+when every request has had `warmup + steps` (or one finished); `/metrics` is scraped at both
+ends. Per request, over the responses inside the window:
+  time per output token = (t_last - t_first) / tokens committed after the first response,
+  client step = (t_last - t_first) / steps after the first response (one response per step),
+and each figure is the median over requests. The hub's step time is the window's
+`specdec:step_seconds` sum / count delta (the StepReport's step_s); the orchestrator's overhead
+per step is the client step minus the hub's step.
+
+Time to first token: batch 1, a `ttft_prompt_len`-token prompt, idle server, median of
+`ttft_repeats` requests after one warm-up, as the client sees it (call to first token) and as
+the server reports it (Timing.time_to_first_token_s).
+
+Imports no torch and no Ray: Ray is imported only inside the `specdec serve` process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.request import urlopen
+
+from bench.e2e_driver import prompts
+from bench.e2e_services import REPO, Service, child_env, free_port, wait_serving
+from specdec.client import Client
+
+TARGET_ONLY = "target_only"
+MARGIN_STEPS = 8  # max_tokens room beyond warm-up + timed steps at k + 1 tokens per step
+TTFT_NEW_TOKENS = 2
+STOP_TIMEOUT_S = 90.0  # grace, the actors' stop and ray.shutdown()
+
+
+@dataclass
+class Serve:
+    """A running `specdec serve`: its process (leader of its own process group, so that
+    everything it started can be killed with it), client address and /metrics URL."""
+
+    service: Service
+    metrics_url: str
+
+    @property
+    def address(self) -> str:
+        return self.service.address
+
+
+def serve_args(s: dict[str, Any], length: float | None, port: int, metrics_port: int) -> list[str]:
+    """`specdec serve` flags with the Pipeline rows' service settings."""
+    cpu = s["target_device"] == "cpu"
+    flags = {
+        "--target": s["paths"]["target"],
+        "--draft": s["paths"]["draft"],
+        "--device": "cpu" if cpu else "cuda",
+        "--dtype": s["dtype"],
+        "--max-requests": str(s["max_slots"]),
+        "--max-seq-len": str(s["max_seq_len"]),
+        "--proposer": "draft",
+        "--num-draft-tokens": str(s["num_draft_tokens"]),
+        "--host": "127.0.0.1",
+        "--port": str(port),
+        "--metrics-port": str(metrics_port),
+        "--grace-s": "1",
+    }
+    out = ["serve", *(x for pair in flags.items() for x in pair)]
+    if cpu:  # the Triton interpreter would take about 1 s per step
+        out += ["--sampler-impl", "torch", "--num-cpus", "4"]
+    else:
+        out += ["--cuda-graph-batch-sizes", *map(str, s["graph_sizes"])]
+    if length is not None:  # BENCHMARKING ONLY
+        out += ["--synthetic-acceptance-length", str(length)]
+    return out
+
+
+def serve_env() -> dict[str, str]:
+    """The benchmark's environment for `specdec serve`: its own local Ray cluster (no
+    RAY_ADDRESS) and no TRITON_INTERPRET (tests set it; Ray would pass it to the actors)."""
+    env = child_env()
+    for name in ("RAY_ADDRESS", "TRITON_INTERPRET"):
+        env.pop(name, None)
+    return env
+
+
+def stop_serve(service: Service, timeout_s: float = STOP_TIMEOUT_S) -> None:
+    """SIGTERM (serve stops its actors and shuts its local Ray cluster down), then SIGKILL to
+    the whole process group; the group is swept either way."""
+    process = service.process
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        with suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=timeout_s)
+    with suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, signal.SIGKILL)  # what is left of it: Ray's processes
+    if process.poll() is None:
+        process.wait()
+
+
+@contextmanager
+def serving(
+    s: dict[str, Any], length: float | None, log_dir: Path, timeout_s: float
+) -> Iterator[Serve]:
+    """`specdec serve` started, SERVING (grpc.health.v1), and stopped on every way out."""
+    port, metrics_port = free_port(), free_port()
+    name = f"serve_{'plain' if length is None else f'L{length:g}'}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    log = log_dir / f"{name}.log"
+    cmd = [sys.executable, "-m", "specdec", *serve_args(s, length, port, metrics_port)]
+    with log.open("wb") as f:
+        f.write((" ".join(cmd) + "\n").encode())
+        f.flush()
+        process = subprocess.Popen(
+            cmd, cwd=REPO, env=serve_env(), stdout=f, stderr=f, start_new_session=True
+        )
+    service = Service(name, process, f"127.0.0.1:{port}", log)
+    try:
+        wait_serving(service, timeout_s)
+        yield Serve(service, f"http://127.0.0.1:{metrics_port}/metrics")
+    finally:
+        stop_serve(service)
+
+
+def scrape(url: str) -> dict[str, float]:
+    """/metrics as name → value, summed over label sets (the series read here have one)."""
+    with urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        series, _, value = line.rpartition(" ")
+        name = series.split("{", 1)[0]
+        out[name] = out.get(name, 0.0) + float(value)
+    return out
+
+
+HUB_PARTS = ("step", "draft", "transport", "verify", "sampler")
+
+
+def hub_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Mean ms per hub step between two scrapes: the whole step and its parts (draft and
+    transport are averaged over all steps, including those without a draft)."""
+
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    steps = delta("specdec:step_seconds_count")
+    if steps <= 0:
+        raise RuntimeError("the hub ran no step inside the timed window.")
+    out = {"steps": steps}
+    for part in HUB_PARTS:
+        metric = "specdec:step_seconds" if part == "step" else f"specdec:step_{part}_seconds"
+        out[part] = 1e3 * delta(f"{metric}_sum") / steps
+    return out
+
+
+def wait_idle(url: str, timeout_s: float = 120.0) -> None:
+    """Until the orchestrator holds no request (cancelled ones are released first)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        m = scrape(url)
+        if m.get("specdec:num_requests_running", 0) == 0 == m.get("specdec:num_requests_waiting"):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"requests still running {timeout_s:.0f} s after a row ended.")
+
+
+@dataclass
+class Stream:
+    """One request's responses as the client saw them: arrival time, tokens and steps."""
+
+    times: list[float] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)
+    steps: list[int] = field(default_factory=list)
+    finished: bool = False
+    done: bool = False
+    error: BaseException | None = None
+
+    @property
+    def num_steps(self) -> int:
+        return sum(self.steps)
+
+
+def _consume(
+    client: Client,
+    prompt: Sequence[int],
+    params: dict[str, Any],
+    rec: Stream,
+    cond: threading.Condition,
+    stop: threading.Event,
+) -> None:
+    stream = client.generate(prompt, **params)
+    try:
+        for out in stream:
+            t = time.perf_counter()
+            with cond:
+                rec.times.append(t)
+                rec.tokens.append(len(out.token_ids))
+                rec.steps.append(len(out.steps))
+                rec.finished = out.finished
+                cond.notify_all()
+            if stop.is_set():
+                break
+    except BaseException as e:  # reported by the row
+        rec.error = e
+    finally:
+        close = getattr(stream, "close", None)  # a generator: closing it cancels the call
+        if close is not None:
+            close()
+        with cond:
+            rec.done = True
+            cond.notify_all()
+
+
+def window_figures(rec: Stream, t0: float, t1: float) -> dict[str, float] | None:
+    """A request's client-side figures over its responses inside (t0, t1]."""
+    inside = [i for i, t in enumerate(rec.times) if t0 < t <= t1]
+    if len(inside) < 2:
+        return None
+    first, last = inside[0], inside[-1]
+    span = rec.times[last] - rec.times[first]
+    tokens = sum(rec.tokens[first + 1 : last + 1])
+    steps = sum(rec.steps[first + 1 : last + 1])
+    if tokens <= 0 or steps <= 0:
+        return None
+    return {
+        "tpot_ms": 1e3 * span / tokens,
+        "step_ms": 1e3 * span / steps,
+        "tokens": tokens,
+        "steps": steps,
+        "span_s": span,
+    }
+
+
+@dataclass(frozen=True, slots=True)
+class RowSpec:
+    config: str
+    proposer: str  # "off" or "draft"
+    num_draft_tokens: int
+    synthetic_length: float | None
+    batch: int
+
+
+def measure_row(
+    serve: Serve,
+    spec: RowSpec,
+    s: dict[str, Any],
+    max_tokens: int,
+    timeout_s: float,
+) -> dict[str, Any]:
+    """B concurrent streams; the client's and the hub's figures over the timed window."""
+    warmup, steps = s["warmup"], s["steps"]
+    params: dict[str, Any] = {
+        "max_tokens": max_tokens,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "proposer": spec.proposer,
+    }
+    if spec.proposer != "off":
+        params["num_draft_tokens"] = spec.num_draft_tokens
+    batch_prompts = prompts(spec.batch, s["prompt_len"], s["vocab_size"], 0)
+    recs = [Stream() for _ in batch_prompts]
+    cond, stop = threading.Condition(), threading.Event()
+    wait_idle(serve.metrics_url)
+    with Client(serve.address) as client:
+        threads = []
+        for i, (p, rec) in enumerate(zip(batch_prompts, recs, strict=True)):
+            rid = {"request_id": f"{spec.config}-b{spec.batch}-{i}"}
+            args = (client, p, params | rid, rec, cond, stop)
+            threads.append(threading.Thread(target=_consume, args=args, daemon=True))
+        for t in threads:
+            t.start()
+        try:
+            _wait(cond, recs, lambda r: r.num_steps >= warmup, timeout_s, serve)
+            before, t0 = _scrape_at(serve.metrics_url)
+            _wait(cond, recs, lambda r: r.num_steps >= warmup + steps, timeout_s, serve)
+            after, t1 = _scrape_at(serve.metrics_url)
+        finally:
+            stop.set()
+            for t in threads:
+                t.join(timeout=timeout_s)
+    for r in recs:
+        if r.error is not None:
+            raise RuntimeError(f"{spec.config} batch {spec.batch}: {r.error}")
+    return summarise(spec, recs, t0, t1, hub_ms(before, after))
+
+
+def _wait(
+    cond: threading.Condition,
+    recs: list[Stream],
+    reached: Callable[[Stream], bool],
+    timeout_s: float,
+    serve: Serve,
+) -> None:
+    """Until every request has `reached`, or one ended (finished, failed or cancelled)."""
+    with cond:
+        ok = cond.wait_for(
+            lambda: any(r.done or r.finished for r in recs) or all(map(reached, recs)),
+            timeout=timeout_s,
+        )
+    if not ok:
+        raise RuntimeError(f"no progress in {timeout_s:.0f} s:\n{serve.service.log_tail()}")
+    for r in recs:
+        if r.error is not None:
+            raise RuntimeError(f"a request failed: {r.error}\n{serve.service.log_tail()}")
+
+
+def _scrape_at(url: str) -> tuple[dict[str, float], float]:
+    """A scrape and the time it stands for (the middle of the HTTP call)."""
+    start = time.perf_counter()
+    metrics = scrape(url)
+    return metrics, (start + time.perf_counter()) / 2
+
+
+def summarise(
+    spec: RowSpec, recs: list[Stream], t0: float, t1: float, hub: dict[str, float]
+) -> dict[str, Any]:
+    per = [f for f in (window_figures(r, t0, t1) for r in recs) if f is not None]
+    if len(per) < len(recs):
+        raise RuntimeError(
+            f"{spec.config} batch {spec.batch}: {len(recs) - len(per)} request(s) had fewer "
+            "than two responses in the timed window."
+        )
+    client_step = statistics.median(f["step_ms"] for f in per)
+    tokens = sum(f["tokens"] for f in per)
+    return {
+        "config": spec.config,
+        "proposer": spec.proposer,
+        "synthetic_length": spec.synthetic_length,
+        "batch": spec.batch,
+        "num_draft_tokens": spec.num_draft_tokens if spec.proposer != "off" else 0,
+        "window_s": t1 - t0,
+        "client_steps_median": statistics.median(f["steps"] for f in per),
+        "hub_steps": hub["steps"],
+        "tpot_ms_median": statistics.median(f["tpot_ms"] for f in per),
+        "tpot_ms_max": max(f["tpot_ms"] for f in per),
+        "client_step_ms_median": client_step,
+        "steps_per_s": 1e3 / client_step,
+        "tokens_per_s": tokens / (t1 - t0),
+        "tokens_per_step_per_request": tokens / sum(f["steps"] for f in per),
+        "hub_ms": {part: hub[part] for part in HUB_PARTS},
+        "overhead_ms_per_step": client_step - hub["step"],
+    }
+
+
+def measure_ttft(
+    serve: Serve, config: str, proposer: str, k: int, s: dict[str, Any], timeout_s: float
+) -> dict[str, Any]:
+    """Batch 1, a long prompt, an idle server: one warm-up, then `ttft_repeats` requests."""
+    n, repeats = s["ttft_prompt_len"], s["ttft_repeats"]
+    params: dict[str, Any] = {
+        "max_tokens": TTFT_NEW_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "proposer": proposer,
+        "timeout": timeout_s,
+    }
+    if proposer != "off":
+        params["num_draft_tokens"] = k
+    client_ms, server_ms = [], []
+    with Client(serve.address) as client:
+        for i, prompt in enumerate(prompts(repeats + 1, n, s["vocab_size"], 2)):
+            wait_idle(serve.metrics_url)
+            start, first, timing = time.perf_counter(), None, None
+            for out in client.generate(prompt, request_id=f"ttft-{config}-{i}", **params):
+                if first is None and out.token_ids:
+                    first = time.perf_counter()
+                if out.timing is not None:
+                    timing = out.timing
+            if first is None or timing is None:
+                raise RuntimeError(f"ttft {config}: no token or no timing in the responses.")
+            if i:  # the first request is the warm-up
+                client_ms.append(1e3 * (first - start))
+                server_ms.append(1e3 * timing.time_to_first_token_s)
+    return {
+        "config": config,
+        "proposer": proposer,
+        "prompt_len": n,
+        "repeats": repeats,
+        "client_ms_median": statistics.median(client_ms),
+        "client_ms_max": max(client_ms),
+        "server_ms_median": statistics.median(server_ms),
+    }
+
+
+def max_tokens_for(s: dict[str, Any]) -> int:
+    """Enough tokens for the warm-up and timed steps even if every draft token is accepted."""
+    return (s["warmup"] + s["steps"] + MARGIN_STEPS) * (s["num_draft_tokens"] + 1)
+
+
+def seq_len_needed(s: dict[str, Any]) -> int:
+    """The longest sequence a serve row or TTFT request may reach (the services' max_seq_len
+    must hold it, plus a step of k + 1 tokens)."""
+    k = s["num_draft_tokens"]
+    rows = s["prompt_len"] + max_tokens_for(s)
+    ttft = s["ttft_prompt_len"] + TTFT_NEW_TOKENS
+    return max(rows, ttft) + k + 1
+
+
+def section(
+    result: dict[str, Any],
+    log_dir: Path,
+    timeout_s: float,
+    phase: Callable[[str], None],
+    tick: Callable[[int], None],
+) -> None:
+    """The serve rows and TTFT into result["serve"], as they are measured: one `specdec serve`
+    per synthetic length; target-only rows (proposer off: k = 0, so no acceptance test runs)
+    and TTFT on the first of them."""
+    s = result["settings"]
+    out = result["serve"]
+    k = s["num_draft_tokens"]
+    for n, length in enumerate(s["serve_lengths"]):
+        phase(f"starting specdec serve (synthetic L = {length:g})")
+        with serving(s, length, log_dir, timeout_s) as serve:
+            with Client(serve.address) as client:
+                served = client.model_info()[0]
+            max_tokens = min(max_tokens_for(s), served.max_seq_len - s["prompt_len"])
+            specs = [] if n else [(TARGET_ONLY, "off", None)]
+            specs.append((f"lockstep_L{length:g}", "draft", length))
+            for config, proposer, synthetic in specs:
+                for b in s["batches"]:
+                    phase(f"serve {config} batch {b}")
+                    spec = RowSpec(config, proposer, k, synthetic, b)
+                    out["rows"].append(measure_row(serve, spec, s, max_tokens, timeout_s))
+                    tick(s["steps"])
+            if n == 0:
+                for config, proposer in ((TARGET_ONLY, "off"), (f"lockstep_L{length:g}", "draft")):
+                    phase(f"serve TTFT {config}")
+                    out["ttft"].append(measure_ttft(serve, config, proposer, k, s, timeout_s))
+                    tick(1)
+
+
+def progress_units(s: dict[str, Any]) -> int:
+    """Progress ticks of `section`."""
+    rows = len(s["batches"]) * (1 + len(s["serve_lengths"]))
+    return rows * s["steps"] + 2
