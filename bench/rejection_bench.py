@@ -22,9 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from specdec.sampling_params import SamplingParams
 from target_service import kernels
 from target_service.rejection_sampler import (
-    DenseProbs,
+    DenseQ,
     RequestSampling,
-    SparseProbs,
+    SparseQ,
     prepare,
 )
 
@@ -54,18 +54,18 @@ def make_inputs(batch: int, k: int, vocab: int, q_form: str) -> tuple[kernels.Ke
     logits = torch.randn(rows, vocab, device="cuda", generator=gen) * 3
     nbytes = logits.numel() * 4 + batch * (k + 1) * 4 * 2  # logits in; tokens + flags out
     draft_logits = torch.randn(total, vocab, device="cuda", generator=gen) * 3
-    q: DenseProbs | SparseProbs | None = None
+    q: DenseQ | SparseQ | None = None
     if q_form == "dense":
         probs = torch.softmax(draft_logits, -1)
         ids = torch.multinomial(probs, 1, generator=gen).flatten()
-        q = DenseProbs(probs)
+        q = DenseQ(probs)
         nbytes += probs.numel() * 4
     elif q_form == "sparse":
         top = draft_logits.topk(SPARSE_K, -1)
         probs = torch.softmax(top.values, -1)
         pick = torch.multinomial(probs, 1, generator=gen)
         ids = top.indices.gather(1, pick).flatten()
-        q = SparseProbs(top.indices.int(), probs)
+        q = SparseQ(top.indices.int(), probs)
         nbytes += total * SPARSE_K * 8
     else:
         ids = draft_logits.argmax(-1)

@@ -28,11 +28,9 @@ from specdec.serving.messages import Admission, ErrorReason, ModelInfo, RequestE
 from specdec.serving.verdicts import Verdicts
 from target_service.config import TargetConfig
 from target_service.rejection_sampler import (
-    DenseProbs,
     HostShape,
     RequestSampling,
     SampleStatus,
-    SparseProbs,
     rejection_sample,
     status_message,
 )
@@ -372,11 +370,10 @@ def _in_vocab(token_ids: list[int], vocab_size: int) -> bool:
     return not token_ids or (min(token_ids) >= 0 and max(token_ids) < vocab_size)
 
 
-def _draft_probs(
-    q: DraftQ, upload: Callable[[torch.Tensor], torch.Tensor]
-) -> DenseProbs | SparseProbs | None:
+def _draft_probs(q: DraftQ, upload: Callable[[torch.Tensor], torch.Tensor]) -> DraftQ:
+    """q's tensors on the sampler's device."""
     if isinstance(q, DenseQ):
-        return DenseProbs(upload(q.probs))
+        return DenseQ(upload(q.probs))
     if isinstance(q, SparseQ):
-        return SparseProbs(upload(q.token_ids), upload(q.probs))
+        return SparseQ(upload(q.token_ids), upload(q.probs))
     return None

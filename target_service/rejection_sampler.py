@@ -30,6 +30,7 @@ import torch
 from specdec.limits import MAX_POSITION
 from specdec.limits import MAX_VOCAB as MAX_VOCAB
 from specdec.sampling_params import SamplingParams
+from specdec.serving.blocks import DenseQ, SparseQ
 from target_service import kernels
 from target_service.batch_layout import BatchLayout, batch_layout, upload
 from target_service.kernels import PLACEHOLDER, KernelInputs, KernelOutputs
@@ -38,13 +39,13 @@ from target_service.synthetic import SyntheticAcceptance
 
 __all__ = [
     "PLACEHOLDER",
-    "DenseProbs",
+    "DenseQ",
     "HostOutput",
     "HostShape",
     "RequestSampling",
     "SampleStatus",
     "SamplerOutput",
-    "SparseProbs",
+    "SparseQ",
     "SyntheticAcceptance",
     "rejection_sample",
     "status_message",
@@ -84,20 +85,8 @@ def status_message(code: int) -> str:
     return _MESSAGES[SampleStatus(code)]
 
 
-@dataclass(frozen=True, slots=True)
-class DenseProbs:
-    probs: torch.Tensor  # [T, Vq] float32: the full distribution each draft token came from
-
-
-@dataclass(frozen=True, slots=True)
-class SparseProbs:
-    """The exact truncated support each draft token was sampled from; pad with id -1, prob 0."""
-
-    token_ids: torch.Tensor  # [T, S] int32
-    probs: torch.Tensor  # [T, S] float32
-
-
-DraftProbs = DenseProbs | SparseProbs | None
+# q as the draft sent it: the block's own types, one for the wire and the sampler
+DraftProbs = DenseQ | SparseQ | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -364,7 +353,7 @@ def _prepare_q(
     and sorted by id with padding last, as the kernels expect."""
     if draft_probs is None:
         return kernels.Q_NONE, None, None
-    if isinstance(draft_probs, DenseProbs):
+    if isinstance(draft_probs, DenseQ):
         q = draft_probs.probs
         if q.dim() != 2 or q.shape[0] != total or q.shape[1] < 1 or q.dtype != torch.float32:
             raise ValueError(

@@ -82,7 +82,7 @@ class ForwardItem:
 
 
 @dataclass(frozen=True, slots=True)
-class ModelInfo:
+class CheckpointInfo:
     """What the services compare at start-up (vocabulary) and report (fast path or not)."""
 
     architecture: str

@@ -15,7 +15,7 @@ import torch
 
 from specdec.errors import InvalidInputError
 from specdec.runner.attention import build_meta
-from specdec.runner.config import ForwardItem, ModelInfo, RunnerConfig
+from specdec.runner.config import CheckpointInfo, ForwardItem, RunnerConfig
 from specdec.runner.decode_attention import MAX_ROWS
 from specdec.runner.fallback import HFBackend
 from specdec.runner.graphs import Head, StepGraphs
@@ -103,7 +103,7 @@ class ModelRunner:
         config: RunnerConfig,
         backend: FastBackend | HFBackend,
         cache: SlotCache,
-        info: ModelInfo,
+        info: CheckpointInfo,
         tokenizer: Any,
     ) -> None:
         self.config, self.info, self.tokenizer = config, info, tokenizer
@@ -143,7 +143,7 @@ class ModelRunner:
             )
 
         ckpt = open_checkpoint(config, kv_bytes)
-        info = ModelInfo(
+        info = CheckpointInfo(
             ckpt.architecture,
             0,
             len(ckpt.tokenizer),
@@ -162,7 +162,7 @@ class ModelRunner:
         config: RunnerConfig,
         hf_config: Any,
         weights: Checkpoint | dict[str, torch.Tensor],
-        info: ModelInfo | None = None,
+        info: CheckpointInfo | None = None,
         tokenizer: Any = None,
     ) -> "ModelRunner":
         """Fast-path runner from a checkpoint or from HF-named tensors (benchmarks, tests)."""
@@ -197,7 +197,7 @@ class ModelRunner:
         if config.compile_pointwise:
             model.compile_pointwise()
         backend = FastBackend(model, cache)
-        info = info or ModelInfo(
+        info = info or CheckpointInfo(
             str(hf_config.architectures[0] if hf_config.architectures else hf_config.model_type),
             0,
             0,
@@ -211,7 +211,7 @@ class ModelRunner:
 
     @classmethod
     def _load_fallback(
-        cls, config: RunnerConfig, ckpt: Checkpoint, info: ModelInfo
+        cls, config: RunnerConfig, ckpt: Checkpoint, info: CheckpointInfo
     ) -> "ModelRunner":
         from transformers import AutoModelForCausalLM
 
@@ -432,7 +432,7 @@ class ModelRunner:
         return self.upload(torch.tensor(values, dtype=torch.long))
 
 
-def _with_vocab(info: ModelInfo, vocab: int) -> ModelInfo:
+def _with_vocab(info: CheckpointInfo, vocab: int) -> CheckpointInfo:
     from dataclasses import replace
 
     return replace(info, vocab_size=vocab)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.sampling_params import SamplingParams
-from target_service.rejection_sampler import DenseProbs, RequestSampling, SparseProbs
+from target_service.rejection_sampler import DenseQ, RequestSampling, SparseQ
 
 
 @dataclass
@@ -15,7 +15,7 @@ class Batch:
     k: torch.Tensor  # [B] int32
     draft_ids: torch.Tensor  # [T] int32
     logits: torch.Tensor  # [T + B, V]
-    q: DenseProbs | SparseProbs | None
+    q: DenseQ | SparseQ | None
     sampling: RequestSampling
     params: list[SamplingParams]
     positions: list[int]
@@ -46,7 +46,7 @@ def random_params(gen: torch.Generator, greedy_fraction: float = 0.25) -> Sampli
 
 def draft_distribution(
     logits: torch.Tensor, q_form: str, support: int, gen: torch.Generator
-) -> tuple[DenseProbs | SparseProbs | None, torch.Tensor]:
+) -> tuple[DenseQ | SparseQ | None, torch.Tensor]:
     """Draft probs for T rows of draft logits and the tokens sampled from them."""
     t, vocab = logits.shape
     if q_form == "none":
@@ -55,7 +55,7 @@ def draft_distribution(
     if q_form == "dense":
         q = torch.softmax(logits, -1)
         ids = torch.multinomial(q, 1, generator=gen).flatten() if t else torch.zeros(0).long()
-        return DenseProbs(q.float().contiguous()), ids
+        return DenseQ(q.float().contiguous()), ids
     s = min(support, vocab)
     top = logits.topk(s, dim=-1)
     probs = torch.softmax(top.values, -1)
@@ -66,7 +66,7 @@ def draft_distribution(
     if s > 2:  # pad one column as a sender with a smaller support would
         token_ids = torch.cat([token_ids, torch.full((t, 1), -1, dtype=torch.int32)], 1)
         probs = torch.cat([probs, torch.zeros(t, 1)], 1)
-    return SparseProbs(token_ids.contiguous(), probs.contiguous()), ids
+    return SparseQ(token_ids.contiguous(), probs.contiguous()), ids
 
 
 def random_batch(

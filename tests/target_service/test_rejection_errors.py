@@ -11,11 +11,11 @@ import torch
 from specdec.sampling_params import SamplingParams
 from target_service.rejection_sampler import (
     PLACEHOLDER,
-    DenseProbs,
+    DenseQ,
     RequestSampling,
     SamplerOutput,
     SampleStatus,
-    SparseProbs,
+    SparseQ,
     rejection_sample,
     status_message,
 )
@@ -40,14 +40,14 @@ def set_draft(token: int) -> Callable[[Batch], None]:
 
 def dense_q(edit: Callable[[torch.Tensor], None]) -> Callable[[Batch], None]:
     def apply(b: Batch) -> None:
-        assert isinstance(b.q, DenseProbs)
+        assert isinstance(b.q, DenseQ)
         edit(b.q.probs[3])
 
     return apply
 
 
 def out_of_support(b: Batch) -> None:
-    assert isinstance(b.q, DenseProbs)
+    assert isinstance(b.q, DenseQ)
     x = int(b.draft_ids[3])
     b.q.probs[3, (x + 1) % 64] += b.q.probs[3, x]
     b.q.probs[3, x] = 0.0
@@ -86,7 +86,7 @@ CASES = [
 
 def sparse_edit(name: str) -> Callable[[Batch], None]:
     def apply(b: Batch) -> None:
-        assert isinstance(b.q, SparseProbs)
+        assert isinstance(b.q, SparseQ)
         ids, probs = b.q.token_ids[3], b.q.probs[3]
         if name == "duplicate id":
             ids[1] = ids[0]
@@ -173,11 +173,11 @@ def call(**overrides: object) -> None:
         ({"draft_token_ids": torch.zeros(4, dtype=torch.int32)}, r"draft_token_ids .*\[3\]"),
         ({"target_logits": torch.zeros(5, 32)}, r"target_logits .*\[6, vocab\]"),
         ({"target_logits": torch.zeros(6, 32, dtype=torch.float64)}, "float32, bf16 or fp16"),
-        ({"draft_probs": DenseProbs(torch.zeros(2, 32))}, r"draft_probs.probs .*\[3, vocab\]"),
-        ({"draft_probs": DenseProbs(torch.zeros(3, 32, dtype=torch.float64))}, "float32"),
-        ({"draft_probs": DenseProbs(torch.zeros(3, 0))}, r"vocab >= 1"),
+        ({"draft_probs": DenseQ(torch.zeros(2, 32))}, r"draft_probs.probs .*\[3, vocab\]"),
+        ({"draft_probs": DenseQ(torch.zeros(3, 32, dtype=torch.float64))}, "float32"),
+        ({"draft_probs": DenseQ(torch.zeros(3, 0))}, r"vocab >= 1"),
         (
-            {"draft_probs": SparseProbs(torch.zeros(3, 4, dtype=torch.int32), torch.zeros(3, 5))},
+            {"draft_probs": SparseQ(torch.zeros(3, 4, dtype=torch.int32), torch.zeros(3, 5))},
             "shape",
         ),
         ({"vocab_size": 33}, r"vocab_size must be in \[1, 32\]"),

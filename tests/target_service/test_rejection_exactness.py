@@ -20,10 +20,10 @@ from specdec.sampling_params import SamplingParams
 from target_service import kernels
 from target_service.logits_processing import target_distribution
 from target_service.rejection_sampler import (
-    DenseProbs,
+    DenseQ,
     RequestSampling,
     SamplerOutput,
-    SparseProbs,
+    SparseQ,
     rejection_sample,
 )
 
@@ -58,14 +58,14 @@ def run_trials(
     drafts = torch.stack([torch.multinomial(q, trials, True, generator=gen) for q in q_rows], 1)
     logits = torch.stack(rows).repeat(trials, 1).to(device)
     q_dense = torch.stack(q_rows).repeat(trials, 1).float()
-    draft_probs: DenseProbs | SparseProbs | None = None
+    draft_probs: DenseQ | SparseQ | None = None
     if q_form == "dense":
-        draft_probs = DenseProbs(q_dense.to(device))
+        draft_probs = DenseQ(q_dense.to(device))
     elif q_form == "sparse":
         support = (q_dense > 0).sum(1).max()
         probs, ids = q_dense.topk(int(support), dim=1)
         ids = torch.where(probs > 0, ids, -1).int()
-        draft_probs = SparseProbs(ids.to(device), probs.to(device))
+        draft_probs = SparseQ(ids.to(device), probs.to(device))
     seeded = [
         SamplingParams(params.temperature, params.top_k, params.top_p, seed=i)
         for i in range(trials)

@@ -10,7 +10,7 @@ from specdec.sampling_params import SamplingParams
 from target_service import kernels
 from target_service.rejection_sampler import (
     PLACEHOLDER,
-    DenseProbs,
+    DenseQ,
     RequestSampling,
     SampleStatus,
     prepare,
@@ -97,7 +97,7 @@ def test_bf16_logits_and_padded_vocabulary(device: torch.device) -> None:
     b = random_batch(ks(8, 4, 9), 260, "dense", seed=9, dtype=torch.bfloat16)
     b.logits[:, 256:] = 80.0  # padding columns must never win, even as the raw argmax
     probs = b.q.probs[:, :256]  # type: ignore[union-attr]
-    q = DenseProbs(torch.nn.functional.pad(probs / probs.sum(-1, keepdim=True), (0, 4)))
+    q = DenseQ(torch.nn.functional.pad(probs / probs.sum(-1, keepdim=True), (0, 4)))
     drafts = b.draft_ids.clamp(max=255)
     ref, tri = run_both(Batch(b.k, drafts, b.logits, q, b.sampling, [], []), device, 256)
     outs = [ref, tri]
@@ -146,7 +146,7 @@ def test_first_rejected_emits_recovered(impl: str) -> None:
     q_rows = torch.tensor([[0.0] * 5 + [1.0] + [0.0] * 4, [0.1] * 10])
     k, drafts = torch.tensor([2], dtype=torch.int32), torch.tensor([5, 1], dtype=torch.int32)
     k, drafts, logits, q_rows = on(impl, k, drafts, logits, q_rows)
-    out = rejection_sample(k, drafts, logits, DenseProbs(q_rows), sampling, impl=impl)
+    out = rejection_sample(k, drafts, logits, DenseQ(q_rows), sampling, impl=impl)
     assert out.token_ids.tolist() == [[3, PLACEHOLDER, PLACEHOLDER]]
     assert out.num_committed.tolist() == [1]
     assert out.accepted.tolist() == [[False, False]]
@@ -224,7 +224,7 @@ def test_dense_q_errors_in_any_split_and_their_order(
     a request with several errors gets the first code in the order of the status codes."""
     k = [2, 3, 1, 2, 0, 2, 2]
     b = random_batch(k, 300, "dense", seed=13, greedy_fraction=greedy_fraction)
-    assert isinstance(b.q, DenseProbs)
+    assert isinstance(b.q, DenseQ)
     q, starts = b.q.probs, [0, 2, 5, 6, 8, 8, 10]  # draft rows of each request
     q[starts[0] + 1, 250] = float("nan")  # race split 2 of 4 (96 columns each)
     q[starts[1] + 2, 299] += 0.01  # the last split: sums to 1.01
