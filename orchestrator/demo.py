@@ -17,11 +17,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+# Each prompt ends where a line ends, before its newline: the tokenizer merges a newline with
+# the next line's indentation, so a prompt ending in "\n" ends inside a token the model
+# rarely saw end there, and its continuation loses the indentation.
 PROMPTS = (
-    "def fibonacci(n):\n",
-    "class Stack:\n    def __init__(self):\n",
-    "import os\n\ndef list_files(path):\n",
-    "def read_config(filename):\n    with open(filename) as f:\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""',
+    "class Stack:\n    def __init__(self):",
+    "import os\n\n\ndef list_files(path):",
+    "def read_config(filename):\n    with open(filename) as f:",
 )
 QUICK_PROMPTS = PROMPTS[:2]
 # the counters the figures are read from, as /metrics names them

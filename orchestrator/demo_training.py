@@ -234,13 +234,14 @@ def _asdict(stats: PhaseStats) -> dict[str, float]:
 def heldout_prompts(
     files: Sequence[Path], heldout: Callable[[Path], bool], count: int, chars: int = 160
 ) -> list[str]:
-    """Prompts from held-out source files: `chars` characters starting at a line that begins
-    a `def` or `class`, cut back to a line end."""
+    """Prompts from held-out source files: up to `chars` characters from a line that begins a
+    `def` or `class`, cut back to a line end (before its newline, which the tokenizer merges
+    with the next line's indentation)."""
     prompts: list[str] = []
     for text in read_sources([f for f in files if heldout(f)]):
         for start in _definition_starts(text)[1::7]:
             piece = text[start : start + chars]
-            prompts.append(piece[: piece.rfind("\n") + 1] or piece)
+            prompts.append(piece[: piece.rfind("\n")] or piece)
             if len(prompts) == count:
                 return prompts
     return prompts

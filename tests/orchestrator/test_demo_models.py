@@ -117,4 +117,4 @@ def test_heldout_prompts_start_at_definitions() -> None:
     files = demo_models.source_files()
     prompts = demo_training.heldout_prompts(files, demo_models.is_heldout, count=4)
     assert len(prompts) == 4
-    assert all(p.lstrip().startswith(("def ", "class ")) and p.endswith("\n") for p in prompts)
+    assert all(p.lstrip().startswith(("def ", "class ")) and not p.endswith("\n") for p in prompts)
