@@ -46,9 +46,10 @@ import triton.language as tl
 
 from specdec import rng
 from specdec.gdc import gdc_launch_dependents, gdc_wait, launch_options, pdl_enabled
+from specdec.serving.messages import QForm
 
 PLACEHOLDER = -1
-Q_NONE, Q_DENSE, Q_SPARSE = 0, 1, 2
+Q_NONE, Q_DENSE, Q_SPARSE = int(QForm.NONE), int(QForm.DENSE), int(QForm.SPARSE)
 Q_SUM_TOLERANCE = 1e-4
 SPARSE_PAD_ID = 2**31 - 1  # padding id after sorting a sparse support (sorts last)
 

@@ -35,8 +35,9 @@ from specdec.limits import (
 )
 from specdec.pb import common_pb2, draft_pb2
 from specdec.serving.arrays import pack, unpack
+from specdec.serving.messages import QForm
 
-Q_NONE, Q_DENSE, Q_SPARSE = 0, 1, 2  # specdec.v1.QForm
+Q_NONE, Q_DENSE, Q_SPARSE = int(QForm.NONE), int(QForm.DENSE), int(QForm.SPARSE)
 _FORMS = (Q_NONE, Q_DENSE, Q_SPARSE)
 _INT32_WIRE = np.dtype("<i4")
 

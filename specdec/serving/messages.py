@@ -38,6 +38,15 @@ class ErrorReason(IntEnum):
     STEP_FAILED = 14
 
 
+class QForm(IntEnum):
+    """Mirror of `specdec.v1.QForm`: where an entry's q is (a test checks the two agree). The
+    kernels take the plain ints (`target_service.kernels.Q_*`) as compile-time constants."""
+
+    NONE = 0
+    DENSE = 1
+    SPARSE = 2
+
+
 @dataclass(frozen=True, slots=True)
 class RequestError:
     """Why one request of a block was not served."""

@@ -29,6 +29,7 @@ from specdec.serving.messages import (
     Admission,
     ErrorReason,
     ModelInfo,
+    QForm,
     RequestError,
     check_compatible,
 )
@@ -39,6 +40,11 @@ def test_error_reason_mirrors_proto_enum() -> None:
     proto = {v.name.removeprefix("ERROR_REASON_"): v.number for v in
              common_pb2.ErrorReason.DESCRIPTOR.values}  # fmt: skip
     assert proto == {r.name: r.value for r in ErrorReason}
+
+
+def test_q_form_mirrors_proto_enum() -> None:
+    proto = {v.name.removeprefix("Q_FORM_"): v.number for v in common_pb2.QForm.DESCRIPTOR.values}
+    assert proto == {f.name: f.value for f in QForm}
 
 
 def test_generated_modules_are_current() -> None:
