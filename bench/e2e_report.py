@@ -203,15 +203,19 @@ def _serve(result: dict[str, Any]) -> list[str]:
         f"speculation; synthetic acceptance (BENCHMARKING ONLY) per serve start, L = "
         f"{', '.join(f'{x:g}' for x in s['serve_lengths'])}; target-only rows (proposer off, "
         f"no acceptance test at k = 0) ran on the first. Window: from {s['warmup']} to "
-        f"{s['warmup'] + s['steps']} step responses per request. Client figures are medians over "
-        "requests of each request's responses in the window: TPOT = (t_last - t_first) / tokens "
+        f"{s['warmup'] + s['serve_steps']} step responses per request. Client figures are "
+        "medians over requests of each request's responses in the window: TPOT = "
+        "(t_last - t_first) / tokens "
         "after the first response, step = (t_last - t_first) / steps after the first. Hub step = "
-        "the window's `specdec:step_seconds` sum / count; overhead = client step - hub step.",
+        "the window's `specdec:step_seconds` sum / count; overhead = client step - hub step. "
+        "A low gap p10 means responses arrived in bursts (held back, then delivered "
+        "together), which makes the client's figures over a short window unreliable.",
         "",
         "| config | batch | TPOT ms | Pipeline TPOT ms | TPOT / Pipeline | client step ms "
         "| steps/s | hub step ms | overhead ms per step | Pipeline step ms | tokens/s "
-        "| tokens per step per request | steps in window (client / hub) |",
-        "|---" * 13 + "|",
+        "| tokens per step per request | response gap ms p10 / p50 / p90 "
+        "| responses per request / hub steps in window |",
+        "|---" * 14 + "|",
     ]
     for r in serve["rows"]:
         p = _row(result, r["config"], r["batch"])
@@ -223,7 +227,8 @@ def _serve(result: dict[str, Any]) -> list[str]:
             f"| {_f(r['steps_per_s'])} | {_f(r['hub_ms']['step'])} "
             f"| {_f(r['overhead_ms_per_step'])} | {_f(p_step)} | {_f(r['tokens_per_s'])} "
             f"| {r['tokens_per_step_per_request']:.2f} "
-            f"| {r['client_steps_median']:g} / {r['hub_steps']:g} |"
+            f"| {' / '.join(_f(r['gap_ms'][q]) for q in ('p10', 'p50', 'p90'))} "
+            f"| {r['client_responses_median']:g} / {r['hub_steps']:g} |"
         )
     lines += [
         "",

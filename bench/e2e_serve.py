@@ -97,25 +97,36 @@ def serve_env() -> dict[str, str]:
     return env
 
 
-def stop_serve(service: Service, timeout_s: float = STOP_TIMEOUT_S) -> None:
+def stop_serve(service: Service, timeout_s: float = STOP_TIMEOUT_S) -> str:
     """SIGTERM (serve stops its actors and shuts its local Ray cluster down), then SIGKILL to
-    the whole process group; the group is swept either way."""
+    the whole process group; the group is swept either way. Says how it ended."""
     process = service.process
+    how = f"had exited (code {process.poll()})"
     if process.poll() is None:
+        start = time.monotonic()
         process.send_signal(signal.SIGTERM)
         with suppress(subprocess.TimeoutExpired):
             process.wait(timeout=timeout_s)
+        how = f"SIGTERM: exit code {process.poll()} after {time.monotonic() - start:.1f} s"
+        if process.poll() is None:
+            how = f"killed: still running {timeout_s:.0f} s after SIGTERM"
     with suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, signal.SIGKILL)  # what is left of it: Ray's processes
     if process.poll() is None:
         process.wait()
+    return how
 
 
 @contextmanager
 def serving(
-    s: dict[str, Any], length: float | None, log_dir: Path, timeout_s: float
+    s: dict[str, Any],
+    length: float | None,
+    log_dir: Path,
+    timeout_s: float,
+    stopped: Callable[[str], None] = lambda how: None,
 ) -> Iterator[Serve]:
-    """`specdec serve` started, SERVING (grpc.health.v1), and stopped on every way out."""
+    """`specdec serve` started, SERVING (grpc.health.v1), and stopped on every way out
+    (`stopped` is told how)."""
     port, metrics_port = free_port(), free_port()
     name = f"serve_{'plain' if length is None else f'L{length:g}'}"
     log_dir.mkdir(parents=True, exist_ok=True)
@@ -132,7 +143,7 @@ def serving(
         wait_serving(service, timeout_s)
         yield Serve(service, f"http://127.0.0.1:{metrics_port}/metrics")
     finally:
-        stop_serve(service)
+        stopped(f"{name}: {stop_serve(service)}")
 
 
 def scrape(url: str) -> dict[str, float]:
@@ -174,7 +185,8 @@ def wait_idle(url: str, timeout_s: float = 120.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         m = scrape(url)
-        if m.get("specdec:num_requests_running", 0) == 0 == m.get("specdec:num_requests_waiting"):
+        held = ("specdec:num_requests_running", "specdec:num_requests_waiting")
+        if all(m.get(name, 0.0) == 0 for name in held):
             return
         time.sleep(0.05)
     raise RuntimeError(f"requests still running {timeout_s:.0f} s after a row ended.")
@@ -227,7 +239,7 @@ def _consume(
             cond.notify_all()
 
 
-def window_figures(rec: Stream, t0: float, t1: float) -> dict[str, float] | None:
+def window_figures(rec: Stream, t0: float, t1: float) -> dict[str, Any] | None:
     """A request's client-side figures over its responses inside (t0, t1]."""
     inside = [i for i, t in enumerate(rec.times) if t0 < t <= t1]
     if len(inside) < 2:
@@ -243,7 +255,9 @@ def window_figures(rec: Stream, t0: float, t1: float) -> dict[str, float] | None
         "step_ms": 1e3 * span / steps,
         "tokens": tokens,
         "steps": steps,
+        "responses": len(inside),
         "span_s": span,
+        "gaps_ms": [1e3 * (rec.times[i] - rec.times[i - 1]) for i in inside[1:]],
     }
 
 
@@ -264,7 +278,7 @@ def measure_row(
     timeout_s: float,
 ) -> dict[str, Any]:
     """B concurrent streams; the client's and the hub's figures over the timed window."""
-    warmup, steps = s["warmup"], s["steps"]
+    warmup, steps = s["warmup"], s["serve_steps"]
     params: dict[str, Any] = {
         "max_tokens": max_tokens,
         "ignore_eos": True,
@@ -338,6 +352,7 @@ def summarise(
         )
     client_step = statistics.median(f["step_ms"] for f in per)
     tokens = sum(f["tokens"] for f in per)
+    gaps = sorted(g for f in per for g in f["gaps_ms"])
     return {
         "config": spec.config,
         "proposer": spec.proposer,
@@ -345,7 +360,7 @@ def summarise(
         "batch": spec.batch,
         "num_draft_tokens": spec.num_draft_tokens if spec.proposer != "off" else 0,
         "window_s": t1 - t0,
-        "client_steps_median": statistics.median(f["steps"] for f in per),
+        "client_responses_median": statistics.median(f["responses"] for f in per),
         "hub_steps": hub["steps"],
         "tpot_ms_median": statistics.median(f["tpot_ms"] for f in per),
         "tpot_ms_max": max(f["tpot_ms"] for f in per),
@@ -353,6 +368,8 @@ def summarise(
         "steps_per_s": 1e3 / client_step,
         "tokens_per_s": tokens / (t1 - t0),
         "tokens_per_step_per_request": tokens / sum(f["steps"] for f in per),
+        # bursts (responses held back, then delivered together) show as a low p10
+        "gap_ms": {f"p{q}": gaps[int(q / 100 * (len(gaps) - 1))] for q in (10, 50, 90)},
         "hub_ms": {part: hub[part] for part in HUB_PARTS},
         "overhead_ms_per_step": client_step - hub["step"],
     }
@@ -400,7 +417,7 @@ def measure_ttft(
 
 def max_tokens_for(s: dict[str, Any]) -> int:
     """Enough tokens for the warm-up and timed steps even if every draft token is accepted."""
-    return (s["warmup"] + s["steps"] + MARGIN_STEPS) * (s["num_draft_tokens"] + 1)
+    return (s["warmup"] + s["serve_steps"] + MARGIN_STEPS) * (s["num_draft_tokens"] + 1)
 
 
 def seq_len_needed(s: dict[str, Any]) -> int:
@@ -427,7 +444,7 @@ def section(
     k = s["num_draft_tokens"]
     for n, length in enumerate(s["serve_lengths"]):
         phase(f"starting specdec serve (synthetic L = {length:g})")
-        with serving(s, length, log_dir, timeout_s) as serve:
+        with serving(s, length, log_dir, timeout_s, out["stops"].append) as serve:
             with Client(serve.address) as client:
                 served = client.model_info()[0]
             max_tokens = min(max_tokens_for(s), served.max_seq_len - s["prompt_len"])
@@ -438,7 +455,7 @@ def section(
                     phase(f"serve {config} batch {b}")
                     spec = RowSpec(config, proposer, k, synthetic, b)
                     out["rows"].append(measure_row(serve, spec, s, max_tokens, timeout_s))
-                    tick(s["steps"])
+                    tick(s["serve_steps"])
             if n == 0:
                 for config, proposer in ((TARGET_ONLY, "off"), (f"lockstep_L{length:g}", "draft")):
                     phase(f"serve TTFT {config}")
@@ -449,4 +466,4 @@ def section(
 def progress_units(s: dict[str, Any]) -> int:
     """Progress ticks of `section`."""
     rows = len(s["batches"]) * (1 + len(s["serve_lengths"]))
-    return rows * s["steps"] + 2
+    return rows * s["serve_steps"] + 2

@@ -1,5 +1,6 @@
-"""bench/e2e_bench.py --smoke runs the whole flow on the CPU (checkpoints, service processes,
-gRPC, timing split, greedy check, report), and --report regenerates the report from its JSON.
+"""bench/e2e_bench.py --smoke --serve runs the whole flow on the CPU (checkpoints, service
+processes, gRPC, timing split, greedy check, then `specdec serve` on a real local Ray cluster
+driven by specdec.client, report), and --report regenerates the report from its JSON.
 The smoke run takes over a minute here, so those tests are marked slow."""
 
 import json
@@ -29,7 +30,7 @@ def _bench(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("e2e")
-    done = _bench("--smoke", "--out", str(out), "--cache", str(out / "models"))
+    done = _bench("--smoke", "--serve", "--out", str(out), "--cache", str(out / "models"))
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out, json.loads((out / "e2e_cpu.json").read_text())
 
@@ -63,6 +64,37 @@ def test_smoke_has_every_row_with_positive_times(smoke: tuple[Path, dict[str, An
 
 
 @pytest.mark.slow  # the smoke run takes 80 to 110 s on 2 busy cores
+def test_smoke_through_serve_has_every_row(smoke: tuple[Path, dict[str, Any]]) -> None:
+    _, result = smoke
+    serve = result["serve"]
+    rows = {(r["config"], r["batch"]): r for r in serve["rows"]}
+    assert set(rows) == {(c, b) for c in ("target_only", "lockstep_L3") for b in (1, 4)}
+    for (config, _), r in rows.items():
+        for key in ("tpot_ms_median", "client_step_ms_median", "steps_per_s", "tokens_per_s",
+                    "window_s"):  # fmt: skip
+            assert r[key] > 0, (config, key, r[key])
+        hub = r["hub_ms"]
+        assert hub["step"] > 0 and hub["verify"] > 0 and hub["sampler"] > 0
+        assert (hub["draft"] > 0) == (config != "target_only")
+        assert r["overhead_ms_per_step"] == pytest.approx(r["client_step_ms_median"] - hub["step"])
+        assert r["hub_steps"] >= 2 and r["client_responses_median"] >= 2
+        per_step = r["tokens_per_step_per_request"]
+        if config == "target_only":
+            assert per_step == 1.0
+        else:  # the synthetic length reached the target through specdec serve
+            assert per_step == pytest.approx(3.0, abs=0.75)
+    ttft = {t["config"]: t for t in serve["ttft"]}
+    assert set(ttft) == {"target_only", "lockstep_L3"}
+    for t in ttft.values():
+        assert t["prompt_len"] == 64 and t["client_ms_median"] > 0 and t["server_ms_median"] > 0
+    assert result["inprocess_ms"]["target"]["prefill,64"] > 0
+    # serve stopped on SIGTERM by itself (its Ray cluster with it), not killed
+    assert len(serve["stops"]) == 1 and "SIGTERM: exit code 0" in serve["stops"][0]
+    goals = [g for g in result["goals"] if g["goal"].startswith("serve ")]
+    assert len(goals) == 2 * 2 * 2 + 2
+
+
+@pytest.mark.slow  # the smoke run takes 80 to 110 s on 2 busy cores
 def test_report_regenerates_markdown(smoke: tuple[Path, dict[str, Any]]) -> None:
     out, result = smoke
     (out / "e2e_cpu.md").unlink()
@@ -72,6 +104,8 @@ def test_report_regenerates_markdown(smoke: tuple[Path, dict[str, Any]]) -> None
     assert text == e2e_report.markdown(result) and text in done.stdout
     assert text.startswith("## System benchmark (`bench/e2e_bench.py`), cpu, ")
     assert "identical tokens (passed)" in text and "| lockstep_L3 | 4 |" in text
+    assert "### Through specdec serve and the client" in text
+    assert "| target_only | 64 |" in text  # the TTFT table
 
 
 @pytest.mark.slow  # the smoke run takes 80 to 110 s on 2 busy cores

@@ -5,9 +5,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+from bench import e2e_report
 from bench.e2e_serve import Stream, hub_ms, seq_len_needed, serve_args, window_figures
 from orchestrator.cli import parse_args, serve_config
 from orchestrator.config import ServiceConfig
@@ -56,6 +58,7 @@ def test_window_figures_use_the_responses_inside_the_window() -> None:
     assert f is not None
     assert f["steps"] == 3 and f["tokens"] == 10
     assert f["step_ms"] == pytest.approx(40.0 / 3) and f["tpot_ms"] == pytest.approx(4.0)
+    assert f["responses"] == 4 and f["gaps_ms"] == pytest.approx([10.0, 20.0, 10.0])
     assert window_figures(rec, 1.5, 2.5) is None  # one response only
 
 
@@ -92,6 +95,35 @@ def test_serve_args_match_the_pipeline_services(checkpoints: tuple[Path, Path]) 
 
 
 def test_sequences_fit_the_serve_rows_and_ttft() -> None:
-    s = {"prompt_len": 64, "warmup": 16, "steps": 64, "num_draft_tokens": 4,
+    s = {"prompt_len": 64, "warmup": 16, "serve_steps": 64, "num_draft_tokens": 4,
          "ttft_prompt_len": 512}  # fmt: skip
     assert seq_len_needed(s) == max(64 + 88 * 5, 512 + 2) + 5
+
+
+def test_serve_goals_against_the_pipeline_rows_and_the_prefill() -> None:
+    def row(batch: int, tpot: float, overhead: float) -> dict[str, Any]:
+        return {"config": "target_only", "batch": batch, "tpot_ms_median": tpot,
+                "overhead_ms_per_step": overhead}  # fmt: skip
+
+    result = {
+        "settings": {"batches": [1, 8, 32], "num_draft_tokens": 4},
+        "empty_round_trip": {"median_ms": 0.2},
+        "inprocess_ms": {"target": {"prefill,512": 20.0}, "draft": {}},
+        "rows": [
+            {"config": "target_only", "batch": 1, "time_per_output_token_ms": 5.0},
+            {"config": "target_only", "batch": 32, "time_per_output_token_ms": 6.0},
+        ],
+        "serve": {
+            "rows": [row(1, 5.05, 0.2), row(8, 9.0, 9.0), row(32, 6.3, 0.4)],  # 8: no goal
+            "ttft": [{"config": "target_only", "prompt_len": 512, "client_ms_median": 25.0}],
+        },
+    }
+    goals = {(g["goal"], g["batch"]): g for g in e2e_report.serve_goals(result)}
+    assert len(goals) == 5
+    overhead = "serve target_only: orchestrator overhead ms per step <="
+    tpot = "serve target_only: TPOT / Pipeline TPOT <="
+    assert goals[(overhead, 1)]["met"] and not goals[(overhead, 32)]["met"]
+    assert goals[(tpot, 1)]["value"] == pytest.approx(1.01) and goals[(tpot, 1)]["met"]
+    assert goals[(tpot, 32)]["value"] == pytest.approx(1.05) and not goals[(tpot, 32)]["met"]
+    ttft = goals[("serve target_only: TTFT (512-token prompt) / in-process prefill <=", 1)]
+    assert ttft["value"] == pytest.approx(1.25) and ttft["met"]
