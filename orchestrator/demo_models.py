@@ -27,6 +27,16 @@ from pathlib import Path
 from typing import Any
 
 from orchestrator import demo_training
+from orchestrator.demo_training import AcceptanceReport, measure_acceptance
+
+__all__ = [
+    "AcceptanceReport",
+    "DemoBudget",
+    "DemoPair",
+    "LlamaShape",
+    "build_demo_models",
+    "measure_acceptance",
+]
 
 RECIPE_VERSION = 1  # bump when the training code changes what a cached pair contains
 EOS = "<|endoftext|>"
@@ -200,7 +210,7 @@ def main() -> int:
     pair = build_demo_models(budget=DemoBudget.ci() if quick else DemoBudget())
     print(f"pair in {pair.root} ({time.perf_counter() - t0:.1f} s)")
     prompts = demo_training.heldout_prompts(source_files(), is_heldout, count=16)
-    report = demo_training.measure_acceptance(pair, prompts, k=4, new_tokens=64)
+    report = measure_acceptance(pair, prompts, k=4, new_tokens=64)
     stats = {k: v for k, v in pair.training.items() if k != "recipe"}
     print(json.dumps(stats | {"acceptance": asdict(report)}, indent=1))
     return 0

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -184,9 +184,12 @@ def distill_loss(draft: Any, target: Any) -> Callable[[torch.Tensor], torch.Tens
 
 
 def init_draft_from_target(draft: Any, target: Any) -> None:
-    """The draft starts from the target's embeddings, head, final norm and first layers."""
-    state = {k: v for k, v in target.state_dict().items() if k in draft.state_dict()}
-    draft.load_state_dict(state, strict=False)
+    """The draft starts from the target's tensors of the same name and shape: embeddings, head,
+    final norm and its first layers where the widths agree. Distillation then starts from a
+    draft that already reads and writes the target's hidden space."""
+    mine = draft.state_dict()
+    same = {k: v for k, v in target.state_dict().items() if k in mine and v.shape == mine[k].shape}
+    draft.load_state_dict(same, strict=False)
 
 
 def train_pair(
@@ -207,28 +210,19 @@ def train_pair(
         target, lm_loss(target), batch_sampler(data, budget, budget.seed), budget,
         (budget.target_steps, budget.target_seconds), "target", progress,
     )  # fmt: skip
-    stats["target"] = _asdict(phase)
+    stats["target"] = asdict(phase)
     draft = llama(budget.draft, budget, eos)
     init_draft_from_target(draft, target)
     phase = train_phase(
         draft, distill_loss(draft, target), batch_sampler(data, budget, budget.seed + 1), budget,
         (budget.draft_steps, budget.draft_seconds), "draft (distilled)", progress,
     )  # fmt: skip
-    stats["draft"] = _asdict(phase)
+    stats["draft"] = asdict(phase)
     for name, model in (("target", target), ("draft", draft)):
         model.save_pretrained(str(out / name), safe_serialization=True)
         tokenizer.save_pretrained(str(out / name))
     stats["total_seconds"] = time.perf_counter() - t0
     return stats
-
-
-def _asdict(stats: PhaseStats) -> dict[str, float]:
-    return {
-        "steps": stats.steps,
-        "seconds": stats.seconds,
-        "tokens_per_s": stats.tokens_per_s,
-        "final_loss": stats.final_loss,
-    }
 
 
 def heldout_prompts(
@@ -270,18 +264,18 @@ class AcceptanceReport:
 def measure_acceptance(
     pair: DemoPair, prompts: Sequence[str], k: int = 4, new_tokens: int = 64
 ) -> AcceptanceReport:
-    """Greedy speculative decoding, replayed: the target continues each prompt greedily; at
-    each verify step the draft proposes k tokens greedily and the step commits the leading
-    proposals equal to the target's tokens plus one. While the proposals match, the draft's
-    context is the target's own text, so one draft pass over that text gives every proposal."""
+    """Greedy speculative decoding, replayed: the target continues each prompt greedily, and
+    each verify step commits the draft's leading greedy proposals that equal the target's
+    tokens, plus one. While its proposals match, the draft's context is the target's own text,
+    so one draft pass over that text gives every proposal (`replay`)."""
     import torch
     from transformers import AutoTokenizer, LlamaForCausalLM
 
     tokenizer = AutoTokenizer.from_pretrained(str(pair.target))
     target = LlamaForCausalLM.from_pretrained(str(pair.target)).eval()
     draft = LlamaForCausalLM.from_pretrained(str(pair.draft)).eval()
-    steps = committed = accepted = 0
-    sample = ""
+    steps = accepted = 0
+    samples = []
     for prompt in prompts:
         ids = tokenizer(prompt, return_tensors="pt").input_ids  # [1, p]
         with torch.no_grad():
@@ -290,29 +284,32 @@ def measure_acceptance(
                 max_new_tokens=new_tokens + k,
                 do_sample=False,
                 pad_token_id=tokenizer.eos_token_id,
-            )
-            guess = (
-                draft(seq).logits[0].argmax(-1)
-            )  # [len]: the draft's next token after each prefix
-        match = (guess[:-1] == seq[0, 1:]).tolist()  # match[i]: draft right about token i + 1
-        pos, end = ids.shape[1], ids.shape[1] + new_tokens
-        while pos < end and pos < seq.shape[1]:
-            a = 0
-            while a < k and pos + a < len(match) + 1 and match[pos + a - 1]:
-                a += 1
-            steps, committed, accepted, pos = (
-                steps + 1,
-                committed + a + 1,
-                accepted + a,
-                pos + a + 1,
-            )
-        sample = sample or str(tokenizer.decode(seq[0]))
+            )[0]  # [n]
+            guess = draft(seq[None]).logits[0].argmax(-1)  # [n]: the guess for token i + 1
+        right = [False, *(guess[:-1] == seq[1:]).tolist()]
+        end = min(ids.shape[1] + new_tokens, seq.numel())
+        s, a = replay(right, ids.shape[1], end, k)
+        steps, accepted = steps + s, accepted + a
+        samples.append(str(tokenizer.decode(seq)))
     return AcceptanceReport(
-        k,
-        len(prompts),
-        steps,
-        committed,
-        committed / max(steps, 1),
-        accepted / max(k * steps, 1),
-        sample,
-    )
+        k, len(prompts), steps, steps + accepted, 1 + accepted / max(steps, 1),
+        accepted / max(k * steps, 1), samples[0] if samples else "",
+    )  # fmt: skip
+
+
+def replay(right: Sequence[bool], start: int, end: int, k: int) -> tuple[int, int]:
+    """(verify steps, accepted draft tokens) to commit tokens start..end-1 greedily, where
+    right[j] says whether the draft's greedy guess for token j, from the tokens before it, is
+    token j. A step at position p accepts the leading run of right[p], right[p + 1], ... (at
+    most k, and one token short of the end of `right`: the step's own token is the target's).
+
+    right = [_, T, T, F, T, T, T, T, T, T], start 1, end 9, k 4: the step at 1 accepts 2 and
+    commits 3 tokens; the step at 4 accepts 4 (k) and commits 5; (2 steps, 6 accepted)."""
+    steps = accepted = 0
+    pos = start
+    while pos < end:
+        run = 0
+        while run < k and pos + run < len(right) - 1 and right[pos + run]:
+            run += 1
+        steps, accepted, pos = steps + 1, accepted + run, pos + run + 1
+    return steps, accepted

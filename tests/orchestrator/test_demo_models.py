@@ -118,3 +118,19 @@ def test_heldout_prompts_start_at_definitions() -> None:
     prompts = demo_training.heldout_prompts(files, demo_models.is_heldout, count=4)
     assert len(prompts) == 4
     assert all(p.lstrip().startswith(("def ", "class ")) and not p.endswith("\n") for p in prompts)
+
+
+def test_replay_counts_the_leading_matches_of_each_step() -> None:
+    right = [False, True, True, False, True, True, True, True, True, True]
+    assert demo_training.replay(right, 1, 9, 4) == (2, 6)  # docstring's example
+    assert demo_training.replay(right, 1, 9, 1) == (5, 4)  # k = 1: 1+1, then 0+1, 1+1, 1+1, 1+1
+    assert demo_training.replay([False] * 6, 1, 6, 4) == (5, 0)  # never right: 1 token a step
+    assert demo_training.replay([False] + [True] * 5, 1, 6, 8) == (1, 4)  # the last: the target's
+
+
+def test_measured_acceptance_is_a_mean_length_between_1_and_k_plus_1(pair: DemoPair) -> None:
+    report = demo_models.measure_acceptance(pair, ["def f(x):", "class A:"], k=4, new_tokens=12)
+    assert report.prompts == 2 and report.committed_tokens > report.verify_steps > 0
+    assert 1.0 <= report.mean_acceptance_length <= 5.0
+    assert report.mean_acceptance_length == report.committed_tokens / report.verify_steps
+    assert report.sample.startswith("def f(x):")
