@@ -126,7 +126,7 @@ def stream_prompts(
             text = ""
             for piece in client.generate(
                 prompt,
-                max_tokens=args.max_tokens,
+                max_tokens=args.max_tokens or (24 if args.quick else 96),
                 temperature=0.0,
                 proposer=proposer,
                 num_draft_tokens=args.num_draft_tokens if proposer == "draft" else None,
@@ -149,7 +149,25 @@ def report(runs: list[Figures], metrics_url: str, k: int, out: TextIO) -> None:
         rate = "-" if f.acceptance_rate is None else f"{f.acceptance_rate:.3f}"
         length = "-" if f.mean_acceptance_length is None else f"{f.mean_acceptance_length:.3f}"
         out.write(f"{f.proposer:<10}{rate:>17}{length:>18}{f.tokens_per_s:>10.1f}\n")
-    out.write(f"greedy, k = {k}; figures read from {metrics_url}\n")
+    out.write(
+        f"greedy, k = {k}; tokens/s = generated tokens / summed request latency; "
+        f"figures read from {metrics_url}\n"
+    )
+
+
+def describe(pair: Any, budget: Any) -> str:
+    """One line per model: what it is and how it was trained (from the build's record)."""
+    t, d = pair.training["target"], pair.training["draft"]
+    shape = {name: getattr(budget, name) for name in ("target", "draft")}
+    return (
+        f"models in {pair.root} (trained here on the standard library's sources):\n"
+        f"  target: Llama, {shape['target'].layers} layers x {shape['target'].hidden}, "
+        f"{t['parameters'] / 1e6:.2f} M parameters, {t['steps']} steps, "
+        f"loss {t['final_loss']:.2f}\n"
+        f"  draft:  Llama, {shape['draft'].layers} layer(s) x {shape['draft'].hidden}, "
+        f"{d['parameters'] / 1e6:.2f} M parameters, distilled from the target, "
+        f"{d['steps']} steps\n"
+    )
 
 
 def serve_config(pair: Any, k: int) -> Any:
@@ -172,11 +190,14 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> list[DemoRun]:
     from orchestrator.demo_models import DemoBudget, build_demo_models
     from orchestrator.server import Orchestrator
 
-    args.max_tokens = args.max_tokens or (24 if args.quick else 96)
+    if not 1 <= args.num_draft_tokens <= 16:
+        raise ValueError(f"--num-draft-tokens must be in [1, 16], got {args.num_draft_tokens}.")
+    if args.max_tokens is not None and not 1 <= args.max_tokens <= 100:
+        raise ValueError(f"--max-tokens must be in [1, 100], got {args.max_tokens}.")
     budget = DemoBudget.ci() if args.quick else DemoBudget()
     pair = build_demo_models(args.cache_dir, budget=budget, progress=not args.no_progress)
-    steps = pair.training["target"]["steps"], pair.training["draft"]["steps"]
-    out.write(f"models: {pair.root} ({steps[0]} target steps, {steps[1]} draft steps)\n")
+    out.write(describe(pair, budget))
+    prompts = QUICK_PROMPTS if args.quick else PROMPTS
     orchestrator = Orchestrator(serve_config(pair, args.num_draft_tokens))
     try:
         address = f"127.0.0.1:{orchestrator.start()}"
@@ -184,12 +205,11 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> list[DemoRun]:
         runs = []
         for proposer in ("draft", "off"):
             before = scrape(url)
-            prompts = QUICK_PROMPTS if args.quick else PROMPTS
             texts, usages = stream_prompts(address, prompts, proposer, args, out)
             runs.append(DemoRun(figures_between(before, scrape(url), proposer), texts, usages))
         report([r.figures for r in runs], url, args.num_draft_tokens, out)
         if args.serve:
-            out.write(f"serving until Ctrl-C (the client API on {address})\n")
+            out.write(f"serving until Ctrl-C: the client API on {address}, metrics at {url}\n")
             orchestrator.serve_until_signal()
     finally:
         orchestrator.stop(1.0)
@@ -198,7 +218,13 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> list[DemoRun]:
 
 def run_demo(args: argparse.Namespace) -> int:
     import logging
+    import os
 
     logging.basicConfig(level=logging.WARNING)
-    run(args)
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # the services' processes inherit it
+    try:
+        run(args)
+    except ValueError as e:
+        print(f"specdec demo: {e}", file=sys.stderr)
+        return 2
     return 0

@@ -3,6 +3,8 @@
 import io
 from pathlib import Path
 
+import pytest
+
 from orchestrator import demo
 from orchestrator.cli import parse_args
 
@@ -37,3 +39,13 @@ def test_quick_demo_prints_the_metrics_and_they_match_the_responses(tmp_path: Pa
     assert "figures read from http://127.0.0.1:" in text and "/metrics" in text
     for prompt in demo.QUICK_PROMPTS:
         assert text.count(prompt) == 2
+    assert "target: Llama, 2 layers x 64" in text and "distilled from the target" in text
+
+
+def test_bad_arguments_exit_2_naming_the_flag(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    args = parse_args(["demo", "--quick", "-k", "0", "--cache-dir", str(tmp_path)])
+    assert demo.run_demo(args) == 2
+    assert "--num-draft-tokens must be in [1, 16], got 0." in capsys.readouterr().err
+    assert not (tmp_path / "demo").exists()  # refused before anything was built
