@@ -218,10 +218,8 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> list[DemoRun]:
 
 def run_demo(args: argparse.Namespace) -> int:
     import logging
-    import os
 
     logging.basicConfig(level=logging.WARNING)
-    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")  # the services' processes inherit it
     try:
         run(args)
     except ValueError as e:
