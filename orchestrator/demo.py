@@ -33,6 +33,7 @@ DRAFT_TOKENS = "specdec:spec_decode_num_draft_tokens_total"
 ACCEPTED = "specdec:spec_decode_num_accepted_tokens_total"
 GENERATED = "specdec:generation_tokens_total"
 LATENCY_SUM = "specdec:e2e_request_latency_seconds_sum"
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]  # (name, labels) -> value
 
 
 def add_demo_args(parser: argparse.ArgumentParser) -> None:
@@ -69,7 +70,7 @@ class Figures:
         return self.tokens / self.seconds if self.seconds else 0.0
 
 
-def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+def scrape(url: str) -> Samples:
     """Every sample of a /metrics page by (name, labels)."""
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -82,17 +83,13 @@ def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     }
 
 
-def figures_between(
-    before: dict[tuple[str, frozenset[tuple[str, str]]], float],
-    after: dict[tuple[str, frozenset[tuple[str, str]]], float],
-    proposer: str,
-) -> Figures:
-    def delta(name: str, **labels: str) -> float:
-        def total(samples: dict[tuple[str, frozenset[tuple[str, str]]], float]) -> float:
-            want = set(labels.items())
-            return sum(v for (n, ls), v in samples.items() if n == name and want <= ls)
+def figures_between(before: Samples, after: Samples, proposer: str) -> Figures:
+    def total(samples: Samples, name: str, labels: set[tuple[str, str]]) -> float:
+        return sum(v for (n, ls), v in samples.items() if n == name and labels <= ls)
 
-        return total(after) - total(before)
+    def delta(name: str, **labels: str) -> float:
+        want = set(labels.items())
+        return total(after, name, want) - total(before, name, want)
 
     return Figures(
         proposer,
