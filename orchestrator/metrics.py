@@ -27,7 +27,8 @@ Steps of the hub: histograms specdec:step_draft_seconds (the draft's forward tim
 used the draft service only), specdec:step_transport_seconds (the Propose round trip minus the
 draft's service time; same steps), specdec:step_verify_seconds (target forward),
 specdec:step_sampler_seconds (rejection sampler), specdec:step_seconds (the whole step);
-counter specdec:steps_total; gauge specdec:draft_up.
+counter specdec:steps_total, specdec:eager_steps_total (steps with a forward that ran eagerly:
+no captured CUDA graph fitted; every step on a CPU); gauge specdec:draft_up.
 
 Every metric lives in the Metrics object's own CollectorRegistry, never the global one.
 """
@@ -131,6 +132,11 @@ class Metrics:
         )
         self._step = self._histogram("step_seconds", "Hub wall time of a step.", STEP_BUCKETS)
         self._steps = self._counter("steps", "Hub steps.").labels(self.model_pair)
+        self._eager_steps = self._counter(
+            "eager_steps",
+            "Hub steps with a forward that ran eagerly (no captured CUDA graph fitted); every "
+            "step on a CPU.",
+        ).labels(self.model_pair)
         self._draft_up = self._gauge("draft_up", "1 while the draft service is up.")
 
     def on_step(self, report: StepReport, proposer_of: Callable[[str], str | None]) -> None:
@@ -154,6 +160,8 @@ class Metrics:
         self._step_sampler.observe(report.sampler_s)
         self._step.observe(report.step_s)
         self._draft_up.set(1 if report.draft_up else 0)
+        if not report.graphed:
+            self._eager_steps.inc()
 
     def on_first_token(self, time_to_first_token_s: float) -> None:
         self._ttft.observe(time_to_first_token_s)

@@ -103,6 +103,7 @@ class StepReport:
     sampler_s: float  # the target's rejection sampler
     step_s: float  # the hub's wall time of the whole step
     draft_up: bool
+    graphed: bool = False  # every forward of the step replayed a captured CUDA graph
 
     @classmethod
     def from_pb(cls, pb: target_pb2.ServeStep) -> StepReport:
@@ -116,7 +117,7 @@ class StepReport:
             for i, rid in enumerate(v.request_ids)
         )  # fmt: skip
         return cls(events, pb.draft_s, pb.transport_s, pb.verify_s, pb.sampler_s, pb.step_s,
-                   pb.draft_up)  # fmt: skip
+                   pb.draft_up, pb.graphed)  # fmt: skip
 
 
 def _nothing() -> None:

@@ -69,6 +69,7 @@ class _Group:
     drafted: bool = False  # the draft service answered for this group
     draft_s: float = 0.0
     transport_s: float = 0.0
+    draft_graphed: bool = True  # the draft's forwards replayed graphs (or it drafted nothing)
 
 
 def request_error(exc: BaseException) -> RequestError:
@@ -243,16 +244,18 @@ class Hub:
         start = time.perf_counter()
         group = _Group(list(self._requests.values()))
         verify_s = sampler_s = 0.0
+        graphed = False
         try:
             verdicts, times = self.engine.verify_timed(self._proposals(group))
             verify_s, sampler_s = times.forward_s, times.sampler_s
+            graphed = times.graphed and group.draft_graphed
         except Exception as e:
             log.exception("a step of %d requests failed", len(group.requests))
             verdicts = self._failed(group, e)
         step = target_pb2.ServeStep(
             verdicts=verdicts.to_pb(), draft_s=group.draft_s, transport_s=group.transport_s,
             verify_s=verify_s, sampler_s=sampler_s, step_s=time.perf_counter() - start,
-            draft_up=self._draft.up,
+            draft_up=self._draft.up, graphed=graphed,
         )  # fmt: skip
         self._emit(step=step)
         self._record(verdicts)
@@ -270,6 +273,7 @@ class Hub:
         retry = _Group(group.requests)  # at k = 0 now, nothing was committed
         self._propose(retry)
         group.block, group.draft_s, group.transport_s = retry.block, 0.0, 0.0
+        group.draft_graphed = True
         return ProposalBlock.from_pb(group.block, max_support_size=limit)
 
     def _propose(self, group: _Group) -> None:
@@ -283,6 +287,7 @@ class Hub:
             served = set(response.block.request_ids)
             group.draft_s = response.timing.forward_s
             group.transport_s = max(0.0, round_trip - response.timing.service_s)
+            group.draft_graphed = response.timing.graphed or response.timing.forward_s == 0
         self._append_local(group.block, [r for r in group.requests if r.request_id not in served])
 
     def _ask(self, r: HubRequest) -> draft_pb2.ProposeEntry:

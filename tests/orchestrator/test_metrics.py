@@ -69,6 +69,7 @@ REPORTS = [
         0.0002,
         0.007,
         True,
+        True,  # graphed
     ),
     Report(
         (Event("a", 1, (11, 12), 3, 1), Event("b", 1, (), 0, 0, ERROR)),
@@ -78,6 +79,7 @@ REPORTS = [
         0.0001,
         0.004,
         False,
+        False,  # a forward ran eagerly
     ),
 ]
 
@@ -100,6 +102,7 @@ def test_spec_decode_counters_equal_what_was_fed(served) -> None:
     assert [_value(s, per_pos, proposer="ngram", position=str(i)) for i in range(4)] == [1] * 4
     assert (per_pos, (("model_pair", PAIR), ("position", "2"), ("proposer", "draft"))) not in s
     assert _value(s, "specdec:steps_total") == 2
+    assert _value(s, "specdec:eager_steps_total") == 1
     assert _value(s, "specdec:draft_up") == 0
 
 

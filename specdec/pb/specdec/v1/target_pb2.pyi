@@ -111,7 +111,7 @@ class ServeStarted(_message.Message):
     def __init__(self, target: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., draft: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
 
 class ServeStep(_message.Message):
-    __slots__ = ("verdicts", "draft_s", "transport_s", "verify_s", "sampler_s", "step_s", "draft_up")
+    __slots__ = ("verdicts", "draft_s", "transport_s", "verify_s", "sampler_s", "step_s", "draft_up", "graphed")
     VERDICTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_S_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_S_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,7 @@ class ServeStep(_message.Message):
     SAMPLER_S_FIELD_NUMBER: _ClassVar[int]
     STEP_S_FIELD_NUMBER: _ClassVar[int]
     DRAFT_UP_FIELD_NUMBER: _ClassVar[int]
+    GRAPHED_FIELD_NUMBER: _ClassVar[int]
     verdicts: VerifyResponse
     draft_s: float
     transport_s: float
@@ -126,7 +127,8 @@ class ServeStep(_message.Message):
     sampler_s: float
     step_s: float
     draft_up: bool
-    def __init__(self, verdicts: _Optional[_Union[VerifyResponse, _Mapping]] = ..., draft_s: _Optional[float] = ..., transport_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., sampler_s: _Optional[float] = ..., step_s: _Optional[float] = ..., draft_up: _Optional[bool] = ...) -> None: ...
+    graphed: bool
+    def __init__(self, verdicts: _Optional[_Union[VerifyResponse, _Mapping]] = ..., draft_s: _Optional[float] = ..., transport_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., sampler_s: _Optional[float] = ..., step_s: _Optional[float] = ..., draft_up: _Optional[bool] = ..., graphed: _Optional[bool] = ...) -> None: ...
 
 class ServeAdmitted(_message.Message):
     __slots__ = ("request_id", "committed_length", "next_step", "error")
