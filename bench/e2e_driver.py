@@ -164,10 +164,18 @@ def summary(
     }
 
 
-def greedy_run(driver: Driver, work: Workload, tag: str, new_tokens: int) -> list[list[int]]:
-    """Each request's first `new_tokens` committed tokens (greedy)."""
+def greedy_run(
+    driver: Driver,
+    work: Workload,
+    tag: str,
+    new_tokens: int,
+    steps: list[list[int]] | None = None,
+) -> list[list[int]]:
+    """Each request's first `new_tokens` committed tokens (greedy); with `steps`, also each
+    request's tokens committed per step, appended there (a replay needs the step boundaries)."""
     rids = [f"{tag}-{i}" for i in range(work.batch)]
     made: dict[str, list[int]] = {rid: [] for rid in rids}
+    counts: dict[str, list[int]] = {rid: [] for rid in rids}
     for rid, prompt in zip(
         rids, prompts(work.batch, work.prompt_len, work.vocab_size, 1), strict=True
     ):
@@ -177,13 +185,22 @@ def greedy_run(driver: Driver, work: Workload, tag: str, new_tokens: int) -> lis
             ks = {rid: work.num_draft_tokens for rid, t in made.items() if len(t) < new_tokens}
             for rid, tokens in driver.step(ks).tokens.items():
                 made[rid].extend(tokens)
+                counts[rid].append(len(tokens))
     finally:
         driver.release(rids)
+    if steps is not None:
+        steps.extend(counts[rid] for rid in rids)
     return [made[rid][:new_tokens] for rid in rids]
 
 
-def compare(work: Workload, plain: list[list[int]], spec: list[list[int]]) -> dict[str, Any]:
-    """The greedy check's record: passed, and each request's first divergence."""
+def compare(
+    work: Workload,
+    plain: list[list[int]],
+    spec: list[list[int]],
+    spec_steps: list[list[int]] | None = None,
+) -> dict[str, Any]:
+    """The greedy check's record: passed, and each request's first divergence; `spec_steps`
+    (tokens committed per step by the speculative run, see `greedy_run`) is kept in it."""
     divergences = []
     for i, (a, b, prompt) in enumerate(
         zip(plain, spec, prompts(work.batch, work.prompt_len, work.vocab_size, 1), strict=True)
@@ -208,4 +225,5 @@ def compare(work: Workload, plain: list[list[int]], spec: list[list[int]]) -> di
         "divergences": divergences,
         "target_only": plain,
         "speculative": spec,
+        "speculative_steps": spec_steps,
     }

@@ -5,9 +5,14 @@ prepare: builds (or reuses) the checkpoints, then loads them through `ModelRunne
   times graph steps as `runner_bench` does: target decode (n = 1), target verify (n = k + 1)
   and draft step (n = 1) at each batch size, with the services' CUDA graph sizes; with
   "prefill_len" in the job, also the target's prefill of one prompt of that many tokens.
-diagnose: for greedy runs that diverged, the target's logits at the first divergence
-  (teacher-forced along the common prefix): a gap within numerical noise is a near-tie
-  between two kernels' batch shapes, a wide gap is a wrong token.
+diagnose: for greedy runs that diverged, the target's logits at each first divergence computed
+  twice, each the way its run computed them (`replay`, with the service's runner settings: its
+  dtype, slots, sequence length and CUDA graph sizes): (a) the target-only run replayed as it
+  ran, the prompt but its last token prefilled, then one-token steps of the whole batch along
+  its tokens; (b) the speculative run replayed step by step with its own step boundaries, every
+  step a (k + 1)-token verify of its batch. The divergence is explained by numerics iff each
+  computation's argmax is its own run's token (`verdict`): the flip is reproduced by the two
+  kernel shapes alone. Anything else (a run's token not reproduced) is a failure.
 """
 
 from __future__ import annotations
@@ -139,23 +144,98 @@ def prepare(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def replay(
+    runner: ModelRunner,
+    prompts: list[list[int]],
+    tokens: list[list[int]],
+    steps: list[list[int]],
+    n: int,
+    wanted: dict[int, int],
+) -> dict[int, torch.Tensor]:
+    """Replays a greedy run as the target service ran it (`target_service.engine`): admission
+    prefills each prompt but its last token, then every step scores, for each request still
+    running, [last committed token, its next n - 1 tokens] in one `ragged_step` of the whole
+    batch and keeps what the run committed (steps[i]: request i's tokens per step; a verify's
+    rows past what it committed only depend on what it committed, by causality, so the
+    rejected drafts, unknown here, are filled with 0). Returns request → the float64 logits
+    row that scored its position wanted[request] (0 = the first new token)."""
+    rids = [f"replay-{i}" for i in range(len(prompts))]
+    done = [0] * len(prompts)  # tokens committed so far
+    out: dict[int, torch.Tensor] = {}
+    for rid, prompt in zip(rids, prompts, strict=True):
+        runner.add_request(rid)
+        if len(prompt) > 1:
+            runner.forward([ForwardItem(rid, prompt[:-1], 0)])
+    try:
+        for s in range(max(len(c) for c in steps)):
+            batch = [i for i, c in enumerate(steps) if len(c) > s]
+            rows = []
+            for i in batch:
+                last = tokens[i][done[i] - 1] if done[i] else prompts[i][-1]
+                ahead = tokens[i][done[i] : done[i] + n - 1]
+                rows.append([last, *ahead, *([0] * (n - 1 - len(ahead)))])
+            logits, _ = runner.ragged_step([rids[i] for i in batch], rows)
+            for b, i in enumerate(batch):
+                row = wanted.get(i, -1) - done[i]
+                if i not in out and 0 <= row < steps[i][s]:
+                    out[i] = logits[b, row].double().cpu()
+            for i in batch:
+                done[i] += steps[i][s]
+                runner.truncate(rids[i], len(prompts[i]) - 1 + done[i])
+    finally:
+        for rid in rids:
+            runner.release(rid)
+    return out
+
+
+def verdict(a: torch.Tensor, b: torch.Tensor, plain: int, spec: int) -> dict[str, Any]:
+    """The record of one divergence from the target's logits rows for its position: `a` as
+    target-only computed it, `b` as speculation did. Numerics iff each row's maximum is at its
+    own run's token (a tie at the maximum counts: greedy may take either)."""
+    std = float(a.std())
+    gap = float(a[plain] - a[spec])
+    noise = float((a - b).abs().max())
+    reproduced_a = bool(a[plain] == a.max())
+    reproduced_b = bool(b[spec] == b.max())
+    return {
+        "logits_one_token": {
+            "target_only_token": float(a[plain]),
+            "speculative_token": float(a[spec]),
+        },
+        "logits_verify": {
+            "target_only_token": float(b[plain]),
+            "speculative_token": float(b[spec]),
+        },
+        "argmax_one_token": int(a.argmax()),
+        "argmax_verify": int(b.argmax()),
+        "one_token_reproduces_target_only": reproduced_a,
+        "verify_reproduces_speculative": reproduced_b,
+        "numerics": reproduced_a and reproduced_b,
+        "std": std,
+        "gap": abs(gap),
+        "gap_in_std": abs(gap) / std,
+        "noise": noise,
+        "noise_in_std": noise / std,
+    }
+
+
 def diagnose(job: dict[str, Any]) -> dict[str, Any]:
-    """Each divergence's logit gap between the two runs' tokens, in units of the row's std."""
-    longest = max(len(d["prompt"]) + len(d["prefix"]) for d in job["divergences"])
-    runner = _load(job["path"], job["device"], job["dtype"], 1, longest + 1, [])
+    """Each divergence's two logits rows (see the module's docstring) and their verdict."""
+    runner = _load(
+        job["path"], job["device"], job["dtype"], job["max_slots"], job["max_seq_len"],
+        job["graph_sizes"],
+    )  # fmt: skip
+    prompts, k = job["prompts"], job["num_draft_tokens"]
+    plain, spec = job["target_only"], job["speculative"]
+    wanted = {d["request"]: d["position"] for d in job["divergences"]}
+    one_token = replay(runner, prompts, plain, [[1] * len(t) for t in plain], 1, wanted)
+    verify = replay(runner, prompts, spec, job["speculative_steps"], k + 1, wanted)
     out = []
     for d in job["divergences"]:
-        runner.add_request("diagnose")
-        try:
-            ids = d["prompt"] + d["prefix"]
-            logits = runner.forward([ForwardItem("diagnose", ids, 1)])[0].double().cpu()
-        finally:
-            runner.release("diagnose")
-        a, b = d["target_only_token"], d["speculative_token"]
-        gap = abs(float(logits[a] - logits[b]))
-        std = float(logits.std())
-        out.append(d | {"gap": gap, "gap_in_std": gap / std, "argmax": int(logits.argmax())})
-    return {"divergences": out}
+        i = d["request"]
+        record = verdict(one_token[i], verify[i], d["target_only_token"], d["speculative_token"])
+        out.append(d | record)
+    return {"divergences": out, "numerics": all(d["numerics"] for d in out)}
 
 
 def main() -> None:

@@ -181,13 +181,39 @@ def _greedy(result: dict[str, Any]) -> str:
     )
     if g["passed"]:
         return head + "identical tokens (passed)."
+    diverged = f"{len(g['divergences'])} of {g['batch']} requests diverged"
     diag = result.get("greedy_diagnosis") or {}
     ds = diag.get("divergences", [])
-    gaps = ", ".join(f"{d['gap_in_std']:.4f}" for d in ds) or "not diagnosed"
-    verdict = "passed (near-ties only)" if diag.get("ties_only") else "FAILED"
+    if "numerics" not in diag:  # not diagnosed, or a result from before the replays
+        return head + f"{diverged}; not diagnosed by replay: FAILED."
+    noise = max(d["noise_in_std"] for d in ds)
+    gap = max(d["gap_in_std"] for d in ds)
+    sizes = f"(logit noise between the two up to {noise:.4f} row stds, token gap up to {gap:.4f})"
+    smoke = result["settings"].get("smoke")
+    if diag["numerics"]:
+        verdict = "FAILED (--smoke requires identical tokens)" if smoke else "passed (numerics)"
+        return (
+            head + f"{diverged}; each divergence reproduced by the target's own forwards of the "
+            f"same prefix, replayed as each run computed them: 1-token steps give the "
+            f"target-only token, {g['num_draft_tokens'] + 1}-token verify steps the speculative "
+            f"token {sizes}: {verdict}."
+        )
+    bad = [
+        f"request {d['request']} at token {d['position']}: "
+        + ", ".join(
+            what
+            for what, ok in (
+                ("1-token replay not the target-only token", d["one_token_reproduces_target_only"]),
+                ("verify replay not the speculative token", d["verify_reproduces_speculative"]),
+            )
+            if not ok
+        )
+        for d in ds
+        if not d["numerics"]
+    ]
     return (
-        head + f"{len(g['divergences'])} requests diverged; target logit gaps at the first "
-        f"divergence in row stds: {gaps} (tie tolerance {diag.get('tolerance')}): {verdict}."
+        head + f"{diverged}; {len(bad)} not reproduced by replaying the target's own forwards "
+        f"({'; '.join(bad)}) {sizes}: FAILED."
     )
 
 
