@@ -14,7 +14,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
 
-import grpc
 import torch
 
 from draft_service.config import DraftConfig
@@ -85,10 +84,6 @@ class _Request:
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
-
-
-def _error(reason: ErrorReason, code: grpc.StatusCode, message: str) -> RequestError:
-    return RequestError(reason, code, message)
 
 
 class DraftEngine:
@@ -202,54 +197,47 @@ class DraftEngine:
     def _check(self, a: ProposeAsk, count: int) -> RequestError | None:
         req = self._requests.get(a.request_id)
         if count > 1:
-            return _error(
+            return RequestError.of(
                 ErrorReason.DUPLICATE_ENTRY,
-                grpc.StatusCode.INVALID_ARGUMENT,
                 f"request {a.request_id!r} appears {count} times in the block.",
             )
         if req is None:
-            return _error(
+            return RequestError.of(
                 ErrorReason.UNKNOWN_REQUEST,
-                grpc.StatusCode.NOT_FOUND,
                 f"request {a.request_id!r} is not admitted.",
             )
         if not req.next_step - 1 <= a.step <= req.next_step:
             reason = ErrorReason.STALE_STEP if a.step < req.next_step else ErrorReason.FUTURE_STEP
-            return _error(
+            return RequestError.of(
                 reason,
-                grpc.StatusCode.FAILED_PRECONDITION,
                 f"step is {a.step} but request {a.request_id!r} expects step "
                 f"{req.next_step} (or {req.next_step - 1} again).",
             )
         n = len(req.tokens) + len(a.new_token_ids)
         if a.committed_length != n:
-            mismatch = ErrorReason.COMMITTED_LENGTH_MISMATCH, grpc.StatusCode.FAILED_PRECONDITION
-            return _error(
-                *mismatch,
+            return RequestError.of(
+                ErrorReason.COMMITTED_LENGTH_MISMATCH,
                 f"committed_length is {a.committed_length} but request "
                 f"{a.request_id!r} would have {n} committed tokens.",
             )
         return self._check_values(a, n)
 
     def _check_values(self, a: ProposeAsk, n: int) -> RequestError | None:
-        invalid = ErrorReason.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT
         if a.num_draft_tokens > self.info.max_num_draft_tokens:
-            return _error(
-                *invalid,
+            return RequestError.of(
+                ErrorReason.INVALID_ARGUMENT,
                 f"num_draft_tokens is {a.num_draft_tokens}; at most "
                 f"{self.info.max_num_draft_tokens}.",
             )
         bad = [t for t in a.new_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            return _error(
+            return RequestError.of(
                 ErrorReason.TOKEN_OUT_OF_VOCAB,
-                grpc.StatusCode.INVALID_ARGUMENT,
                 f"new_token_ids holds {bad[0]}, outside the vocabulary [0, {self.vocab_size}).",
             )
         if n + a.num_draft_tokens > self.info.max_seq_len:
-            return _error(
+            return RequestError.of(
                 ErrorReason.CAPACITY,
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
                 f"{n} committed + {a.num_draft_tokens} draft tokens would pass "
                 f"max_seq_len={self.info.max_seq_len}.",
             )

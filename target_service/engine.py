@@ -16,7 +16,6 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import grpc
 import torch
 
 from specdec.errors import InvalidInputError
@@ -36,31 +35,13 @@ from target_service.rejection_sampler import (
 )
 
 log = logging.getLogger(__name__)
-Code = grpc.StatusCode
-_INVALID = ErrorReason.INVALID_ARGUMENT, Code.INVALID_ARGUMENT
-# SampleStatus → (reason, code, the entry's field the message names)
+# SampleStatus → (reason, the entry's field the message names)
 _SAMPLE_ERRORS = {
-    SampleStatus.NONFINITE_LOGITS: (ErrorReason.NONFINITE_LOGITS, Code.INTERNAL, ""),
-    SampleStatus.INVALID_DRAFT_PROBS: (
-        ErrorReason.INVALID_DRAFT_PROBS,
-        Code.INVALID_ARGUMENT,
-        ".q",
-    ),
-    SampleStatus.DRAFT_PROBS_NOT_NORMALIZED: (
-        ErrorReason.DRAFT_PROBS_NOT_NORMALIZED,
-        Code.INVALID_ARGUMENT,
-        ".q",
-    ),
-    SampleStatus.DRAFT_TOKEN_OUT_OF_SUPPORT: (
-        ErrorReason.DRAFT_TOKEN_OUT_OF_SUPPORT,
-        Code.INVALID_ARGUMENT,
-        ".q",
-    ),
-    SampleStatus.TOKEN_OUT_OF_VOCAB: (
-        ErrorReason.TOKEN_OUT_OF_VOCAB,
-        Code.INVALID_ARGUMENT,
-        ".draft_token_ids",
-    ),
+    SampleStatus.NONFINITE_LOGITS: (ErrorReason.NONFINITE_LOGITS, ""),
+    SampleStatus.INVALID_DRAFT_PROBS: (ErrorReason.INVALID_DRAFT_PROBS, ".q"),
+    SampleStatus.DRAFT_PROBS_NOT_NORMALIZED: (ErrorReason.DRAFT_PROBS_NOT_NORMALIZED, ".q"),
+    SampleStatus.DRAFT_TOKEN_OUT_OF_SUPPORT: (ErrorReason.DRAFT_TOKEN_OUT_OF_SUPPORT, ".q"),
+    SampleStatus.TOKEN_OUT_OF_VOCAB: (ErrorReason.TOKEN_OUT_OF_VOCAB, ".draft_token_ids"),
 }
 
 
@@ -159,17 +140,15 @@ class TargetEngine:
         req = self._requests.get(rid)
         error = None
         if i in block.errors:  # malformed: the parser's message
-            error = RequestError(*_INVALID, block.errors[i])
+            error = RequestError.of(ErrorReason.INVALID_ARGUMENT, block.errors[i])
         elif count > 1:
-            error = RequestError(
+            error = RequestError.of(
                 ErrorReason.DUPLICATE_ENTRY,
-                Code.INVALID_ARGUMENT,
                 f"entries[{i}].request_id {rid!r} appears {count} times in the block.",
             )
         elif req is None:
-            error = RequestError(
+            error = RequestError.of(
                 ErrorReason.UNKNOWN_REQUEST,
-                Code.NOT_FOUND,
                 f"entries[{i}].request_id {rid!r} is not admitted.",
             )
         elif step != req.next_step:
@@ -177,9 +156,8 @@ class TargetEngine:
             if req.last is not None and error.reason == ErrorReason.DUPLICATE_STEP:
                 out.commit(i, *req.last)
         elif block.committed_lengths[i] != len(req.tokens):
-            error = RequestError(
+            error = RequestError.of(
                 ErrorReason.COMMITTED_LENGTH_MISMATCH,
-                Code.FAILED_PRECONDITION,
                 f"entries[{i}].committed_length is {block.committed_lengths[i]} but request "
                 f"{rid!r} has {len(req.tokens)} committed tokens.",
             )
@@ -194,23 +172,20 @@ class TargetEngine:
     ) -> RequestError | None:
         k, limit = block.num_draft_tokens[i], self.config.max_num_draft_tokens
         if k > limit:
-            return RequestError(
+            return RequestError.of(
                 ErrorReason.INVALID_ARGUMENT,
-                Code.INVALID_ARGUMENT,
                 f"entries[{i}].draft_token_ids has {k} tokens; at most {limit} per step.",
             )
         bad = [] if in_vocab else [t for t in block.tokens(i) if not 0 <= t < self.vocab_size]
         if bad:
-            return RequestError(
+            return RequestError.of(
                 ErrorReason.TOKEN_OUT_OF_VOCAB,
-                Code.INVALID_ARGUMENT,
                 f"entries[{i}].draft_token_ids holds {bad[0]}, outside the vocabulary "
                 f"[0, {self.vocab_size}).",
             )
         if len(req.tokens) + k + 1 > self.config.runner.max_seq_len:
-            return RequestError(
+            return RequestError.of(
                 ErrorReason.CAPACITY,
-                Code.RESOURCE_EXHAUSTED,
                 f"entries[{i}]: {len(req.tokens)} committed + {k} draft tokens + 1 would pass "
                 f"max_seq_len={self.config.runner.max_seq_len}.",
             )
@@ -234,7 +209,7 @@ class TargetEngine:
                     f"entries[{i}]: the verify step failed ({type(e).__name__}: {e}); the "
                     "request is unchanged and the step may be sent again."
                 )
-                out.fail(i, RequestError(ErrorReason.STEP_FAILED, Code.INTERNAL, message))
+                out.fail(i, RequestError.of(ErrorReason.STEP_FAILED, message))
             return StepTimes()
 
     def _score(self, block: ProposalBlock, entries: list[int], out: Verdicts) -> StepTimes:
@@ -337,9 +312,9 @@ class TargetEngine:
         rid = block.request_ids[i]
         if status != SampleStatus.OK:
             self.runner.truncate(rid, len(req.tokens) - 1)
-            reason, code, field = _SAMPLE_ERRORS[SampleStatus(status)]
+            reason, field = _SAMPLE_ERRORS[SampleStatus(status)]
             message = f"entries[{i}]{field}: {status_message(status)}"
-            out.fail(i, RequestError(reason, code, message))
+            out.fail(i, RequestError.of(reason, message))
             return
         num_accepted = accepted.count(True)
         assert len(tokens) == num_accepted + 1, "the sampler stops at the first rejection"
@@ -352,17 +327,14 @@ class TargetEngine:
 
 def _step_error(i: int, rid: str, step: int, req: _Request) -> RequestError:
     if step == req.next_step - 1 and req.last is not None:
-        return RequestError(
+        return RequestError.of(
             ErrorReason.DUPLICATE_STEP,
-            Code.ALREADY_EXISTS,
             f"entries[{i}].step {step} of request {rid!r} was already verified; "
             "its verdict repeats.",
         )
     reason = ErrorReason.STALE_STEP if step < req.next_step else ErrorReason.FUTURE_STEP
-    return RequestError(
-        reason,
-        Code.FAILED_PRECONDITION,
-        f"entries[{i}].step is {step} but request {rid!r} expects step {req.next_step}.",
+    return RequestError.of(
+        reason, f"entries[{i}].step is {step} but request {rid!r} expects step {req.next_step}."
     )
 
 

@@ -47,6 +47,26 @@ class QForm(IntEnum):
     SPARSE = 2
 
 
+_Code = grpc.StatusCode
+# The one reason → status table (the codes the proto's ErrorReason comments name).
+REASON_CODES: dict[ErrorReason, grpc.StatusCode] = {
+    ErrorReason.UNKNOWN_REQUEST: _Code.NOT_FOUND,
+    ErrorReason.STALE_STEP: _Code.FAILED_PRECONDITION,
+    ErrorReason.DUPLICATE_STEP: _Code.ALREADY_EXISTS,
+    ErrorReason.FUTURE_STEP: _Code.FAILED_PRECONDITION,
+    ErrorReason.COMMITTED_LENGTH_MISMATCH: _Code.FAILED_PRECONDITION,
+    ErrorReason.DUPLICATE_ENTRY: _Code.INVALID_ARGUMENT,
+    ErrorReason.INVALID_ARGUMENT: _Code.INVALID_ARGUMENT,
+    ErrorReason.INVALID_DRAFT_PROBS: _Code.INVALID_ARGUMENT,
+    ErrorReason.DRAFT_PROBS_NOT_NORMALIZED: _Code.INVALID_ARGUMENT,
+    ErrorReason.DRAFT_TOKEN_OUT_OF_SUPPORT: _Code.INVALID_ARGUMENT,
+    ErrorReason.TOKEN_OUT_OF_VOCAB: _Code.INVALID_ARGUMENT,
+    ErrorReason.NONFINITE_LOGITS: _Code.INTERNAL,
+    ErrorReason.CAPACITY: _Code.RESOURCE_EXHAUSTED,
+    ErrorReason.STEP_FAILED: _Code.INTERNAL,
+}
+
+
 @dataclass(frozen=True, slots=True)
 class RequestError:
     """Why one request of a block was not served."""
@@ -57,6 +77,12 @@ class RequestError:
 
     def __post_init__(self) -> None:
         assert self.reason != ErrorReason.UNSPECIFIED, "an error needs a reason"
+
+    @classmethod
+    def of(cls, reason: ErrorReason, message: str) -> RequestError:
+        """The error with its reason's status code (`REASON_CODES`): what the engines build, so
+        that they need not know gRPC."""
+        return cls(reason, REASON_CODES[reason], message)
 
     @classmethod
     def from_pb(cls, pb: common_pb2.RequestError) -> RequestError | None:

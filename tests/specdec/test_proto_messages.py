@@ -26,6 +26,7 @@ from specdec.serving.blocks import (
     block_to_pb,
 )
 from specdec.serving.messages import (
+    REASON_CODES,
     Admission,
     ErrorReason,
     ModelInfo,
@@ -40,6 +41,13 @@ def test_error_reason_mirrors_proto_enum() -> None:
     proto = {v.name.removeprefix("ERROR_REASON_"): v.number for v in
              common_pb2.ErrorReason.DESCRIPTOR.values}  # fmt: skip
     assert proto == {r.name: r.value for r in ErrorReason}
+
+
+def test_every_reason_has_one_status_code() -> None:
+    reasons = {r for r in ErrorReason if r != ErrorReason.UNSPECIFIED}
+    assert set(REASON_CODES) == reasons
+    error = RequestError.of(ErrorReason.CAPACITY, "full")
+    assert error.code == grpc.StatusCode.RESOURCE_EXHAUSTED and error.message == "full"
 
 
 def test_q_form_mirrors_proto_enum() -> None:
