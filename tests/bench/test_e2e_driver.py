@@ -42,9 +42,13 @@ def test_target_only_and_lockstep_commit_greedy_decoding(checkpoints: tuple[Path
         target_only = greedy_run(plain, plain_work, "plain", 6)
         plain.close()
         spec_driver = PipelineDriver(svc.draft_address, svc.target_address)
-        spec = greedy_run(spec_driver, spec_work, "spec", 6)
+        steps: list[list[int]] = []
+        spec = greedy_run(spec_driver, spec_work, "spec", 6, steps)
         spec_driver.close()
-    assert compare(spec_work, target_only, spec)["passed"]
+    record = compare(spec_work, target_only, spec, steps)
+    assert record["passed"] and record["speculative_steps"] == steps and len(steps) == 3
+    for n in steps:  # each step commits 1 to k + 1 tokens, until 6 are there
+        assert all(1 <= x <= 4 for x in n) and sum(n) >= 6 and sum(n[:-1]) < 6
     reference = ModelRunner.load(runner_config(target_dir))
     for prompt, got in zip(prompts(3, 6, TOKENIZER_VOCAB, 1), target_only, strict=True):
         assert got == greedy_reference(reference, prompt, 6)
