@@ -56,8 +56,12 @@ def from_tensors(sampling: RequestSampling) -> RequestSampling:
 
 @pytest.mark.parametrize("impl", ["torch", "triton"])
 @pytest.mark.parametrize("q_form", ["dense", "sparse", "none"])
-def test_host_shape_gives_the_outputs_of_the_reading_path(q_form: str, impl: str) -> None:
+def test_host_shape_gives_the_outputs_of_the_reading_path(
+    q_form: str, impl: str, device: torch.device
+) -> None:
     b = batch(q_form)
+    if impl == "triton":  # compiled on a GPU, interpreted on the CPU (tests/conftest.py)
+        b = b.to(device)
     with_host = sample(b, impl, host_of(b))
     b.sampling = from_tensors(b.sampling)
     read = sample(b, impl, None)
