@@ -9,8 +9,9 @@ speculation on. The committed tokens must be distributed as sampling from the ta
   mapped through its own conditional CDF (randomized probability integral transform: u = F(x-)
   + V p(x), V ~ U(0, 1) from a fixed generator); under exactness every u is U(0, 1)
   independently, tested by chi-square on equal-width bins.
-- Mutants: the same statistics against deliberately wrong distributions (the draft's own
-  distribution, the target's at temperature 0.5) must be rejected, so the tests can fail.
+- Mutants: the same statistics against deliberately wrong distributions must be rejected
+  (p-value below the same threshold), so the tests can fail: the draft model's distribution
+  (first token) and the target's at temperature 0.5 (both tokens).
 """
 
 from __future__ import annotations
@@ -244,7 +245,9 @@ def test_first_token_follows_target(
     }
     for mutant, wrong in mutants.items():
         wrong_pvalue, _ = chisquare_pooled(counts, wrong)
-        print(f"{name}: first token against {mutant}: p-value {wrong_pvalue:.3g}")
+        outside = int(counts[wrong == 0].sum())
+        print(f"{name}: first token against {mutant}: p-value {wrong_pvalue:.3g}, {outside} "
+              "tokens outside its support")  # fmt: skip
         assert wrong_pvalue < REJECT_BELOW, (name, mutant, wrong_pvalue)
 
 
@@ -262,8 +265,10 @@ def test_second_token_follows_target_given_the_first(
 
     def pvalue(temperature: float) -> float:
         p = distributions(stack.target_dir, prefixes, case, temperature).numpy()[rows]
-        if (p[np.arange(len(second)), second] == 0).any():
-            return 0.0  # a token the distribution cannot produce
+        outside = int((p[np.arange(len(second)), second] == 0).sum())
+        if outside:
+            print(f"{name}: {outside} second tokens outside the support at T={temperature}")
+            return 0.0  # tokens the distribution cannot produce
         return pit_pvalue(pit(second, p, seed=7))
 
     exact = pvalue(case.temperature)
