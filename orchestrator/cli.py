@@ -30,10 +30,10 @@ from orchestrator.config import (
     SchedulerConfig,
     ServeConfig,
     ServiceConfig,
-    default_of,
 )
 from orchestrator.demo import add_demo_args, run_demo
 from orchestrator.generate_cli import add_generate_args, run_generate
+from specdec.defaults import default_of
 
 PROG = "specdec"
 

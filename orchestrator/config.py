@@ -7,29 +7,16 @@ their processes. Every command-line default is read from these dataclasses (`def
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal
 
 Proposer = Literal["draft", "ngram", "off"]
 PROPOSERS: tuple[str, ...] = ("draft", "ngram", "off")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_NUM_DRAFT_TOKENS = 64  # the services' own ceiling
-
-
-def default_of(cls: type, name: str) -> Any:
-    """The default of dataclass `cls`'s field `name` (its default_factory called if it has one)."""
-    for f in dataclasses.fields(cls):
-        if f.name == name:
-            if f.default is not dataclasses.MISSING:
-                return f.default
-            if f.default_factory is not dataclasses.MISSING:
-                return f.default_factory()
-            raise ValueError(f"{cls.__name__}.{name} has no default.")
-    raise ValueError(f"{cls.__name__} has no field {name!r}.")
 
 
 def _check_model_dir(name: str, value: str) -> None:

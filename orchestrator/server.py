@@ -30,7 +30,7 @@ from specdec.pb import common_pb2, draft_pb2_grpc
 from specdec.pb.specdec.v1 import generate_pb2
 from specdec.serving.client import make_channel
 from specdec.serving.messages import ModelInfo
-from specdec.serving.server import Server, ServerConfig
+from specdec.serving.server import Server, ServerConfig, stop_on_signal
 
 log = logging.getLogger(__name__)
 
@@ -228,13 +228,6 @@ class Orchestrator:
 
     def serve_until_signal(self) -> None:
         """Blocks until SIGTERM or SIGINT, then stops gracefully."""
-        import signal
-
-        def on_signal(signum: int, _frame: object) -> None:
-            log.info("signal %d: stopping (grace %.1f s)", signum, self.config.grace_s)
-            threading.Thread(target=self.stop, daemon=True).start()
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+        stop_on_signal(self.stop, self.config.grace_s)
         self.server.wait()
         self._done.wait()

@@ -7,7 +7,6 @@ command line and the Python API cannot disagree.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import logging
 import sys
@@ -16,6 +15,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from specdec.defaults import default_of
 from specdec.errors import SpecdecError
 from specdec.runner import RunnerConfig
 from specdec.serving.server import Server, ServerConfig
@@ -25,18 +25,6 @@ log = logging.getLogger(__name__)
 # max_slots × max_seq_len positions up front, and Llama 3's 131,072 would need 16 GiB per slot
 # for the 8B in bfloat16.
 MAX_DEFAULT_SEQ_LEN = 8192
-
-
-def default_of(cls: type, name: str) -> Any:
-    """The default of dataclass `cls`'s field `name` (its default_factory called if it has one)."""
-    for f in dataclasses.fields(cls):
-        if f.name == name:
-            if f.default is not dataclasses.MISSING:
-                return f.default
-            if f.default_factory is not dataclasses.MISSING:
-                return f.default_factory()
-            raise ValueError(f"{cls.__name__}.{name} has no default.")
-    raise ValueError(f"{cls.__name__} has no field {name!r}.")
 
 
 def serve(prog: str, start: Callable[[], tuple[Server, Any]]) -> int:

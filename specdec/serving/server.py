@@ -138,11 +138,17 @@ class Server:
 
     def serve_until_signal(self) -> None:
         """Blocks until SIGTERM or SIGINT, then stops gracefully (main thread only)."""
-
-        def on_signal(signum: int, _frame: object) -> None:
-            log.info("signal %d: stopping (grace %.1f s)", signum, self.config.grace_s)
-            threading.Thread(target=self.stop, daemon=True).start()
-
-        signal.signal(signal.SIGTERM, on_signal)
-        signal.signal(signal.SIGINT, on_signal)
+        stop_on_signal(self.stop, self.config.grace_s)
         self.wait()
+
+
+def stop_on_signal(stop: Callable[[], None], grace_s: float) -> None:
+    """SIGTERM and SIGINT run `stop` on a thread of its own, so that the main thread's wait
+    returns once it is done (main thread only)."""
+
+    def on_signal(signum: int, _frame: object) -> None:
+        log.info("signal %d: stopping (grace %.1f s)", signum, grace_s)
+        threading.Thread(target=stop, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
