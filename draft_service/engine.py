@@ -33,7 +33,16 @@ from specdec.serving.blocks import (
     ProposeAsk,
     SparseQ,
 )
-from specdec.serving.messages import Admission, ErrorReason, ModelInfo, RequestError
+from specdec.serving.checks import (
+    committed_length_mismatch,
+    duplicate_entry,
+    over_capacity,
+    step_error,
+    token_out_of_vocab,
+    too_many_drafts,
+    unknown_request,
+)
+from specdec.serving.messages import Admission, ModelInfo, RequestError
 
 Head = Callable[..., tuple[torch.Tensor, ...]]
 
@@ -195,53 +204,20 @@ class DraftEngine:
             self.runner.truncate(request_id, keep)
 
     def _check(self, a: ProposeAsk, count: int) -> RequestError | None:
-        req = self._requests.get(a.request_id)
-        if count > 1:
-            return RequestError.of(
-                ErrorReason.DUPLICATE_ENTRY,
-                f"request {a.request_id!r} appears {count} times in the block.",
-            )
-        if req is None:
-            return RequestError.of(
-                ErrorReason.UNKNOWN_REQUEST,
-                f"request {a.request_id!r} is not admitted.",
-            )
-        if not req.next_step - 1 <= a.step <= req.next_step:
-            reason = ErrorReason.STALE_STEP if a.step < req.next_step else ErrorReason.FUTURE_STEP
-            return RequestError.of(
-                reason,
-                f"step is {a.step} but request {a.request_id!r} expects step "
-                f"{req.next_step} (or {req.next_step - 1} again).",
-            )
+        rid, info = a.request_id, self.info
+        error = duplicate_entry(rid, count) or unknown_request(rid, self._requests)
+        if error is not None:
+            return error
+        req = self._requests[rid]
         n = len(req.tokens) + len(a.new_token_ids)
-        if a.committed_length != n:
-            return RequestError.of(
-                ErrorReason.COMMITTED_LENGTH_MISMATCH,
-                f"committed_length is {a.committed_length} but request "
-                f"{a.request_id!r} would have {n} committed tokens.",
-            )
-        return self._check_values(a, n)
-
-    def _check_values(self, a: ProposeAsk, n: int) -> RequestError | None:
-        if a.num_draft_tokens > self.info.max_num_draft_tokens:
-            return RequestError.of(
-                ErrorReason.INVALID_ARGUMENT,
-                f"num_draft_tokens is {a.num_draft_tokens}; at most "
-                f"{self.info.max_num_draft_tokens}.",
-            )
-        bad = [t for t in a.new_token_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            return RequestError.of(
-                ErrorReason.TOKEN_OUT_OF_VOCAB,
-                f"new_token_ids holds {bad[0]}, outside the vocabulary [0, {self.vocab_size}).",
-            )
-        if n + a.num_draft_tokens > self.info.max_seq_len:
-            return RequestError.of(
-                ErrorReason.CAPACITY,
-                f"{n} committed + {a.num_draft_tokens} draft tokens would pass "
-                f"max_seq_len={self.info.max_seq_len}.",
-            )
-        return None
+        k = a.num_draft_tokens
+        return (
+            step_error(req.next_step, a.step, rid, retry_ok=True)
+            or committed_length_mismatch(n, a.committed_length, rid)
+            or too_many_drafts(k, info.max_num_draft_tokens, "num_draft_tokens")
+            or token_out_of_vocab(a.new_token_ids, self.vocab_size, "new_token_ids")
+            or over_capacity(n, k, info.max_seq_len)
+        )
 
     def _draft_ngram(self, asks: list[ProposeAsk]) -> ProposalBlock:
         ids = [propose_ngram(self._requests[a.request_id].tokens, a.num_draft_tokens,

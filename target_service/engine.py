@@ -23,6 +23,15 @@ from specdec.runner import ForwardItem, ModelRunner
 from specdec.runner.timing import StepClock, StepTimes
 from specdec.sampling_params import SamplingParams
 from specdec.serving.blocks import DenseQ, DraftQ, ProposalBlock, SparseQ
+from specdec.serving.checks import (
+    committed_length_mismatch,
+    duplicate_entry,
+    over_capacity,
+    step_error,
+    token_out_of_vocab,
+    too_many_drafts,
+    unknown_request,
+)
 from specdec.serving.messages import Admission, ErrorReason, ModelInfo, RequestError
 from specdec.serving.verdicts import Verdicts
 from target_service.config import TargetConfig
@@ -136,60 +145,39 @@ class TargetEngine:
         self, block: ProposalBlock, i: int, count: int, in_vocab: bool, out: Verdicts
     ) -> bool:
         """True if entry i fits its request's state; else its error verdict goes into `out`."""
-        rid, step = block.request_ids[i], block.steps[i]
-        req = self._requests.get(rid)
-        error = None
-        if i in block.errors:  # malformed: the parser's message
-            error = RequestError.of(ErrorReason.INVALID_ARGUMENT, block.errors[i])
-        elif count > 1:
-            error = RequestError.of(
-                ErrorReason.DUPLICATE_ENTRY,
-                f"entries[{i}].request_id {rid!r} appears {count} times in the block.",
-            )
-        elif req is None:
-            error = RequestError.of(
-                ErrorReason.UNKNOWN_REQUEST,
-                f"entries[{i}].request_id {rid!r} is not admitted.",
-            )
-        elif step != req.next_step:
-            error = _step_error(i, rid, step, req)
-            if req.last is not None and error.reason == ErrorReason.DUPLICATE_STEP:
-                out.commit(i, *req.last)
-        elif block.committed_lengths[i] != len(req.tokens):
-            error = RequestError.of(
-                ErrorReason.COMMITTED_LENGTH_MISMATCH,
-                f"entries[{i}].committed_length is {block.committed_lengths[i]} but request "
-                f"{rid!r} has {len(req.tokens)} committed tokens.",
-            )
-        else:
-            error = self._check_values(block, i, req, in_vocab)
+        error = self._entry_error(block, i, count, in_vocab, out)
         if error is not None:
             out.fail(i, error)
         return error is None
 
-    def _check_values(
-        self, block: ProposalBlock, i: int, req: _Request, in_vocab: bool
+    def _entry_error(
+        self, block: ProposalBlock, i: int, count: int, in_vocab: bool, out: Verdicts
     ) -> RequestError | None:
-        k, limit = block.num_draft_tokens[i], self.config.max_num_draft_tokens
-        if k > limit:
+        """Entry i's error, or None. A repeat of the last verified step has its verdict
+        replayed into `out` before its DUPLICATE_STEP error."""
+        if i in block.errors:  # malformed: the parser's message
+            return RequestError.of(ErrorReason.INVALID_ARGUMENT, block.errors[i])
+        rid, step, entry = block.request_ids[i], block.steps[i], f"entries[{i}]"
+        error = duplicate_entry(rid, count, entry) or unknown_request(rid, self._requests, entry)
+        if error is not None:
+            return error
+        req = self._requests[rid]
+        if step == req.next_step - 1 and req.last is not None:
+            out.commit(i, *req.last)
             return RequestError.of(
-                ErrorReason.INVALID_ARGUMENT,
-                f"entries[{i}].draft_token_ids has {k} tokens; at most {limit} per step.",
+                ErrorReason.DUPLICATE_STEP,
+                f"{entry}.step {step} of request {rid!r} was already verified; "
+                "its verdict repeats.",
             )
-        bad = [] if in_vocab else [t for t in block.tokens(i) if not 0 <= t < self.vocab_size]
-        if bad:
-            return RequestError.of(
-                ErrorReason.TOKEN_OUT_OF_VOCAB,
-                f"entries[{i}].draft_token_ids holds {bad[0]}, outside the vocabulary "
-                f"[0, {self.vocab_size}).",
-            )
-        if len(req.tokens) + k + 1 > self.config.runner.max_seq_len:
-            return RequestError.of(
-                ErrorReason.CAPACITY,
-                f"entries[{i}]: {len(req.tokens)} committed + {k} draft tokens + 1 would pass "
-                f"max_seq_len={self.config.runner.max_seq_len}.",
-            )
-        return None
+        k, n = block.num_draft_tokens[i], len(req.tokens)
+        drafts = () if in_vocab else block.tokens(i)
+        return (
+            step_error(req.next_step, step, rid, entry)
+            or committed_length_mismatch(n, block.committed_lengths[i], rid, entry)
+            or too_many_drafts(k, self.config.max_num_draft_tokens, "draft_token_ids", entry)
+            or token_out_of_vocab(drafts, self.vocab_size, "draft_token_ids", entry)
+            or over_capacity(n, k, self.config.runner.max_seq_len, entry, bonus=True)
+        )
 
     def _score_safely(self, block: ProposalBlock, entries: list[int], out: Verdicts) -> StepTimes:
         """`_score`, but a step that raises leaves every request as it was before the step: the
@@ -323,19 +311,6 @@ class TargetEngine:
         req.next_step = block.steps[i] + 1
         req.last = (tokens, num_accepted, len(accepted), len(req.tokens))
         out.commit(i, *req.last)
-
-
-def _step_error(i: int, rid: str, step: int, req: _Request) -> RequestError:
-    if step == req.next_step - 1 and req.last is not None:
-        return RequestError.of(
-            ErrorReason.DUPLICATE_STEP,
-            f"entries[{i}].step {step} of request {rid!r} was already verified; "
-            "its verdict repeats.",
-        )
-    reason = ErrorReason.STALE_STEP if step < req.next_step else ErrorReason.FUTURE_STEP
-    return RequestError.of(
-        reason, f"entries[{i}].step is {step} but request {rid!r} expects step {req.next_step}."
-    )
 
 
 def _in_vocab(token_ids: list[int], vocab_size: int) -> bool:
