@@ -1,9 +1,10 @@
 """The draft's sampling head: one pure tensor function, no host syncs, fixed output shapes (so
 a draft step can run inside a CUDA graph).
 
-Processing matches the target's (`target_service.logits_processing`): temperature, then top-k
-(ties at the boundary kept), then top-p over the top-k survivors renormalised. The draft then
-samples from q and returns q itself, bit for bit (docs/design.md, "Sending q cheaply"):
+Processing is the target's own rule (`specdec.sampling`): temperature, then top-k, then top-p
+over the top-k survivors renormalised, as a per-row logit threshold (ties at the boundary kept),
+so the draft keeps exactly the tokens the target would. The draft then samples from q and
+returns q itself, bit for bit (docs/design.md, "Sending q cheaply"):
 
 - dense: q is the processed distribution over the whole vocabulary, float32 [B, V];
 - sparse: q is the processed distribution restricted to its `support_size` most likely tokens
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.rng import Stream, exponential, ids_bits, vocab_exponential
+from specdec.sampling import sorted_thresholds
 
 PAD_ID = -1
 
@@ -35,26 +37,6 @@ class DraftSample:
     probs: torch.Tensor  # [B, K'] float32 (sparse) or [B, V] float32 (dense)
     support_ids: torch.Tensor | None  # [B, K'] int32, PAD_ID padded; None when dense
     greedy: torch.Tensor  # [B] bool; q of these rows is not meaningful
-
-
-def _support(
-    scaled: torch.Tensor,  # [B, V] float32 logits / T
-    top_k: torch.Tensor,  # [B] int32; 0 = off
-    top_p: torch.Tensor,  # [B] float32; 1 = off
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sorted logits [B, V], their ids [B, V], and keep [B, V] bool over the sorted order."""
-    sorted_logits, order = scaled.sort(dim=-1, descending=True, stable=True)
-    vocab = scaled.shape[1]
-    k = top_k.long()
-    k = torch.where((k <= 0) | (k > vocab), vocab, k)
-    positions = torch.arange(vocab, device=scaled.device)
-    in_top_k = positions[None, :] < k[:, None]
-    probs = torch.softmax(sorted_logits.masked_fill(~in_top_k, float("-inf")), dim=-1)
-    mass_before = probs.cumsum(dim=-1) - probs
-    keep = in_top_k & (mass_before < top_p[:, None])
-    last_kept = keep.sum(dim=-1).clamp(min=1) - 1
-    threshold = sorted_logits.gather(1, last_kept[:, None])  # ties at the boundary are kept
-    return sorted_logits, order, sorted_logits >= threshold
 
 
 def sample_draft(
@@ -72,19 +54,23 @@ def sample_draft(
     logits = logits.float()
     greedy = temperature == 0
     inv_t = torch.where(greedy, 1.0, 1.0 / temperature.clamp(min=1e-30))
-    scaled = logits * inv_t[:, None]
-    sorted_logits, order, keep = _support(scaled, top_k, top_p)
+    # One sort of every row (no host sync to pick rows): it gives the threshold and the
+    # sparse support; stable, so ties at the support's edge go to the lower id.
+    sorted_logits, order = logits.sort(dim=-1, descending=True, stable=True)
+    threshold = sorted_thresholds(sorted_logits, inv_t, top_k, top_p)  # [B]
     argmax = logits.argmax(dim=-1)
     if support_size is None:
-        kept = torch.zeros_like(keep).scatter_(1, order, keep)
+        kept = logits >= threshold[:, None]
+        scaled = logits * inv_t[:, None]
         probs = torch.softmax(scaled.masked_fill(~kept, float("-inf")), dim=-1)
         noise = vocab_exponential(seed, position, Stream.DRAFT, logits.shape[1])
         sampled = (probs / noise).argmax(dim=-1)
         token_ids = torch.where(greedy, argmax, sampled).to(torch.int32)
         return DraftSample(token_ids, probs, None, greedy)
     width = min(support_size, logits.shape[1])
-    keep = keep[:, :width]
-    probs = torch.softmax(sorted_logits[:, :width].masked_fill(~keep, float("-inf")), dim=-1)
+    top = sorted_logits[:, :width]
+    keep = top >= threshold[:, None]
+    probs = torch.softmax((top * inv_t[:, None]).masked_fill(~keep, float("-inf")), dim=-1)
     ids = order[:, :width]
     stream = torch.full_like(position, int(Stream.DRAFT))
     noise = exponential(ids_bits(seed, position, stream, ids))
