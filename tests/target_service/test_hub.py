@@ -23,21 +23,9 @@ from specdec.serving.client import make_channel
 from specdec.serving.messages import Admission, ErrorReason, RequestError
 from tests.draft_service.models import (
     TOKENIZER_VOCAB,
-    build_checkpoints,
     greedy_reference,
-    runner_config,
 )
 from tests.target_service.hub_helpers import GREEDY, Driver, Services, hub_services
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return build_checkpoints(tmp_path_factory.mktemp("ckpt"))
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoints: tuple[Path, Path]) -> ModelRunner:
-    return ModelRunner.load(runner_config(checkpoints[0], max_slots=1))
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,6 @@ from target_service.server import start as start_target
 from tests.draft_service.models import (
     TOKENIZER_VOCAB,
     Services,
-    build_checkpoints,
     model_draft,
     runner_config,
     services,
@@ -35,11 +34,6 @@ from tests.specdec._runner_models import tiny_tokenizer
 
 PROMPT = [5, 17, 42, 9, 77]
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return build_checkpoints(tmp_path_factory.mktemp("ckpt"))
 
 
 @pytest.fixture(scope="module")

@@ -20,23 +20,11 @@ from specdec.sampling_params import SamplingParams
 from target_service.logits_processing import target_distribution
 from tests.draft_service.models import (
     TOKENIZER_VOCAB,
-    build_checkpoints,
     greedy_reference,
     model_draft,
     next_token_logits,
-    runner_config,
     services,
 )
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return build_checkpoints(tmp_path_factory.mktemp("ckpt"))
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoints: tuple[Path, Path]) -> ModelRunner:
-    return ModelRunner.load(runner_config(checkpoints[0], max_slots=1))
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
