@@ -264,8 +264,8 @@ class DraftEngine:
         clock = StepClock(torch.device(runner.config.device))
         clock.mark()
         tails = self._catch_up_tails(asks, reqs)
-        inputs = self._sampling_inputs(reqs)  # temperature, top_k, top_p, seed, position
-        last = runner.upload(torch.tensor([len(t) - 1 for t in tails]))
+        # temperature, top_k, top_p, seed, position, and each tail's last real position
+        *inputs, last = self._sampling_inputs(reqs, [len(t) - 1 for t in tails])
         sampled = [not r.sampling.greedy for r in reqs]
         head = self._head if any(sampled) else self._greedy_head
         _, out = runner.ragged_step(ids, tails, head, (last, *inputs))
@@ -312,9 +312,9 @@ class DraftEngine:
             runner.forward(long)
         return tails
 
-    def _sampling_inputs(self, reqs: list[_Request]) -> list[torch.Tensor]:
-        """temperature, top_k, top_p, seed and the first draft's position, each [B], uploaded in
-        two copies without a host sync."""
+    def _sampling_inputs(self, reqs: list[_Request], last: list[int]) -> list[torch.Tensor]:
+        """temperature, top_k, top_p, seed, the first draft's position and `last`, each [B],
+        uploaded in two copies without a host sync."""
         runner = self.runner
         assert runner is not None
         params = [r.sampling for r in reqs]
@@ -322,11 +322,16 @@ class DraftEngine:
             [[p.temperature for p in params], [p.top_p for p in params]], dtype=torch.float32
         )
         ints = torch.tensor(
-            [[p.top_k for p in params], [p.seed for p in params], [len(r.tokens) for r in reqs]],
+            [
+                [p.top_k for p in params],
+                [p.seed for p in params],
+                [len(r.tokens) for r in reqs],
+                last,
+            ],
             dtype=torch.int64,
         )
         f, i = runner.upload(floats), runner.upload(ints)
-        return [f[0], i[0].to(torch.int32), f[1], i[1], i[2]]
+        return [f[0], i[0].to(torch.int32), f[1], i[1], i[2], i[3]]
 
 
 @dataclass(slots=True)

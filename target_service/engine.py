@@ -16,6 +16,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from specdec.errors import InvalidInputError
@@ -34,6 +35,7 @@ from specdec.serving.checks import (
 )
 from specdec.serving.messages import Admission, ErrorReason, ModelInfo, RequestError
 from specdec.serving.verdicts import Verdicts
+from target_service.batch_layout import upload
 from target_service.config import TargetConfig
 from target_service.rejection_sampler import (
     HostShape,
@@ -240,19 +242,24 @@ class TargetEngine:
         group = [entries[p] for p in positions]
         ks = [block.num_draft_tokens[i] for i in group]
         n = logits.shape[1]
-        if len(positions) == logits.shape[0] and all(k + 1 == n for k in ks):
-            rows = logits.view(-1, logits.shape[2])  # every row is real: no gather
-        else:
-            j = torch.arange(n)
-            real = j[None, :] <= torch.tensor(ks)[:, None]  # [G, n]: the k + 1 scored rows
-            index = (torch.tensor(positions)[:, None] * n + j[None, :])[real]  # request-major
-            rows = logits.view(-1, logits.shape[2]).index_select(0, runner.upload(index))
+        arrays: list[np.ndarray] = [
+            np.asarray(ks, np.int32),
+            np.asarray(block.draft_tokens(group), np.int32),
+        ]
+        gather = len(positions) < logits.shape[0] or any(k + 1 != n for k in ks)
+        if gather:  # the k + 1 scored rows of each request, request-major
+            j = np.arange(n)
+            real = j[None, :] <= arrays[0][:, None]  # [G, n]
+            arrays.append((np.asarray(positions, np.int64)[:, None] * n + j[None, :])[real])
+        uploaded = upload(arrays, self._device)  # one copy for the step's small inputs
+        rows = logits.view(-1, logits.shape[2])
+        if gather:
+            rows = rows.index_select(0, uploaded[2])
         params = [reqs[p].sampling for p in positions]
         lengths = [len(reqs[p].tokens) for p in positions]
-        drafts = torch.tensor(block.draft_tokens(group), dtype=torch.int32)
         sampled = rejection_sample(
-            runner.upload(torch.tensor(ks, dtype=torch.int32)),
-            runner.upload(drafts),
+            uploaded[0],
+            uploaded[1],
             rows,
             _draft_probs(block.q_rows(form, group), runner.upload),
             RequestSampling.from_params(params, lengths, self._device),
