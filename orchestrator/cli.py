@@ -101,6 +101,9 @@ def _server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--grace-s", type=float, default=d("grace_s"))
     g.add_argument("--drain-s", type=float, default=d("drain_s"))
     g.add_argument("--max-workers", type=int, default=d("max_workers"))
+    g.add_argument("--max-concurrent-calls", type=int, default=d("max_concurrent_calls"),
+                   help="Generate/Complete calls held at once, queued ones included; more are "
+                        "refused with RESOURCE_EXHAUSTED (at most --max-workers - 16)")  # fmt: skip
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -155,6 +158,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         metrics_port=None if args.metrics_port is not None and args.metrics_port < 0
         else args.metrics_port,
         grace_s=args.grace_s, drain_s=args.drain_s, max_workers=args.max_workers,
+        max_concurrent_calls=args.max_concurrent_calls,
     )  # fmt: skip
 
 

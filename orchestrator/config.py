@@ -17,6 +17,7 @@ PROPOSERS: tuple[str, ...] = ("draft", "ngram", "off")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("float32", "bfloat16", "float16")
 MAX_NUM_DRAFT_TOKENS = 64  # the services' own ceiling
+SPARE_WORKERS = 16  # server threads kept from Generate/Complete for health checks and refusals
 
 
 def _check_model_dir(name: str, value: str) -> None:
@@ -174,6 +175,7 @@ class ServeConfig:
     grace_s: float = 10.0
     drain_s: float = 0.0
     max_workers: int = 256  # each streaming call holds a server thread while it runs
+    max_concurrent_calls: int = 256 - SPARE_WORKERS  # more get RESOURCE_EXHAUSTED at once
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -184,6 +186,13 @@ class ServeConfig:
             raise ValueError("grace_s and drain_s must be >= 0 seconds.")
         if self.max_workers < 1:
             raise ValueError(f"max_workers must be >= 1, got {self.max_workers}.")
+        if not 1 <= self.max_concurrent_calls <= self.max_workers - SPARE_WORKERS:
+            raise ValueError(
+                f"max_concurrent_calls must be in [1, max_workers - {SPARE_WORKERS}] (each call "
+                f"holds a server thread; {SPARE_WORKERS} stay free for health checks and "
+                f"refusals), got {self.max_concurrent_calls} with max_workers={self.max_workers}; "
+                f"raise --max-workers to hold more calls."
+            )
         s = self.scheduler
         if s.proposer == "draft" and self.services.draft is None:
             raise ValueError(

@@ -1,14 +1,18 @@
 """`specdec.v1.GenerateService`: protobuf in, scheduler jobs, protobuf out.
 
-Calls before the services are ready answer UNAVAILABLE. Errors become statuses through the
-server's interceptor: a ValueError from validation is INVALID_ARGUMENT naming the field, a full
-queue RESOURCE_EXHAUSTED; a request's own failure aborts only its call.
+Calls before the services are ready answer UNAVAILABLE; past `max_concurrent_calls` Generate and
+Complete calls in flight, RESOURCE_EXHAUSTED at once (each holds a server thread, and the
+server's threads are sized for that many). Errors become statuses through the server's
+interceptor: a ValueError from validation is INVALID_ARGUMENT naming the field, a full queue
+RESOURCE_EXHAUSTED; a request's own failure aborts only its call.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,9 +41,31 @@ class Backend:
     metrics: JobMetrics | None = None
 
 
+class CallLimit:
+    """Counts the calls in flight, up to `limit`."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.in_flight = 0
+        self._lock = threading.Lock()
+
+    def enter(self) -> bool:
+        """Counts one more call; False (and counts nothing) at the limit."""
+        with self._lock:
+            if self.in_flight >= self.limit:
+                return False
+            self.in_flight += 1
+            return True
+
+    def leave(self) -> None:
+        with self._lock:
+            self.in_flight -= 1
+
+
 class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
-    def __init__(self) -> None:
+    def __init__(self, max_concurrent_calls: int) -> None:
         self.backend: Backend | None = None
+        self.calls = CallLimit(max_concurrent_calls)
 
     def _backend(self, context: grpc.ServicerContext) -> Backend:
         if self.backend is None:
@@ -50,6 +76,23 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             )
         assert self.backend is not None
         return self.backend
+
+    @contextmanager
+    def _slot(self, context: grpc.ServicerContext) -> Iterator[None]:
+        """Holds one of the max_concurrent_calls slots while the call runs, or refuses it."""
+        if not self.calls.enter():
+            if self.backend is not None and self.backend.metrics is not None:
+                self.backend.metrics.on_error(grpc.StatusCode.RESOURCE_EXHAUSTED)
+            context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"The server holds at most max_concurrent_calls={self.calls.limit} Generate/"
+                f"Complete calls at once and is at that limit; retry later, or start it with a "
+                f"larger --max-concurrent-calls (and --max-workers).",
+            )
+        try:
+            yield
+        finally:
+            self.calls.leave()
 
     def _submit(self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext) -> Job:
         b = self._backend(context)
@@ -75,15 +118,17 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
     def Generate(
         self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> Iterator[generate_pb2.GenerateResponse]:
-        yield from self._submit(request, context).responses(context)
+        with self._slot(context):
+            yield from self._submit(request, context).responses(context)
 
     def Complete(
         self, request: generate_pb2.GenerateRequest, context: grpc.ServicerContext
     ) -> generate_pb2.GenerateResponse:
-        job = self._submit(request, context)
-        for _ in job.responses(context):
-            pass
-        return job.record.complete_response()
+        with self._slot(context):
+            job = self._submit(request, context)
+            for _ in job.responses(context):
+                pass
+            return job.record.complete_response()
 
     def GetModelInfo(
         self, request: generate_pb2.GetServedModelInfoRequest, context: grpc.ServicerContext
