@@ -114,6 +114,13 @@ def serve_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+# Where a request's time to first token goes, as the server reports it (`Timing`): waiting to
+# be sent to a pair; the admission's trip to the target's loop and back, less the services' own
+# time; the services' admission (the target's prefill, the draft's overlapped); and from the
+# admission's answer to the first token (the first step and its delivery).
+TTFT_PARTS = ("queue", "handoff", "prefill", "first_step")
+
+
 def _f(x: float) -> str:
     return f"{x:.3f}" if abs(x) < 100 else f"{x:.0f}"
 
@@ -278,15 +285,18 @@ def _serve(result: dict[str, Any]) -> list[str]:
         "the target's in-process prefill (`ModelRunner.forward` of one prompt of that length):",
         "",
         "| config | prompt tokens | client TTFT ms | server TTFT ms | in-process prefill ms "
-        "| client / prefill |",
-        "|---" * 6 + "|",
+        "| client / prefill | server: queue / hand-off / prefill / first step ms |",
+        "|---" * 7 + "|",
     ]
     for t in serve["ttft"]:
         prefill = prefill_ms(result, t["prompt_len"])
         ratio = f"{t['client_ms_median'] / prefill:.2f}" if prefill else "-"
+        parts = t.get("parts_ms_median")  # absent from runs before the split was reported
+        split = " / ".join(_f(parts[p]) for p in TTFT_PARTS) if parts else "-"
         lines.append(
             f"| {t['config']} | {t['prompt_len']} | {_f(t['client_ms_median'])} "
-            f"| {_f(t['server_ms_median'])} | {_f(prefill) if prefill else '-'} | {ratio} |"
+            f"| {_f(t['server_ms_median'])} | {_f(prefill) if prefill else '-'} | {ratio} "
+            f"| {split} |"
         )
     return lines
 

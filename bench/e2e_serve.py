@@ -39,6 +39,7 @@ from typing import Any
 from urllib.request import urlopen
 
 from bench.e2e_driver import prompts
+from bench.e2e_report import TTFT_PARTS
 from bench.e2e_services import REPO, Service, child_env, free_port, wait_serving
 from specdec.client import Client
 
@@ -390,6 +391,7 @@ def measure_ttft(
     if proposer != "off":
         params["num_draft_tokens"] = k
     client_ms, server_ms = [], []
+    parts: dict[str, list[float]] = {part: [] for part in TTFT_PARTS}
     with Client(serve.address) as client:
         for i, prompt in enumerate(prompts(repeats + 1, n, s["vocab_size"], 2)):
             wait_idle(serve.metrics_url)
@@ -404,6 +406,8 @@ def measure_ttft(
             if i:  # the first request is the warm-up
                 client_ms.append(1e3 * (first - start))
                 server_ms.append(1e3 * timing.time_to_first_token_s)
+                for part, ms in ttft_parts_ms(timing).items():
+                    parts[part].append(ms)
     return {
         "config": config,
         "proposer": proposer,
@@ -412,6 +416,17 @@ def measure_ttft(
         "client_ms_median": statistics.median(client_ms),
         "client_ms_max": max(client_ms),
         "server_ms_median": statistics.median(server_ms),
+        "parts_ms_median": {part: statistics.median(v) for part, v in parts.items()},
+    }
+
+
+def ttft_parts_ms(timing: Any) -> dict[str, float]:
+    admission = timing.admission_s - timing.queue_s
+    return {
+        "queue": 1e3 * timing.queue_s,
+        "handoff": 1e3 * (admission - timing.prefill_s),
+        "prefill": 1e3 * timing.prefill_s,
+        "first_step": 1e3 * (timing.time_to_first_token_s - timing.admission_s),
     }
 
 

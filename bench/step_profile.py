@@ -24,8 +24,7 @@ from draft_service.engine import DraftEngine
 from draft_service.server import model_info
 from specdec.runner import ModelRunner, RunnerConfig
 from specdec.sampling_params import SamplingParams
-from specdec.serving.blocks import ProposeAsk
-from specdec.serving.messages import Admission
+from specdec.serving.messages import AdmitRequest, ProposeEntry
 from target_service.config import TargetConfig
 from target_service.engine import TargetEngine
 from target_service.synthetic import SyntheticAcceptance
@@ -58,10 +57,10 @@ def run(draft: DraftEngine, target: TargetEngine, batch: int, k: int, steps: int
     new: dict[str, list[int]] = {rid: [] for rid in ids}
     for rid in ids:
         for e in (draft, target):
-            e.admit(Admission(rid, tuple(tokens[rid]), SamplingParams(0.0)))
+            e.admit(AdmitRequest(rid, tuple(tokens[rid]), SamplingParams(0.0)))
     t: dict[str, list[float]] = {k_: [] for k_ in ("propose", "verify", "draft_dev", "verify_dev")}
     for step in range(steps):
-        asks = [ProposeAsk(r, step, tuple(new[r]), len(tokens[r]), k) for r in ids]
+        asks = [ProposeEntry(r, step, tuple(new[r]), len(tokens[r]), k) for r in ids]
         prof = None
         if profile_dir is not None and step == steps - 1:
             activity = torch.profiler.ProfilerActivity

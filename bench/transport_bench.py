@@ -3,11 +3,12 @@
     python bench/transport_bench.py [--steps 300] [--out bench/results]
 
 Per step: pack the draft's block (its columns and whole q tensors, as the draft engine builds
-them) into a DraftBlock (draft side, `ProposalBlock.to_pb`: one buffer per q field), serialise,
+them) into a DraftBlock (draft side, `DraftBlock.to_pb`: one buffer per q field), serialise,
 send over a real gRPC stream (`specdec.serving` server: interceptor, message limits), parse it
-into columns and whole q tensors (target side, `ProposalBlock.from_pb`, as the target servicer
-does), answer the verdicts as the columns of one VerifyResponse (`Verdicts.to_pb`), receive and
-decode them (`Verdicts.from_pb`, as the driver does). The model and the sampler are left out:
+into columns and whole q tensors (target side, `DraftBlock.from_pb`, as the target servicer
+does), answer the verdicts as the columns of one VerifyResponse (`VerifyResponse.to_pb`),
+receive and decode them (`VerifyResponse.from_pb`, as the driver does). The model and the
+sampler are left out:
 this is the cost the split adds. V = 128,256 (Llama 3), k = 4.
 
 The fraction of a verify step needs the 8B target's verify-step time on a GPU, produced by the
@@ -30,10 +31,10 @@ import grpc
 import torch
 
 from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
-from specdec.serving.blocks import DenseQ, DraftProposal, ProposalBlock, SparseQ
+from specdec.serving.blocks import DenseQ, DraftBlock, DraftProposal, SparseQ
 from specdec.serving.client import LockstepStream, make_channel
 from specdec.serving.server import Server, ServerConfig
-from specdec.serving.verdicts import Verdicts
+from specdec.serving.verdicts import VerifyResponse
 
 VOCAB = 128256
 K = 4
@@ -48,9 +49,9 @@ class EchoTarget(target_pb2_grpc.TargetServiceServicer):
         self, request_iterator: Iterator[common_pb2.DraftBlock], context: grpc.ServicerContext
     ) -> Iterator[target_pb2.VerifyResponse]:
         for block in request_iterator:
-            parsed = ProposalBlock.from_pb(block)
+            parsed = DraftBlock.from_pb(block)
             assert not parsed.errors, parsed.errors
-            out = Verdicts.pending(parsed.request_ids, parsed.steps)
+            out = VerifyResponse.pending(parsed.request_ids, parsed.steps)
             for i in range(len(parsed)):
                 out.commit(i, [*parsed.tokens(i), 0], K, K, 99)
             yield out.to_pb()
@@ -71,13 +72,13 @@ def proposals(batch: int, form: str) -> list[DraftProposal]:
 
 
 def measure(stream: LockstepStream, batch: int, form: str, steps: int) -> dict[str, float]:
-    proposed = ProposalBlock.from_proposals(proposals(batch, form))
+    proposed = DraftBlock.from_proposals(proposals(batch, form))
     times, sent, received = [], 0, 0
     for i in range(steps + 3):
         start = time.perf_counter()
         block = proposed.to_pb()  # packing q is part of the draft's cost
         response = stream(block)
-        Verdicts.from_pb(response)  # decoding the verdicts is part of the driver's cost
+        VerifyResponse.from_pb(response)  # decoding the verdicts is part of the driver's cost
         elapsed = time.perf_counter() - start
         if i >= 3:  # warm-up
             times.append(elapsed)

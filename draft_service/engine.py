@@ -28,9 +28,8 @@ from specdec.serving.blocks import (
     Q_NONE,
     Q_SPARSE,
     DenseQ,
+    DraftBlock,
     DraftQ,
-    ProposalBlock,
-    ProposeAsk,
     SparseQ,
 )
 from specdec.serving.checks import (
@@ -42,7 +41,7 @@ from specdec.serving.checks import (
     too_many_drafts,
     unknown_request,
 )
-from specdec.serving.messages import Admission, ModelInfo, RequestError
+from specdec.serving.messages import AdmitRequest, ModelInfo, ProposeEntry, RequestError
 
 Head = Callable[..., tuple[torch.Tensor, ...]]
 
@@ -111,7 +110,7 @@ class DraftEngine:
                 runner.config.max_slots, dtype=torch.long, device=runner.config.device
             )
 
-    def admit(self, adm: Admission) -> tuple[int, int]:
+    def admit(self, adm: AdmitRequest) -> tuple[int, int]:
         adm.check_limits(self.vocab_size, self.info.max_seq_len)
         with self._lock:
             if adm.request_id in self._requests:
@@ -147,16 +146,16 @@ class DraftEngine:
         return len(held)
 
     def propose(
-        self, asks: Sequence[ProposeAsk]
-    ) -> tuple[ProposalBlock, list[tuple[str, RequestError]]]:
+        self, asks: Sequence[ProposeEntry]
+    ) -> tuple[DraftBlock, list[tuple[str, RequestError]]]:
         """Drafts for every valid ask (in order, as one block), and an error for each of the
         others."""
         block, errors, _ = self.propose_timed(asks)
         return block, errors
 
     def propose_timed(
-        self, asks: Sequence[ProposeAsk]
-    ) -> tuple[ProposalBlock, list[tuple[str, RequestError]], StepTimes]:
+        self, asks: Sequence[ProposeEntry]
+    ) -> tuple[DraftBlock, list[tuple[str, RequestError]], StepTimes]:
         """`propose`, and the device time of the step's forwards. A step that raises leaves
         every request as it was before it (tokens, step, KV), so the same block may be sent
         again."""
@@ -164,7 +163,7 @@ class DraftEngine:
             counts: dict[str, int] = {}
             for a in asks:
                 counts[a.request_id] = counts.get(a.request_id, 0) + 1
-            ok: list[ProposeAsk] = []
+            ok: list[ProposeEntry] = []
             errors: list[tuple[str, RequestError]] = []
             for a in asks:
                 err = self._check(a, counts[a.request_id])
@@ -203,7 +202,7 @@ class DraftEngine:
         if self.runner is not None and self.runner.cached_length(request_id) > keep:
             self.runner.truncate(request_id, keep)
 
-    def _check(self, a: ProposeAsk, count: int) -> RequestError | None:
+    def _check(self, a: ProposeEntry, count: int) -> RequestError | None:
         rid, info = a.request_id, self.info
         error = duplicate_entry(rid, count) or unknown_request(rid, self._requests)
         if error is not None:
@@ -219,12 +218,12 @@ class DraftEngine:
             or over_capacity(n, k, info.max_seq_len)
         )
 
-    def _draft_ngram(self, asks: list[ProposeAsk]) -> ProposalBlock:
+    def _draft_ngram(self, asks: list[ProposeEntry]) -> DraftBlock:
         ids = [propose_ngram(self._requests[a.request_id].tokens, a.num_draft_tokens,
                              self.config.ngram) for a in asks]  # fmt: skip
         return self._block(asks, ids, [Q_NONE] * len(asks))
 
-    def _draft_model(self, asks: list[ProposeAsk]) -> tuple[ProposalBlock, StepTimes]:
+    def _draft_model(self, asks: list[ProposeEntry]) -> tuple[DraftBlock, StepTimes]:
         active = [a for a in asks if a.num_draft_tokens > 0]
         drafts: dict[str, list[int]] = {}
         q: DraftQ = None
@@ -238,9 +237,9 @@ class DraftEngine:
         return block, times
 
     def _block(
-        self, asks: list[ProposeAsk], ids: list[list[int]], forms: list[int], q: DraftQ = None
-    ) -> ProposalBlock:
-        return ProposalBlock.build(
+        self, asks: list[ProposeEntry], ids: list[list[int]], forms: list[int], q: DraftQ = None
+    ) -> DraftBlock:
+        return DraftBlock.build(
             [a.request_id for a in asks], [a.step for a in asks],
             [len(self._requests[a.request_id].tokens) for a in asks], [len(t) for t in ids],
             forms, list(chain.from_iterable(ids)),
@@ -248,7 +247,7 @@ class DraftEngine:
         )  # fmt: skip
 
     def _run_model(
-        self, asks: list[ProposeAsk]
+        self, asks: list[ProposeEntry]
     ) -> tuple[dict[str, list[int]], DraftQ, set[str], StepTimes]:
         """k_i tokens per request: one catch-up step over the tokens the KV lacks (padded to
         the longest, a CUDA graph where one fits), then k - 1 one-token steps, each fed the
@@ -291,7 +290,7 @@ class DraftEngine:
         chosen = {a.request_id for a, s in zip(asks, sampled, strict=True) if s}
         return dict(zip(ids, drafted, strict=True)), q, chosen, times
 
-    def _catch_up_tails(self, asks: list[ProposeAsk], reqs: list[_Request]) -> list[list[int]]:
+    def _catch_up_tails(self, asks: list[ProposeEntry], reqs: list[_Request]) -> list[list[int]]:
         """Rolls each request's KV back to the prefix it shares with the committed tokens and
         returns the tokens it lacks. A tail longer than a graph step takes (the request drafted
         nothing for a while) is prefilled eagerly up to its last token first."""

@@ -10,8 +10,7 @@ from draft_service.engine import DraftEngine
 from draft_service.servicer import DraftServicer
 from specdec.pb import draft_pb2, draft_pb2_grpc
 from specdec.runner import ModelRunner
-from specdec.serving.blocks import ProposeAsk
-from specdec.serving.messages import Admission, ModelInfo
+from specdec.serving.messages import AdmitRequest, ModelInfo, ProposeEntry
 from specdec.serving.server import Server
 
 log = logging.getLogger(__name__)
@@ -48,10 +47,10 @@ def model_info(config: DraftConfig, runner: ModelRunner | None) -> ModelInfo:
 
 def warm_up(engine: DraftEngine) -> None:
     """One admit → propose → release, so the first real block pays no allocation."""
-    engine.admit(Admission(WARMUP_ID, (0, 1, 0)))
+    engine.admit(AdmitRequest(WARMUP_ID, (0, 1, 0)))
     try:
         k = min(2, engine.info.max_num_draft_tokens)
-        engine.propose([ProposeAsk(WARMUP_ID, 0, (), 3, k)])
+        engine.propose([ProposeEntry(WARMUP_ID, 0, (), 3, k)])
     finally:
         engine.release([WARMUP_ID])
 

@@ -9,9 +9,8 @@ import grpc
 
 from draft_service.engine import DraftEngine
 from specdec.pb import draft_pb2, draft_pb2_grpc
-from specdec.serving.blocks import ProposeAsk
 from specdec.serving.lifecycle import LifecycleServicer, step_timing
-from specdec.serving.messages import ErrorReason, RequestError
+from specdec.serving.messages import ErrorReason, ProposeEntry, RequestError
 
 
 def _propose_error(request_id: str, error: RequestError) -> draft_pb2.ProposeError:
@@ -32,7 +31,7 @@ class DraftServicer(LifecycleServicer, draft_pb2_grpc.DraftServiceServicer):
             asks, errors = [], []
             for i, pb in enumerate(block.entries):
                 try:
-                    asks.append(ProposeAsk.from_pb(pb))
+                    asks.append(ProposeEntry.from_pb(pb))
                 except ValueError as e:
                     err = RequestError(
                         ErrorReason.INVALID_ARGUMENT,

@@ -17,7 +17,9 @@ Acceptance rate and mean acceptance length, one PromQL expression each:
       / sum by (model_pair, proposer) (rate(specdec:spec_decode_num_drafts_total[5m]))
 
 Requests: histograms specdec:time_to_first_token_seconds, specdec:time_per_output_token_seconds,
-specdec:e2e_request_latency_seconds; counters specdec:prompt_tokens_total,
+specdec:e2e_request_latency_seconds, specdec:request_queue_time_seconds (arrival until sent to a
+pair), specdec:request_prefill_time_seconds (the services' own admission time: the target's
+prefill, the draft's admission overlapped); counters specdec:prompt_tokens_total,
 specdec:generation_tokens_total (counted when a request finishes, from its usage, so they equal
 what the responses reported; tokens/s is their rate), specdec:request_success_total
 {finish_reason}, specdec:request_errors_total{code} (gRPC status code name); gauges
@@ -104,6 +106,14 @@ class Metrics:
             "time_per_output_token_seconds", "Mean time per token after the first.", TPOT_BUCKETS
         )
         self._e2e = self._histogram("e2e_request_latency_seconds", "Arrival to end.", E2E_BUCKETS)
+        self._queue_time = self._histogram(
+            "request_queue_time_seconds", "Arrival until sent to a pair.", TTFT_BUCKETS
+        )
+        self._prefill_time = self._histogram(
+            "request_prefill_time_seconds",
+            "The services' admission time (the target's prefill).",
+            TTFT_BUCKETS,
+        )
         self._prompt_tokens = self._counter("prompt_tokens", "Prompt tokens.").labels(pair)
         self._generation_tokens = self._counter(
             "generation_tokens", "Generated tokens returned."
@@ -172,6 +182,9 @@ class Metrics:
         self._prompt_tokens.inc(usage.prompt_tokens)
         self._generation_tokens.inc(usage.completion_tokens)
         self._e2e.observe(timing.e2e_s)
+        self._queue_time.observe(timing.queue_s)
+        if timing.admission_s > 0:  # admitted: else it never reached the services
+            self._prefill_time.observe(timing.prefill_s)
         if usage.completion_tokens > 1:
             decode_s = timing.e2e_s - timing.time_to_first_token_s
             self._tpot.observe(decode_s / (usage.completion_tokens - 1))

@@ -27,7 +27,7 @@ from specdec.pb.specdec.v1 import generate_pb2
 from specdec.sampling_params import SamplingParams
 from specdec.serving.client import make_channel
 from specdec.serving.messages import ModelInfo, RequestError, sampling_to_pb
-from specdec.serving.verdicts import Verdicts
+from specdec.serving.verdicts import VerifyResponse
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +81,15 @@ class PairAdmission:
 
 
 @dataclass(frozen=True, slots=True)
+class Admitted:
+    """A successful admission: the committed length, and the services' own time for it (the
+    target's prefill to the device's completion, the draft's admission overlapped)."""
+
+    committed_length: int
+    prefill_s: float
+
+
+@dataclass(frozen=True, slots=True)
 class StepEvent:
     """One request's verdict of one step."""
 
@@ -107,7 +116,7 @@ class StepReport:
 
     @classmethod
     def from_pb(cls, pb: target_pb2.ServeStep) -> StepReport:
-        v = Verdicts.from_pb(pb.verdicts)
+        v = VerifyResponse.from_pb(pb.verdicts)
         errors = v.errors
         events = tuple(
             StepEvent(
@@ -137,7 +146,7 @@ class PairClient:
         target_address: str,
         *,
         on_step: Callable[[StepReport], None],
-        on_admitted: Callable[[str, int | RequestError], None],
+        on_admitted: Callable[[str, Admitted | RequestError], None],
         on_draft_down: Callable[[], None] = _nothing,
         on_draft_up: Callable[[], None] = _nothing,
         on_close: Callable[[BaseException | None], None] | None = None,
@@ -309,4 +318,5 @@ class PairClient:
                 self._unanswered.pop(rid, None)
             if error is None and not released:
                 self._running.add(rid)
-        self._on_admitted(rid, pb.committed_length if error is None else error)
+        result = Admitted(pb.committed_length, pb.prefill_s) if error is None else error
+        self._on_admitted(rid, result)

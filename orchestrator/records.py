@@ -194,7 +194,9 @@ class RequestRecord:
         self._counts = _Counts()
         self._clock = clock
         self.arrival_s = clock()
-        self.admitted_s: float | None = None
+        self.sent_s: float | None = None  # first sent to a pair
+        self.admitted_s: float | None = None  # first admission answered
+        self.prefill_s = 0.0  # the services' own time for that admission
         self.first_token_s: float | None = None
         self.finished_s: float | None = None
 
@@ -206,9 +208,13 @@ class RequestRecord:
     def stop_string(self) -> str | None:
         return self._detok.stop_string if self._detok is not None else None
 
-    def mark_admitted(self) -> None:
+    def mark_sent(self) -> None:
+        if self.sent_s is None:
+            self.sent_s = self._clock()
+
+    def mark_admitted(self, prefill_s: float) -> None:
         if self.admitted_s is None:
-            self.admitted_s = self._clock()
+            self.admitted_s, self.prefill_s = self._clock(), prefill_s
 
     def readmission(self) -> tuple[tuple[int, ...], int]:
         """What a fresh service prefills: prompt plus committed tokens, and the next step."""
@@ -312,11 +318,13 @@ class RequestRecord:
     def timing(self) -> generate_pb2.Timing:
         end = self.finished_s if self.finished_s is not None else self._clock()
         return generate_pb2.Timing(
-            queue_s=(self.admitted_s if self.admitted_s is not None else end) - self.arrival_s,
+            queue_s=(self.sent_s if self.sent_s is not None else end) - self.arrival_s,
             time_to_first_token_s=(
                 self.first_token_s - self.arrival_s if self.first_token_s is not None else 0.0
             ),
             e2e_s=end - self.arrival_s,
+            admission_s=(self.admitted_s if self.admitted_s is not None else end) - self.arrival_s,
+            prefill_s=self.prefill_s,
         )
 
     def response(self, delta: Delta) -> generate_pb2.GenerateResponse:

@@ -5,7 +5,6 @@ hands the servicer's thread its responses (or its error status) through a queue.
 
 from __future__ import annotations
 
-import math
 import queue
 import secrets
 import time
@@ -17,11 +16,11 @@ from typing import Protocol
 import grpc
 
 from orchestrator.detokenizer import IncrementalDetokenizer, TextTokenizer
-from orchestrator.pair import PairAdmission, Proposer, StepEvent
+from orchestrator.pair import Admitted, PairAdmission, Proposer, StepEvent
 from orchestrator.records import FinishReason, RequestRecord, StepGapError, StopCriteria
-from specdec.limits import MAX_SEED, MAX_TOP_K
+from specdec.limits import MAX_SEED
 from specdec.pb.specdec.v1 import generate_pb2
-from specdec.sampling_params import MAX_TEMPERATURE, SamplingParams
+from specdec.sampling_params import SamplingParams
 from specdec.serving.messages import ModelInfo
 
 MAX_REQUEST_ID_LEN = 128
@@ -64,24 +63,17 @@ def _prompt(request: generate_pb2.GenerateRequest, tokenizer: TextTokenizer) -> 
 
 
 def _sampling(request: generate_pb2.GenerateRequest) -> SamplingParams:
+    """The request's sampling parameters, unset fields at their defaults; `SamplingParams`
+    checks the ranges (one rule for the services and the client API)."""
     temperature = request.temperature if request.HasField("temperature") else 1.0
-    if not (math.isfinite(temperature) and 0.0 <= temperature <= MAX_TEMPERATURE):
-        raise ValueError(
-            f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 is greedy), got {temperature}."
-        )
     top_p = request.top_p if request.HasField("top_p") else 1.0
-    if not (math.isfinite(top_p) and 0.0 < top_p <= 1.0):
-        raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {top_p}.")
-    if request.top_k > MAX_TOP_K:
-        raise ValueError(f"top_k must be in [0, {MAX_TOP_K}] (0 disables it), got {request.top_k}.")
     seed = request.seed if request.HasField("seed") else secrets.randbelow(MAX_SEED + 1)
-    if seed > MAX_SEED:
-        raise ValueError(f"seed must be in [0, {MAX_SEED}], got {seed}.")
     return SamplingParams(temperature, request.top_k, top_p, seed)
 
 
-def _speculation(request: generate_pb2.GenerateRequest, served: Served) -> tuple[str, int]:
-    spec = request.speculation
+def speculation_of(spec: generate_pb2.Speculation, served: Served) -> tuple[str, int]:
+    """(proposer, k) of a request's speculation settings, defaults applied; ValueError names
+    the field for settings this server cannot run."""
     if spec.proposer == generate_pb2.PROPOSER_DEFAULT:
         proposer = served.default_proposer
     elif spec.proposer in PROPOSER_NAMES:
@@ -129,7 +121,7 @@ def parse_request(
                 f"prompt token_ids[{i}] must be in [0, {served.vocab_size}), got {token}."
             )
     sampling = _sampling(request)
-    proposer, k = _speculation(request, served)
+    proposer, k = speculation_of(request.speculation, served)
     criteria = StopCriteria.from_pb(
         request,
         prompt_len=len(prompt),
@@ -196,8 +188,10 @@ class Job:
         return self.record.proposer
 
     def admission(self) -> PairAdmission:
+        """The admission the scheduler is about to send (the first one ends queue_s)."""
         tokens, next_step = self.record.readmission()
         r = self.record
+        r.mark_sent()
         proposer: Proposer = r.proposer  # type: ignore[assignment]
         return PairAdmission(
             r.request_id, tokens, self.sampling, proposer, r.num_draft_tokens, next_step
@@ -206,8 +200,11 @@ class Job:
     def readmission(self) -> tuple[tuple[int, ...], int]:
         return self.record.readmission()
 
-    def on_admitted(self, committed_length: int) -> None:
-        self.record.mark_admitted()
+    def set_speculation(self, proposer: str, num_draft_tokens: int) -> None:
+        self.record.proposer, self.record.num_draft_tokens = proposer, num_draft_tokens
+
+    def on_admitted(self, admitted: Admitted) -> None:
+        self.record.mark_admitted(admitted.prefill_s)
 
     def on_event(self, event: StepEvent) -> bool:
         try:

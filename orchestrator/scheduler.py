@@ -19,12 +19,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import grpc
 
-from orchestrator.pair import PairAdmission, StepEvent, StepReport
+from orchestrator.pair import Admitted, PairAdmission, StepEvent, StepReport
 from specdec.errors import SpecdecError
 from specdec.serving.messages import ErrorReason, RequestError
 
@@ -61,7 +62,9 @@ class Job(Protocol):
 
     def readmission(self) -> tuple[tuple[int, ...], int]: ...  # (prompt + committed, next step)
 
-    def on_admitted(self, committed_length: int) -> None: ...
+    def on_admitted(self, admitted: Admitted) -> None: ...
+
+    def set_speculation(self, proposer: str, num_draft_tokens: int) -> None: ...  # the record's
 
     def on_event(self, event: StepEvent) -> bool: ...  # True once finished
 
@@ -76,6 +79,8 @@ class Pair(Protocol):
     def admit(self, admission: PairAdmission) -> None: ...
 
     def release(self, request_ids: Sequence[str]) -> None: ...
+
+    def set_speculation(self, request_id: str, proposer: str, num_draft_tokens: int) -> None: ...
 
     def set_draft(
         self, address: str | None, records: Mapping[str, tuple[tuple[int, ...], int]]
@@ -184,10 +189,19 @@ class Scheduler:
         that reuses the id."""
         self._post(self._on_cancel, job, code, message)
 
+    def set_speculation(
+        self, request_id: str, proposer: str, num_draft_tokens: int, timeout_s: float = 10.0
+    ) -> bool:
+        """Gives a running or waiting request new speculation settings from its next step
+        (checked by the caller); False if no such request is running or waiting."""
+        done: Future[bool] = Future()
+        self._post(self._on_set_speculation, request_id, proposer, num_draft_tokens, done)
+        return done.result(timeout_s)
+
     def post_step(self, pair: int, report: StepReport) -> None:
         self._post(self._on_step, pair, report)
 
-    def post_admitted(self, pair: int, request_id: str, result: int | RequestError) -> None:
+    def post_admitted(self, pair: int, request_id: str, result: Admitted | RequestError) -> None:
         self._post(self._on_admitted, pair, request_id, result)
 
     def post_draft_down(self, pair: int) -> None:
@@ -255,12 +269,23 @@ class Scheduler:
         self._finish(pair, job.request_id, release=True)
         job.on_error(code, message)
 
-    def _on_admitted(self, index: int, request_id: str, result: int | RequestError) -> None:
+    def _on_set_speculation(
+        self, request_id: str, proposer: str, num_draft_tokens: int, done: Future[bool]
+    ) -> None:
+        pair, job = self._find(request_id)
+        if job is not None:
+            job.set_speculation(proposer, num_draft_tokens)  # a re-admission keeps them
+            if pair is not None and pair.alive:
+                assert pair.client is not None
+                pair.client.set_speculation(request_id, proposer, num_draft_tokens)
+        done.set_result(job is not None)
+
+    def _on_admitted(self, index: int, request_id: str, result: Admitted | RequestError) -> None:
         pair = self._pairs[index]
         job = pair.running.get(request_id)
         if job is None:
             return  # cancelled while being admitted; its release is on the way
-        if isinstance(result, int):
+        if isinstance(result, Admitted):
             job.on_admitted(result)
             return
         self._finish(pair, request_id, release=True)

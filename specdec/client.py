@@ -95,9 +95,11 @@ class Usage:
 class Timing:
     """Latencies measured by the server, in seconds from the request's arrival."""
 
-    queue_s: float
+    queue_s: float  # until sent to a pair of services
     time_to_first_token_s: float
     e2e_s: float
+    admission_s: float = 0.0  # until the services answered the admission
+    prefill_s: float = 0.0  # the services' own admission time (the target's prefill)
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,7 +141,13 @@ class GenerateOutput:
             stop_token_id=pb.stop_token_id if stop_kind == "stop_token_id" else None,
             usage=Usage.from_pb(pb.usage) if pb.HasField("usage") else None,
             timing=(
-                Timing(pb.timing.queue_s, pb.timing.time_to_first_token_s, pb.timing.e2e_s)
+                Timing(
+                    pb.timing.queue_s,
+                    pb.timing.time_to_first_token_s,
+                    pb.timing.e2e_s,
+                    pb.timing.admission_s,
+                    pb.timing.prefill_s,
+                )
                 if pb.HasField("timing")
                 else None
             ),

@@ -26,15 +26,15 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if not (math.isfinite(self.temperature) and 0.0 <= self.temperature <= MAX_TEMPERATURE):
             raise ValueError(
-                f"temperature must be a finite number in [0, {MAX_TEMPERATURE}] "
-                f"(0 means greedy), got {self.temperature}."
+                f"temperature must be in [0, {MAX_TEMPERATURE:g}] (0 is greedy), "
+                f"got {self.temperature}."
             )
         if not 0 <= self.top_k <= MAX_TOP_K:
             raise ValueError(
-                f"top_k must be in [0, {MAX_TOP_K}] (0 disables top-k), got {self.top_k}."
+                f"top_k must be in [0, {MAX_TOP_K}] (0 disables it), got {self.top_k}."
             )
         if not (math.isfinite(self.top_p) and 0.0 < self.top_p <= 1.0):
-            raise ValueError(f"top_p must be in (0, 1] (1 disables top-p), got {self.top_p}.")
+            raise ValueError(f"top_p must be in (0, 1] (1 disables it), got {self.top_p}.")
         if not 0 <= self.seed <= MAX_SEED:
             raise ValueError(f"seed must be in [0, {MAX_SEED}], got {self.seed}.")
 

@@ -17,7 +17,7 @@ import grpc
 
 from specdec.pb import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.serving.client import LockstepStream, make_channel
-from specdec.serving.messages import Admission, ModelInfo
+from specdec.serving.messages import AdmitRequest, ModelInfo
 
 _DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -34,7 +34,7 @@ def _describe(e: grpc.RpcError) -> str:
 class PendingAdmits:
     """Admit calls in flight (they run while the target prefills the same requests)."""
 
-    def __init__(self, futures: list[tuple[Admission, grpc.Future]], address: str):
+    def __init__(self, futures: list[tuple[AdmitRequest, grpc.Future]], address: str):
         self.admissions = [a for a, _ in futures]
         self._futures = futures
         self._address = address
@@ -98,7 +98,7 @@ class DraftLink:
             raise DraftDown(f"The draft service at {self.address} ended the Propose stream.") from e
         return response, time.perf_counter() - start
 
-    def start_admit(self, admissions: Sequence[Admission]) -> PendingAdmits:
+    def start_admit(self, admissions: Sequence[AdmitRequest]) -> PendingAdmits:
         futures = [
             (a, self._stub.Admit.future(a.to_pb(), timeout=self.timeout_s)) for a in admissions
         ]

@@ -1,7 +1,7 @@
 """The target's torch work: admission (prefill), and verify steps — align a block's entries
-(its columns, `ProposalBlock`) to per-request state, score them all in one ragged forward, run the
+(its columns, `DraftBlock`) to per-request state, score them all in one ragged forward, run the
 rejection sampler once per q form on the block's own q tensors, commit, and roll back rejected
-KV. The verdicts are written as columns (`Verdicts`). No gRPC here.
+KV. The verdicts are written as columns (`VerifyResponse`). No gRPC here.
 
 KV invariant: a request with committed sequence S (length n) holds S[:n-1] in its KV cache. A
 verify step forwards [S[n-1], d_1 .. d_k] with k + 1 logits rows (row j scores the token at
@@ -23,7 +23,7 @@ from specdec.errors import InvalidInputError
 from specdec.runner import ForwardItem, ModelRunner
 from specdec.runner.timing import StepClock, StepTimes
 from specdec.sampling_params import SamplingParams
-from specdec.serving.blocks import DenseQ, DraftQ, ProposalBlock, SparseQ
+from specdec.serving.blocks import DenseQ, DraftBlock, DraftQ, SparseQ
 from specdec.serving.checks import (
     committed_length_mismatch,
     duplicate_entry,
@@ -33,8 +33,8 @@ from specdec.serving.checks import (
     too_many_drafts,
     unknown_request,
 )
-from specdec.serving.messages import Admission, ErrorReason, ModelInfo, RequestError
-from specdec.serving.verdicts import Verdicts
+from specdec.serving.messages import AdmitRequest, ErrorReason, ModelInfo, RequestError
+from specdec.serving.verdicts import VerifyResponse
 from target_service.batch_layout import upload
 from target_service.config import TargetConfig
 from target_service.rejection_sampler import (
@@ -91,7 +91,7 @@ class TargetEngine:
             i.dtype,
         )
 
-    def admit(self, adm: Admission) -> tuple[int, int]:
+    def admit(self, adm: AdmitRequest) -> tuple[int, int]:
         """Prefills all but the last prompt token; returns (committed_length, next_step)."""
         adm.check_limits(self.vocab_size, self.config.runner.max_seq_len)
         with self._lock:
@@ -121,17 +121,17 @@ class TargetEngine:
         with self._lock:
             return list(self._requests[request_id].tokens)
 
-    def verify(self, block: ProposalBlock) -> Verdicts:
+    def verify(self, block: DraftBlock) -> VerifyResponse:
         """One verdict per entry, in the block's order.
 
         Error messages name the entry by its index in the block, e.g. "entries[3].q: ...".
         """
         return self.verify_timed(block)[0]
 
-    def verify_timed(self, block: ProposalBlock) -> tuple[Verdicts, StepTimes]:
+    def verify_timed(self, block: DraftBlock) -> tuple[VerifyResponse, StepTimes]:
         """`verify`, and where the step's time went on the device."""
         with self._lock:
-            out = Verdicts.pending(block.request_ids, block.steps)
+            out = VerifyResponse.pending(block.request_ids, block.steps)
             rids = block.request_ids
             counts = Counter(rids) if len(set(rids)) < len(rids) else None
             in_vocab = _in_vocab(block.draft_token_ids, self.vocab_size)
@@ -144,7 +144,7 @@ class TargetEngine:
             return out, times
 
     def _check(
-        self, block: ProposalBlock, i: int, count: int, in_vocab: bool, out: Verdicts
+        self, block: DraftBlock, i: int, count: int, in_vocab: bool, out: VerifyResponse
     ) -> bool:
         """True if entry i fits its request's state; else its error verdict goes into `out`."""
         error = self._entry_error(block, i, count, in_vocab, out)
@@ -153,7 +153,7 @@ class TargetEngine:
         return error is None
 
     def _entry_error(
-        self, block: ProposalBlock, i: int, count: int, in_vocab: bool, out: Verdicts
+        self, block: DraftBlock, i: int, count: int, in_vocab: bool, out: VerifyResponse
     ) -> RequestError | None:
         """Entry i's error, or None. A repeat of the last verified step has its verdict
         replayed into `out` before its DUPLICATE_STEP error."""
@@ -181,7 +181,9 @@ class TargetEngine:
             or over_capacity(n, k, self.config.runner.max_seq_len, entry, bonus=True)
         )
 
-    def _score_safely(self, block: ProposalBlock, entries: list[int], out: Verdicts) -> StepTimes:
+    def _score_safely(
+        self, block: DraftBlock, entries: list[int], out: VerifyResponse
+    ) -> StepTimes:
         """`_score`, but a step that raises leaves every request as it was before the step: the
         KV lengths it extended are rolled back (nothing below them was written) and its
         entries get a STEP_FAILED verdict; an identical retry is then served normally."""
@@ -202,7 +204,7 @@ class TargetEngine:
                 out.fail(i, RequestError.of(ErrorReason.STEP_FAILED, message))
             return StepTimes()
 
-    def _score(self, block: ProposalBlock, entries: list[int], out: Verdicts) -> StepTimes:
+    def _score(self, block: DraftBlock, entries: list[int], out: VerifyResponse) -> StepTimes:
         """Scores `entries` (valid, ascending) in one padded forward (a CUDA graph where one
         fits), samples each q form, reads every result with one host synchronisation, then
         commits. Nothing of a request's state changes before that synchronisation."""
@@ -229,7 +231,7 @@ class TargetEngine:
 
     def _sample(
         self,
-        block: ProposalBlock,
+        block: DraftBlock,
         form: int,
         entries: list[int],
         positions: list[int],  # into `entries`: the group's requests, ascending
@@ -280,12 +282,12 @@ class TargetEngine:
 
     def _commit_group(
         self,
-        block: ProposalBlock,
+        block: DraftBlock,
         entries: list[int],
         positions: list[int],
         reqs: list[_Request],
         rows: list[list[int]],  # the group's packed results, on the host
-        out: Verdicts,
+        out: VerifyResponse,
     ) -> None:
         for p, row in zip(positions, rows, strict=True):
             i, req = entries[p], reqs[p]
@@ -296,13 +298,13 @@ class TargetEngine:
 
     def _commit(
         self,
-        block: ProposalBlock,
+        block: DraftBlock,
         i: int,
         req: _Request,
         tokens: list[int],
         accepted: list[bool],
         status: int,
-        out: Verdicts,
+        out: VerifyResponse,
     ) -> None:
         rid = block.request_ids[i]
         if status != SampleStatus.OK:

@@ -42,10 +42,10 @@ from draft_service.ngram import NgramConfig, propose_ngram
 from specdec.errors import CacheFullError, InvalidInputError
 from specdec.pb import common_pb2, draft_pb2, target_pb2
 from specdec.pb.specdec.v1 import generate_pb2
-from specdec.serving.blocks import Q_NONE, ProposalBlock
-from specdec.serving.messages import Admission, ErrorReason, RequestError
+from specdec.serving.blocks import Q_NONE, DraftBlock
+from specdec.serving.messages import AdmitRequest, ErrorReason, RequestError
 from specdec.serving.status import status_for
-from specdec.serving.verdicts import Verdicts
+from specdec.serving.verdicts import VerifyResponse
 from target_service.engine import TargetEngine
 from target_service.hub_draft import DraftSide, HubRequest
 from target_service.servicer import TargetServicer
@@ -195,13 +195,15 @@ class Hub:
     def _admit(self, pb: target_pb2.ServeAdmit) -> None:
         rid = pb.request.request_id
         pending = None
+        start = time.perf_counter()
         try:
-            adm = Admission.from_pb(pb.request)
+            adm = AdmitRequest.from_pb(pb.request)
             limit = self._config.max_num_draft_tokens
             proposer, k = _speculation(pb.proposer, pb.num_draft_tokens, limit)
             if proposer == "draft":
                 pending = self._draft.start_admit(adm)  # runs while the target prefills
             length, step = self.engine.admit(adm)
+            self.engine.runner.synchronize()  # the prefill's time, not its launches
         except Exception as e:
             if pending is not None:
                 self._draft.settle(pending, [])
@@ -212,7 +214,10 @@ class Hub:
         self._requests[rid] = req
         if pending is not None:
             self._draft.settle(pending, [req])
-        admitted = target_pb2.ServeAdmitted(request_id=rid, committed_length=length, next_step=step)
+        admitted = target_pb2.ServeAdmitted(
+            request_id=rid, committed_length=length, next_step=step,
+            prefill_s=time.perf_counter() - start,
+        )  # fmt: skip
         self._emit(admitted=admitted)
 
     def _release(self, request_ids: list[str]) -> None:
@@ -260,12 +265,12 @@ class Hub:
         self._emit(step=step)
         self._record(verdicts)
 
-    def _proposals(self, group: _Group) -> ProposalBlock:
+    def _proposals(self, group: _Group) -> DraftBlock:
         """The group's block; a malformed one from the draft counts as the draft failing."""
         self._propose(group)
         limit = self._config.max_support_size
         try:
-            return ProposalBlock.from_pb(group.block, max_support_size=limit)
+            return DraftBlock.from_pb(group.block, max_support_size=limit)
         except ValueError as e:
             if not group.drafted:
                 raise
@@ -274,7 +279,7 @@ class Hub:
         self._propose(retry)
         group.block, group.draft_s, group.transport_s = retry.block, 0.0, 0.0
         group.draft_graphed = True
-        return ProposalBlock.from_pb(group.block, max_support_size=limit)
+        return DraftBlock.from_pb(group.block, max_support_size=limit)
 
     def _propose(self, group: _Group) -> None:
         """Fills group.block: the draft's proposals, then the local entries (ngram, k = 0)."""
@@ -320,8 +325,8 @@ class Hub:
         block.q_forms.extend([Q_NONE] * len(reqs))  # type: ignore[list-item]
         block.draft_token_ids += struct.pack(f"<{len(ids)}i", *ids)
 
-    def _failed(self, group: _Group, e: Exception) -> Verdicts:
-        verdicts = Verdicts.pending(
+    def _failed(self, group: _Group, e: Exception) -> VerifyResponse:
+        verdicts = VerifyResponse.pending(
             [r.request_id for r in group.requests], [r.next_step for r in group.requests]
         )
         code, message = status_for(e)
@@ -330,7 +335,7 @@ class Hub:
             verdicts.fail(i, error)
         return verdicts
 
-    def _record(self, verdicts: Verdicts) -> None:
+    def _record(self, verdicts: VerifyResponse) -> None:
         """Applies the verdicts; a request with an error verdict is released."""
         failed = []
         for i, rid in enumerate(verdicts.request_ids):

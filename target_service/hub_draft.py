@@ -17,7 +17,7 @@ import grpc
 
 from specdec.pb import draft_pb2, target_pb2
 from specdec.sampling_params import SamplingParams
-from specdec.serving.messages import Admission, ModelInfo, check_compatible
+from specdec.serving.messages import AdmitRequest, ModelInfo, check_compatible
 from target_service.config import TargetConfig
 from target_service.draft_link import DraftDown, DraftLink, PendingAdmits
 
@@ -125,7 +125,7 @@ class DraftSide:
                       if err.request_id in self._requests])  # fmt: skip
         return response, round_trip
 
-    def start_admit(self, admission: Admission) -> PendingAdmits | None:
+    def start_admit(self, admission: AdmitRequest) -> PendingAdmits | None:
         """Admits a new request while the target prefills it; `settle` finishes."""
         return None if self.link is None else self.link.start_admit([admission])
 
@@ -137,7 +137,7 @@ class DraftSide:
         for r in reqs:
             record = records.get(r.request_id)
             tokens = record.token_ids[:] if record is not None and _fits(r, record) else r.tokens
-            admissions.append(Admission(r.request_id, tuple(tokens), r.sampling, r.next_step))
+            admissions.append(AdmitRequest(r.request_id, tuple(tokens), r.sampling, r.next_step))
         self.settle(self.link.start_admit(admissions), reqs)
 
     def settle(self, pending: PendingAdmits, reqs: list[HubRequest]) -> None:

@@ -10,9 +10,9 @@ import grpc
 from specdec.errors import CheckpointError
 from specdec.pb import common_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.runner import ModelRunner
-from specdec.serving.blocks import DraftProposal, ProposalBlock, block_to_pb
+from specdec.serving.blocks import DraftBlock, DraftProposal, block_to_pb
 from specdec.serving.client import make_channel
-from specdec.serving.messages import Admission, ModelInfo, check_compatible
+from specdec.serving.messages import AdmitRequest, ModelInfo, check_compatible
 from specdec.serving.server import Server
 from target_service.config import TargetConfig
 from target_service.engine import TargetEngine
@@ -25,9 +25,9 @@ WARMUP_ID = "__warmup__"
 
 def warm_up(engine: TargetEngine) -> None:
     """One admit → verify → release, so the first real step pays no compile or allocation."""
-    engine.admit(Admission(WARMUP_ID, (0, 1)))
+    engine.admit(AdmitRequest(WARMUP_ID, (0, 1)))
     try:
-        engine.verify(ProposalBlock.from_pb(block_to_pb([DraftProposal(WARMUP_ID, 0, 2, (1,))])))
+        engine.verify(DraftBlock.from_pb(block_to_pb([DraftProposal(WARMUP_ID, 0, 2, (1,))])))
     finally:
         engine.release([WARMUP_ID])
 

@@ -1,10 +1,20 @@
-"""Test set-up: Triton kernels run under the interpreter when there is no GPU."""
+"""Test set-up: Triton kernels run under the interpreter when there is no GPU; the fixtures the
+service, pipeline and orchestrator tests share (one tiny checkpoint pair per module, and the
+target alone as the greedy reference)."""
+
+from __future__ import annotations
 
 import os
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 import torch
 
+if TYPE_CHECKING:
+    from specdec.runner import ModelRunner
+
+# before anything imports a kernel: @triton.jit reads it when the kernel is defined
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
@@ -21,3 +31,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture
 def device() -> torch.device:
     return torch.device("cuda" if HAS_CUDA else "cpu")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(target_dir, draft_dir) of a tiny Llama pair sharing one tokenizer."""
+    from tests.draft_service.models import build_checkpoints
+
+    return build_checkpoints(tmp_path_factory.mktemp("ckpt"))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints: tuple[Path, Path]) -> ModelRunner:
+    """The target checkpoint in a runner of its own: target-only greedy decoding."""
+    from specdec.runner import ModelRunner
+    from tests.draft_service.models import runner_config
+
+    return ModelRunner.load(runner_config(checkpoints[0], max_slots=1))

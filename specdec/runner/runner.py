@@ -408,6 +408,11 @@ class ModelRunner:
         if ids and not (min(ids) >= 0 and max(ids) < self.vocab_size):
             raise InvalidInputError(f"token ids must be in [0, {self.vocab_size}).")
 
+    def synchronize(self) -> None:
+        """Waits for the work queued on the runner's device (nothing to wait for on a CPU)."""
+        if self._device.type == "cuda":
+            torch.cuda.current_stream(self._device).synchronize()
+
     def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """CPU copies of device tensors with one host synchronisation for all of them (pinned
         buffers, non-blocking copies, then one wait): the step's one sync."""

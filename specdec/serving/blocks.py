@@ -4,7 +4,7 @@ A `DraftBlock` holds one entry per request, in any order, with k_i >= 0 draft to
 q dense, sparse or absent. It is columnar: one repeated field per entry attribute, and the
 draft token ids and q rows of all entries packed per block (one int32 buffer of ids, one int32
 and one float32 buffer for the whole block's sparse q). The draft builds it from per-request
-`DraftProposal`s (`block_to_pb`); the target reads it as columns (`ProposalBlock`): one
+`DraftProposal`s (`block_to_pb`); the target reads it as columns (`DraftBlock`): one
 `frombuffer` per field and whole [rows, S] q tensors that the rejection sampler takes as they
 are. Per-entry objects and tensor views cost ~1 to 3 us of Python each, which at batch 32 was
 most of the transport time (bench/results/transport_notes.md).
@@ -12,7 +12,7 @@ most of the transport time (bench/results/transport_notes.md).
 The domain objects here are `slots` dataclasses but not frozen: a frozen dataclass's `__init__`
 costs ~0.45 us more per object (measured).
 
-`ProposalBlock.from_pb` checks shapes once for the block; a malformed buffer is a `ValueError`
+`DraftBlock.from_pb` checks shapes once for the block; a malformed buffer is a `ValueError`
 naming the field, answered as every entry's error. A malformed entry (empty request_id, ...) is
 recorded as that entry's error message, and the target serves the rest of the block.
 """
@@ -33,7 +33,7 @@ from specdec.limits import (
     MAX_VOCAB,
     check_range,
 )
-from specdec.pb import common_pb2, draft_pb2
+from specdec.pb import common_pb2
 from specdec.serving.arrays import pack, unpack
 from specdec.serving.messages import QForm
 
@@ -98,11 +98,11 @@ _COLUMNS = ("steps", "committed_lengths", "num_draft_tokens", "q_forms")  # with
 
 def block_to_pb(proposals: list[DraftProposal]) -> common_pb2.DraftBlock:
     """One columnar DraftBlock of per-request proposals (tests and the n-gram path)."""
-    return ProposalBlock.from_proposals(proposals).to_pb()
+    return DraftBlock.from_proposals(proposals).to_pb()
 
 
 @dataclass(slots=True)
-class ProposalBlock:
+class DraftBlock:
     """One verify step's proposals for many requests as columns: a `specdec.v1.DraftBlock` as
     the draft builds it and the target reads it, with all draft token ids in one list and the
     q rows of each form in whole tensors.
@@ -137,7 +137,7 @@ class ProposalBlock:
         draft_token_ids: list[int],
         dense: DenseQ | None = None,
         sparse: SparseQ | None = None,
-    ) -> ProposalBlock:
+    ) -> DraftBlock:
         """A block of these columns; ValueError if they do not fit each other."""
         _check_lengths(len(request_ids), steps, committed_lengths, num_draft_tokens, q_forms)
         _check_num_draft_tokens(num_draft_tokens)
@@ -160,7 +160,7 @@ class ProposalBlock:
                    draft_token_ids, starts, q_starts, dense, sparse, errors)  # fmt: skip
 
     @classmethod
-    def from_proposals(cls, proposals: list[DraftProposal]) -> ProposalBlock:
+    def from_proposals(cls, proposals: list[DraftProposal]) -> DraftBlock:
         """The proposals' columns; their q rows of each form concatenated in order."""
         qs = [p.q for p in proposals]
         forms = [_Q_FORMS[type(q)] for q in qs]
@@ -205,7 +205,7 @@ class ProposalBlock:
         *,
         max_support_size: int | None = None,
         vocab_size: int | None = None,
-    ) -> ProposalBlock:
+    ) -> DraftBlock:
         """Raises ValueError (naming the field) when the block's columns or buffers do not fit
         each other: e.g. sparse.probs must hold sum(k_i of sparse entries) x support_size
         float32s. sparse.support_size is refused above `max_support_size` and `vocab_size`
@@ -384,37 +384,3 @@ def _entry_errors(
             if not rid:
                 errors[i] = f"entries[{i}].request_id must be a non-empty string."
     return errors
-
-
-@dataclass(frozen=True, slots=True)
-class ProposeAsk:
-    """One request's ask for drafts (`specdec.v1.ProposeEntry`)."""
-
-    request_id: str
-    step: int
-    new_token_ids: tuple[int, ...]
-    committed_length: int
-    num_draft_tokens: int
-
-    def __post_init__(self) -> None:
-        if not self.request_id:
-            raise ValueError("request_id must be a non-empty string.")
-        check_range(self.step, "step", 0, MAX_STEP)
-        check_range(self.committed_length, "committed_length", 0, MAX_COMMITTED_LENGTH)
-        check_range(self.num_draft_tokens, "num_draft_tokens", 0, MAX_NUM_DRAFT_TOKENS)
-
-    @classmethod
-    def from_pb(cls, pb: draft_pb2.ProposeEntry) -> ProposeAsk:
-        return cls(
-            pb.request_id, pb.step, tuple(pb.new_token_ids), pb.committed_length,
-            pb.num_draft_tokens,
-        )  # fmt: skip
-
-    def to_pb(self) -> draft_pb2.ProposeEntry:
-        return draft_pb2.ProposeEntry(
-            request_id=self.request_id,
-            step=self.step,
-            new_token_ids=self.new_token_ids,
-            committed_length=self.committed_length,
-            num_draft_tokens=self.num_draft_tokens,
-        )

@@ -8,7 +8,7 @@ from typing import Protocol
 import grpc
 
 from specdec.pb import common_pb2
-from specdec.serving.messages import Admission
+from specdec.serving.messages import AdmitRequest
 
 
 class _StepTimes(Protocol):
@@ -38,7 +38,7 @@ class LifecycleEngine(Protocol):
     @property
     def info(self) -> _ModelInfo: ...
 
-    def admit(self, admission: Admission) -> tuple[int, int]: ...
+    def admit(self, admission: AdmitRequest) -> tuple[int, int]: ...
 
     def release(self, request_ids: Sequence[str]) -> int: ...
 
@@ -51,7 +51,7 @@ class LifecycleServicer:
     def Admit(
         self, request: common_pb2.AdmitRequest, context: grpc.ServicerContext
     ) -> common_pb2.AdmitResponse:
-        length, step = self.engine.admit(Admission.from_pb(request))
+        length, step = self.engine.admit(AdmitRequest.from_pb(request))
         return common_pb2.AdmitResponse(committed_length=length, next_step=step)
 
     def Release(

@@ -13,8 +13,8 @@ import grpc
 
 from specdec.errors import InvalidInputError
 from specdec.limits import INT32_MAX as INT32_MAX
-from specdec.limits import MAX_STEP, check_range
-from specdec.pb import common_pb2
+from specdec.limits import MAX_COMMITTED_LENGTH, MAX_NUM_DRAFT_TOKENS, MAX_STEP, check_range
+from specdec.pb import common_pb2, draft_pb2
 from specdec.sampling_params import SamplingParams
 
 
@@ -125,7 +125,7 @@ def _check_token_ids(ids: tuple[int, ...], field_name: str, vocab_size: int) -> 
 
 
 @dataclass(frozen=True, slots=True)
-class Admission:
+class AdmitRequest:
     """A request to admit: prompt token ids, sampling parameters, first step number."""
 
     request_id: str
@@ -153,7 +153,7 @@ class Admission:
             )
 
     @classmethod
-    def from_pb(cls, pb: common_pb2.AdmitRequest) -> Admission:
+    def from_pb(cls, pb: common_pb2.AdmitRequest) -> AdmitRequest:
         sampling = sampling_from_pb(pb.sampling)
         return cls(pb.request_id, tuple(pb.prompt_token_ids), sampling, pb.first_step)
 
@@ -220,4 +220,38 @@ def check_compatible(target: ModelInfo, draft: ModelInfo) -> None:
         raise ValueError(
             f"The draft's tokenizer has {draft.tokenizer_vocab_size} ids and the target's "
             f"{target.tokenizer_vocab_size}; draft and target must share one tokenizer."
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ProposeEntry:
+    """One request's ask for drafts (`specdec.v1.ProposeEntry`)."""
+
+    request_id: str
+    step: int
+    new_token_ids: tuple[int, ...]
+    committed_length: int
+    num_draft_tokens: int
+
+    def __post_init__(self) -> None:
+        if not self.request_id:
+            raise ValueError("request_id must be a non-empty string.")
+        check_range(self.step, "step", 0, MAX_STEP)
+        check_range(self.committed_length, "committed_length", 0, MAX_COMMITTED_LENGTH)
+        check_range(self.num_draft_tokens, "num_draft_tokens", 0, MAX_NUM_DRAFT_TOKENS)
+
+    @classmethod
+    def from_pb(cls, pb: draft_pb2.ProposeEntry) -> ProposeEntry:
+        return cls(
+            pb.request_id, pb.step, tuple(pb.new_token_ids), pb.committed_length,
+            pb.num_draft_tokens,
+        )  # fmt: skip
+
+    def to_pb(self) -> draft_pb2.ProposeEntry:
+        return draft_pb2.ProposeEntry(
+            request_id=self.request_id,
+            step=self.step,
+            new_token_ids=self.new_token_ids,
+            committed_length=self.committed_length,
+            num_draft_tokens=self.num_draft_tokens,
         )

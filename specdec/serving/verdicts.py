@@ -1,10 +1,10 @@
 """The target → driver half of the data plane: the verdicts of one block.
 
-`Verdicts` holds them as the columns of one `specdec.v1.VerifyResponse`, position i answering
-entry i of the block: the target's engine fills the columns in place and the driver reads them
-back the same way, with no object per verdict (~1 to 3 us of Python each way at batch 32,
-bench/results/transport_notes.md). `VerifyResult` is one position of it, for code that wants a
-verdict as one object (`Verdicts.result`).
+`VerifyResponse` is the domain form of the message of the same name: its columns, position i
+answering entry i of the block: the target's engine fills the columns in place and the driver
+reads them back the same way, with no object per verdict (~1 to 3 us of Python each way at
+batch 32, bench/results/transport_notes.md). `VerifyResult` is one position of it, for code
+that wants a verdict as one object (`VerifyResponse.result`).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class VerifyResult:
 
 
 @dataclass(slots=True)
-class Verdicts:
+class VerifyResponse:
     """The verdicts of one block as columns, in the block's order.
 
     Verdict i committed token_ids[i]: its first num_accepted[i] of num_draft_tokens[i] drafts
@@ -52,8 +52,8 @@ class Verdicts:
     errors: dict[int, RequestError]
 
     @classmethod
-    def pending(cls, request_ids: Sequence[str], steps: Sequence[int]) -> Verdicts:
-        """Verdicts for these entries with nothing committed yet, to fill in place."""
+    def pending(cls, request_ids: Sequence[str], steps: Sequence[int]) -> VerifyResponse:
+        """VerifyResponse for these entries with nothing committed yet, to fill in place."""
         n = len(request_ids)
         return cls(list(request_ids), list(steps), [()] * n, [0] * n, [0] * n, [0] * n, {})
 
@@ -89,7 +89,7 @@ class Verdicts:
         return pb
 
     @classmethod
-    def from_pb(cls, pb: target_pb2.VerifyResponse) -> Verdicts:
+    def from_pb(cls, pb: target_pb2.VerifyResponse) -> VerifyResponse:
         """ValueError if the response's columns disagree."""
         # [:] copies a repeated field into a list in half the time list() takes (measured)
         rids, tokens = pb.request_ids[:], pb.token_ids[:]

@@ -17,18 +17,12 @@ from bench.e2e_driver import (
 )
 from specdec.runner import ModelRunner
 from tests.draft_service.models import (
-    build_checkpoints,
     greedy_reference,
     model_draft,
     runner_config,
     services,
 )
 from tests.specdec._runner_models import TOKENIZER_VOCAB
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return build_checkpoints(tmp_path_factory.mktemp("ckpt"))
 
 
 def test_target_only_and_lockstep_commit_greedy_decoding(checkpoints: tuple[Path, Path]) -> None:

@@ -14,12 +14,6 @@ from bench.e2e_serve import Stream, hub_ms, seq_len_needed, serve_args, window_f
 from orchestrator.cli import parse_args, serve_config
 from orchestrator.config import ServiceConfig
 from orchestrator.services import synthetic_acceptance
-from tests.draft_service.models import build_checkpoints
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return build_checkpoints(tmp_path_factory.mktemp("serve_flag"))
 
 
 def _config(target: Path, draft: Path, *flags: str) -> ServiceConfig:

@@ -8,19 +8,15 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from draft_service.config import DraftConfig
-from draft_service.server import start as start_draft
+from orchestrator.local import LocalPair, local_pair
 from specdec.runner import ForwardItem, ModelRunner, RunnerConfig
-from specdec.serving.client import make_channel
-from specdec.serving.pipeline import Pipeline
-from specdec.serving.server import Server, ServerConfig
+from specdec.serving.server import ServerConfig
 from target_service.config import TargetConfig
-from target_service.server import start as start_target
 from tests.specdec._runner_models import TOKENIZER_VOCAB, hf_model, save_checkpoint
 
 DRAFT_VOCAB = 256
@@ -45,45 +41,24 @@ def runner_config(path: Path, max_slots: int = 16) -> RunnerConfig:
     return RunnerConfig(str(path), max_slots=max_slots, max_seq_len=128)
 
 
-@dataclass
-class Services:
-    target: Server
-    draft: Server
-    target_address: str
-    draft_address: str
-
-    def pipeline(self) -> Pipeline:
-        return Pipeline(make_channel(self.draft_address), make_channel(self.target_address))
-
-
 @contextmanager
 def services(
     target_dir: Path,
     draft: DraftConfig,
     server: ServerConfig | None = None,
     sampler_impl: str = "auto",
-) -> Iterator[Services]:
-    """Both services on free loopback ports. sampler_impl "torch" runs the rejection sampler's
-    pure-torch implementation (bit-equal to the kernels, tested in test_rejection_kernels):
-    the Triton interpreter costs about 1 s per step on CPU."""
-    server = server or ServerConfig()
-    d_srv, _ = start_draft(draft)
-    t_cfg = TargetConfig(
+) -> Iterator[LocalPair]:
+    """Both services on free loopback ports (`orchestrator.local`); `server` configures the
+    target's. sampler_impl "torch" runs the rejection sampler's pure-torch implementation
+    (bit-equal to the kernels, tested in test_rejection_kernels): the Triton interpreter costs
+    about 1 s per step on CPU."""
+    target = TargetConfig(
         runner_config(target_dir),
-        server,
-        draft_address=f"127.0.0.1:{d_srv.port}",
+        server or ServerConfig(),
         sampler_impl=sampler_impl,  # type: ignore[arg-type]
     )
-    try:
-        t_srv, _ = start_target(t_cfg)
-    except BaseException:
-        d_srv.stop(0)
-        raise
-    try:
-        yield Services(t_srv, d_srv, f"127.0.0.1:{t_srv.port}", f"127.0.0.1:{d_srv.port}")
-    finally:
-        t_srv.stop(0)
-        d_srv.stop(0)
+    with local_pair(draft, target) as pair:
+        yield pair
 
 
 def model_draft(draft_dir: Path, q_form: str = "sparse", support: int = 8) -> DraftConfig:

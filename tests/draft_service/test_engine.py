@@ -12,8 +12,8 @@ from draft_service.engine import DraftEngine, _read_drafts, _Step
 from draft_service.server import model_info
 from specdec.runner import ModelRunner
 from specdec.sampling_params import SamplingParams
-from specdec.serving.blocks import DenseQ, ProposeAsk, SparseQ
-from specdec.serving.messages import Admission
+from specdec.serving.blocks import DenseQ, SparseQ
+from specdec.serving.messages import AdmitRequest, ProposeEntry
 from tests.draft_service.models import build_checkpoints, model_draft
 
 
@@ -69,7 +69,7 @@ def _engine(draft_dir: Path) -> DraftEngine:
 def _admit(engine: DraftEngine) -> None:
     for i, rid in enumerate(("a", "b")):
         sampling = SamplingParams(0.8 if i else 0.0, seed=7)
-        engine.admit(Admission(rid, tuple(range(3 + i, 12 + i)), sampling))
+        engine.admit(AdmitRequest(rid, tuple(range(3 + i, 12 + i)), sampling))
 
 
 def test_a_failed_step_leaves_requests_as_they_were(
@@ -78,11 +78,11 @@ def test_a_failed_step_leaves_requests_as_they_were(
     clean, faulty = _engine(draft_dir), _engine(draft_dir)
     _admit(clean)
     _admit(faulty)
-    first = [ProposeAsk("a", 0, (), 9, 3), ProposeAsk("b", 0, (), 9, 2)]
+    first = [ProposeEntry("a", 0, (), 9, 3), ProposeEntry("b", 0, (), 9, 2)]
     for e in (clean, faulty):
         assert not e.propose(first)[1]
     # step 1 commits 2 tokens for a and 1 for b, then fails inside its draft steps
-    asks = [ProposeAsk("a", 1, (5, 6), 11, 4), ProposeAsk("b", 1, (7,), 10, 3)]
+    asks = [ProposeEntry("a", 1, (5, 6), 11, 4), ProposeEntry("b", 1, (7,), 10, 3)]
     calls = {"n": 0}
     real = faulty.runner.graph_step  # type: ignore[union-attr]
 

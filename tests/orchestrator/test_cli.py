@@ -16,14 +16,8 @@ import pytest
 
 from orchestrator.cli import parse_args, serve_config
 from orchestrator.config import PlacementConfig, SchedulerConfig, ServeConfig, ServiceConfig
-from tests.draft_service.models import build_checkpoints
 
 ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    return build_checkpoints(tmp_path_factory.mktemp("cli"))
 
 
 def test_defaults_are_the_config_dataclasses(checkpoints: tuple[Path, Path]) -> None:

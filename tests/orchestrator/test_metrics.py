@@ -123,10 +123,14 @@ def test_step_histograms_count_and_sum(served) -> None:
 
 
 def _final(prompt: int, completion: int, ttft: float, e2e: float, reason: int):
+    timing = generate_pb2.Timing(
+        time_to_first_token_s=ttft, e2e_s=e2e, queue_s=ttft / 4, admission_s=ttft / 2,
+        prefill_s=ttft / 8,
+    )  # fmt: skip
     return generate_pb2.GenerateResponse(
         finish_reason=reason,  # type: ignore[arg-type]
         usage=generate_pb2.Usage(prompt_tokens=prompt, completion_tokens=completion),
-        timing=generate_pb2.Timing(time_to_first_token_s=ttft, e2e_s=e2e),
+        timing=timing,
     )
 
 
@@ -150,6 +154,9 @@ def test_request_metrics(served) -> None:
     assert _value(s, "specdec:time_to_first_token_seconds_count") == 2
     assert _value(s, "specdec:time_to_first_token_seconds_sum") == pytest.approx(0.25)
     assert _value(s, "specdec:e2e_request_latency_seconds_sum") == pytest.approx(0.65)
+    assert _value(s, "specdec:request_queue_time_seconds_sum") == pytest.approx(0.25 / 4)
+    assert _value(s, "specdec:request_prefill_time_seconds_count") == 2
+    assert _value(s, "specdec:request_prefill_time_seconds_sum") == pytest.approx(0.25 / 8)
     # one request with more than one token: (0.45 - 0.05) / 4 tokens after the first
     assert _value(s, "specdec:time_per_output_token_seconds_count") == 1
     assert _value(s, "specdec:time_per_output_token_seconds_sum") == pytest.approx(0.1)

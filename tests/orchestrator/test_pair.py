@@ -13,16 +13,17 @@ from collections.abc import Iterator
 
 import pytest
 
+from orchestrator.local import LocalPair
 from orchestrator.pair import PairAdmission, PairClient, StepReport
 from specdec.sampling_params import SamplingParams
 from tests.draft_service.models import build_checkpoints
-from tests.target_service.hub_helpers import GREEDY, Driver, Services, hub_services
+from tests.target_service.hub_helpers import GREEDY, Driver, hub_services
 
 PROMPT = [5, 17, 42, 9, 77, 5, 17]
 
 
 @pytest.fixture(scope="module")
-def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Services]:
+def svc(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalPair]:
     with hub_services(*build_checkpoints(tmp_path_factory.mktemp("ckpt"))) as s:
         yield s
 
@@ -73,7 +74,7 @@ def test_unreachable_target_is_a_clear_error() -> None:
         PairClient(f"127.0.0.1:{port}", on_step=print, on_admitted=print, timeout_s=0.5)
 
 
-def test_second_client_is_refused_with_the_reason(svc: Services) -> None:
+def test_second_client_is_refused_with_the_reason(svc: LocalPair) -> None:
     first = PairClient(svc.target_address, on_step=print, on_admitted=print, timeout_s=30)
     try:
         with pytest.raises(ConnectionError, match="already open"):
@@ -82,7 +83,7 @@ def test_second_client_is_refused_with_the_reason(svc: Services) -> None:
         first.close()
 
 
-def test_model_info_names_both_services(svc: Services) -> None:
+def test_model_info_names_both_services(svc: LocalPair) -> None:
     client = PairClient(svc.target_address, on_step=print, on_admitted=print, timeout_s=30)
     try:
         target, draft = client.model_info()
@@ -93,7 +94,7 @@ def test_model_info_names_both_services(svc: Services) -> None:
         client.close()
 
 
-def test_num_running_follows_admissions_releases_and_errors(svc: Services) -> None:
+def test_num_running_follows_admissions_releases_and_errors(svc: LocalPair) -> None:
     driver = Driver(svc.target_address, max_new_tokens=10_000)
     client = driver.client
     with pytest.raises(ValueError, match="proposer"):
@@ -121,7 +122,7 @@ def test_num_running_follows_admissions_releases_and_errors(svc: Services) -> No
     assert all(isinstance(r, StepReport) for r in driver.reports)
 
 
-def test_close_ends_the_stream_and_frees_both_services(svc: Services) -> None:
+def test_close_ends_the_stream_and_frees_both_services(svc: LocalPair) -> None:
     closed: list[BaseException | None] = []
     stepped = threading.Event()
     client = PairClient(svc.target_address, on_step=lambda r: stepped.set(), on_admitted=print,

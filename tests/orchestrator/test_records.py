@@ -177,8 +177,12 @@ def test_cancel_flushes_held_text_and_timing_uses_the_clock() -> None:
     clock = Clock()
     rec = _record(StopCriteria(stop=("lazy cat",)), text=True, clock=clock)
     clock.now += 0.5
-    rec.mark_admitted()
-    clock.now += 0.25
+    rec.mark_sent()
+    clock.now += 0.125
+    rec.mark_admitted(prefill_s=0.0625)
+    rec.mark_sent()  # a re-admission changes neither
+    rec.mark_admitted(prefill_s=1.0)
+    clock.now += 0.125
     delta = rec.apply(_step(0, tuple(tok.encode("over the lazy"))))
     assert delta is not None and delta.text == "over the "
     clock.now += 1.0
@@ -188,6 +192,8 @@ def test_cancel_flushes_held_text_and_timing_uses_the_clock() -> None:
     response = rec.response(final)
     assert response.finish_reason == generate_pb2.FINISH_REASON_CANCELLED
     assert response.timing.queue_s == pytest.approx(0.5)
+    assert response.timing.admission_s == pytest.approx(0.625)
+    assert response.timing.prefill_s == pytest.approx(0.0625)
     assert response.timing.time_to_first_token_s == pytest.approx(0.75)
     assert response.timing.e2e_s == pytest.approx(1.75)
 

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 import pytest
 
-from orchestrator.pair import PairAdmission, StepEvent, StepReport
+from orchestrator.pair import Admitted, PairAdmission, StepEvent, StepReport
 from orchestrator.scheduler import DuplicateRequestError, QueueFullError, Scheduler
 from specdec.sampling_params import SamplingParams
 from specdec.serving.messages import ErrorReason, RequestError
@@ -24,6 +24,7 @@ class FakePair:
     admissions: list[PairAdmission] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     drafts: list[tuple[str | None, dict[str, Any]]] = field(default_factory=list)
+    speculation: list[tuple[str, str, int]] = field(default_factory=list)
 
     def admit(self, admission: PairAdmission) -> None:
         self.admitted.append(admission.request_id)
@@ -34,6 +35,9 @@ class FakePair:
 
     def set_draft(self, address: str | None, records: Mapping[str, Any]) -> None:
         self.drafts.append((address, dict(records)))
+
+    def set_speculation(self, request_id: str, proposer: str, num_draft_tokens: int) -> None:
+        self.speculation.append((request_id, proposer, num_draft_tokens))
 
 
 @dataclass
@@ -47,15 +51,20 @@ class FakeJob:
     error: tuple[grpc.StatusCode, str] | None = None
     shutdown: bool = False
     done: threading.Event = field(default_factory=threading.Event)
+    num_draft_tokens: int = 2
 
     def admission(self) -> PairAdmission:
         tokens, next_step = self.readmission()
-        return PairAdmission(self.request_id, tokens, SamplingParams(0.0), "draft", 2, next_step)
+        proposer, k = self.proposer, self.num_draft_tokens
+        return PairAdmission(self.request_id, tokens, SamplingParams(0.0), proposer, k, next_step)  # type: ignore[arg-type]
+
+    def set_speculation(self, proposer: str, num_draft_tokens: int) -> None:
+        self.proposer, self.num_draft_tokens = proposer, num_draft_tokens
 
     def readmission(self) -> tuple[tuple[int, ...], int]:
         return (1, 2, *self.tokens), self.next_step
 
-    def on_admitted(self, committed_length: int) -> None:
+    def on_admitted(self, admitted: Admitted) -> None:
         pass
 
     def on_event(self, event: StepEvent) -> bool:
@@ -250,3 +259,20 @@ def test_stop_ends_every_request(make: Any) -> None:
         sched.submit(j)
     sched.stop()
     assert all(j.shutdown for j in jobs)
+
+
+def test_set_speculation_reaches_the_running_pair_and_the_record(make) -> None:  # type: ignore[no-untyped-def]
+    sched, [pair] = make([1], max_queue=2)
+    running, waiting = FakeJob("a"), FakeJob("b")
+    sched.submit(running)
+    sched.submit(waiting)
+    eventually(lambda: pair.admitted == ["a"])
+    assert sched.set_speculation("a", "ngram", 3)
+    assert pair.speculation == [("a", "ngram", 3)] and running.proposer == "ngram"
+    assert sched.set_speculation("b", "off", 0)  # waiting: only its record changes
+    assert pair.speculation == [("a", "ngram", 3)]
+    assert not sched.set_speculation("nobody", "off", 0)
+    sched.post_step(0, step(event("a", 0, 5, 6, 7)))  # "a" finishes; "b" is admitted
+    eventually(lambda: pair.admitted == ["a", "b"])
+    assert pair.admissions[1].proposer == "off" and pair.admissions[1].num_draft_tokens == 0
+    assert not sched.set_speculation("a", "draft", 2), "a finished request was changed"

@@ -16,10 +16,10 @@ import torch
 from specdec.limits import INT32_MAX, MAX_SEED, MAX_STEP
 from specdec.pb import common_pb2, draft_pb2, target_pb2_grpc
 from specdec.sampling_params import SamplingParams
-from specdec.serving.blocks import DraftProposal, ProposalBlock, ProposeAsk, SparseQ, block_to_pb
+from specdec.serving.blocks import DraftBlock, DraftProposal, SparseQ, block_to_pb
 from specdec.serving.client import make_channel
-from specdec.serving.messages import Admission
-from specdec.serving.verdicts import Verdicts
+from specdec.serving.messages import AdmitRequest, ProposeEntry
+from specdec.serving.verdicts import VerifyResponse
 
 U32_MAX, U64_MAX = 2**32 - 1, 2**64 - 1
 
@@ -51,9 +51,9 @@ def _admit_pb(**changes: int) -> common_pb2.AdmitRequest:
     ],
 )
 def test_admit_request_ranges(changes: dict[str, int], match: str) -> None:
-    assert Admission.from_pb(_admit_pb()).first_step == 3  # well-formed before the change
+    assert AdmitRequest.from_pb(_admit_pb()).first_step == 3  # well-formed before the change
     with pytest.raises(ValueError, match=match):
-        Admission.from_pb(_admit_pb(**changes))
+        AdmitRequest.from_pb(_admit_pb(**changes))
 
 
 @pytest.mark.parametrize(
@@ -67,10 +67,10 @@ def test_admit_request_ranges(changes: dict[str, int], match: str) -> None:
 def test_propose_entry_ranges(name: str, value: int, match: str) -> None:
     pb = draft_pb2.ProposeEntry(request_id="a", step=MAX_STEP, committed_length=INT32_MAX,
                                 num_draft_tokens=INT32_MAX)  # fmt: skip
-    ProposeAsk.from_pb(pb)  # the largest values in range are accepted
+    ProposeEntry.from_pb(pb)  # the largest values in range are accepted
     setattr(pb, name, value)
     with pytest.raises(ValueError, match=match):
-        ProposeAsk.from_pb(pb)
+        ProposeEntry.from_pb(pb)
 
 
 def _block(q: str = "none", k: int = 2) -> common_pb2.DraftBlock:
@@ -91,7 +91,7 @@ def test_draft_block_entry_ranges_fail_only_their_entry(
 ) -> None:
     pb = _block()
     getattr(pb, column)[1] = value
-    parsed = ProposalBlock.from_pb(pb)
+    parsed = DraftBlock.from_pb(pb)
     assert list(parsed.errors) == [1]
     assert re.match(match, parsed.errors[1])
     assert parsed.proposal(2).draft_token_ids == (0, 1)
@@ -103,7 +103,7 @@ def test_draft_block_num_draft_tokens_out_of_range_is_the_blocks_error() -> None
     with pytest.raises(
         ValueError, match=r"^entries\[0\]\.num_draft_tokens must be in \[0, 2147483647\]"
     ):
-        ProposalBlock.from_pb(pb)
+        DraftBlock.from_pb(pb)
 
 
 def test_dense_vocab_size_range() -> None:
@@ -111,7 +111,7 @@ def test_dense_vocab_size_range() -> None:
     pb.q_forms[0] = common_pb2.Q_FORM_DENSE
     pb.dense.vocab_size = U32_MAX
     with pytest.raises(ValueError, match=r"^dense\.vocab_size must be in \[1, 16777216\]"):
-        ProposalBlock.from_pb(pb)
+        DraftBlock.from_pb(pb)
 
 
 def _timed(parse: Callable[[], object]) -> tuple[str, float]:
@@ -124,20 +124,20 @@ def _timed(parse: Callable[[], object]) -> tuple[str, float]:
 @pytest.mark.parametrize("k", [2, 0])  # k = 0: the q buffers are empty and match any width
 def test_huge_support_size_is_refused_before_allocating(k: int) -> None:
     pb = _block("sparse", k)
-    ProposalBlock.from_pb(pb, max_support_size=1024)
+    DraftBlock.from_pb(pb, max_support_size=1024)
     pb.sparse.support_size = INT32_MAX
-    message, seconds = _timed(lambda: ProposalBlock.from_pb(pb))
+    message, seconds = _timed(lambda: DraftBlock.from_pb(pb))
     assert message == (
         "sparse.support_size must be in [1, 16777216] (the largest vocabulary the sampler "
         "takes), got 2147483647."
     )
     assert seconds < 0.5
-    message, seconds = _timed(lambda: ProposalBlock.from_pb(pb, max_support_size=1024))
+    message, seconds = _timed(lambda: DraftBlock.from_pb(pb, max_support_size=1024))
     assert message.startswith("sparse.support_size must be in [1, 1024] (this service's")
     assert seconds < 0.5
     pb.sparse.support_size = 3
     with pytest.raises(ValueError, match=r"support_size must be in \[1, 2\] \(the vocabulary\)"):
-        ProposalBlock.from_pb(pb, max_support_size=1024, vocab_size=2)
+        DraftBlock.from_pb(pb, max_support_size=1024, vocab_size=2)
 
 
 # ---- through real gRPC: one hostile request does not disturb the service -------------------
@@ -178,7 +178,7 @@ def test_admit_with_top_k_2_31_is_invalid_and_the_service_keeps_serving(
     block = block_to_pb([DraftProposal("good", 0, 3, (8, 9)), DraftProposal("other", 0, 2, ())])
     block.steps[1] = U64_MAX
     (response,) = stub.Verify(iter([block]), timeout=60)
-    verdicts = Verdicts.from_pb(response)
+    verdicts = VerifyResponse.from_pb(response)
     assert list(verdicts.errors) == [1]
     assert verdicts.errors[1].code == grpc.StatusCode.INVALID_ARGUMENT
     assert "entries[1].step must be >= 0 and <= 9223372036854775807" in verdicts.errors[1].message

@@ -19,22 +19,22 @@ from specdec.serving.blocks import (
     Q_NONE,
     Q_SPARSE,
     DenseQ,
+    DraftBlock,
     DraftProposal,
-    ProposalBlock,
-    ProposeAsk,
     SparseQ,
     block_to_pb,
 )
 from specdec.serving.messages import (
     REASON_CODES,
-    Admission,
+    AdmitRequest,
     ErrorReason,
     ModelInfo,
+    ProposeEntry,
     QForm,
     RequestError,
     check_compatible,
 )
-from specdec.serving.verdicts import Verdicts, VerifyResult
+from specdec.serving.verdicts import VerifyResponse, VerifyResult
 
 
 def test_error_reason_mirrors_proto_enum() -> None:
@@ -92,7 +92,7 @@ def _q(kind: str, k: int, vocab: int = 11, support: int = 4) -> DenseQ | SparseQ
 
 def _round_trip(proposals: list[DraftProposal]) -> list[DraftProposal]:
     wire = block_to_pb(proposals).SerializeToString()
-    parsed = ProposalBlock.from_pb(common_pb2.DraftBlock.FromString(wire))
+    parsed = DraftBlock.from_pb(common_pb2.DraftBlock.FromString(wire))
     return [parsed.proposal(i) for i in range(len(parsed))]
 
 
@@ -173,10 +173,10 @@ def _block(kind: str) -> common_pb2.DraftBlock:
 )  # fmt: skip
 def test_block_shape_errors_name_the_field(kind, mutate, match) -> None:  # type: ignore[no-untyped-def]
     pb = _block(kind)
-    ProposalBlock.from_pb(pb)  # well-formed before the mutation
+    DraftBlock.from_pb(pb)  # well-formed before the mutation
     mutate(pb)
     with pytest.raises(ValueError, match=match):
-        ProposalBlock.from_pb(pb)
+        DraftBlock.from_pb(pb)
 
 
 @pytest.mark.parametrize(
@@ -191,7 +191,7 @@ def test_block_shape_errors_name_the_field(kind, mutate, match) -> None:  # type
 def test_malformed_entry_is_only_that_entrys_error(mutate, match) -> None:  # type: ignore[no-untyped-def]
     pb = _block("sparse")
     mutate(pb)
-    parsed = ProposalBlock.from_pb(pb)
+    parsed = DraftBlock.from_pb(pb)
     assert list(parsed.errors) == [2] and re.match(match, parsed.errors[2])
     with pytest.raises(ValueError, match=match):
         parsed.proposal(2)
@@ -208,7 +208,7 @@ def test_q_rows_must_match_draft_tokens() -> None:
 def test_verdicts_round_trip_as_columns() -> None:
     err = RequestError(ErrorReason.STALE_STEP, grpc.StatusCode.FAILED_PRECONDITION, "old step")
     dup_err = RequestError(ErrorReason.DUPLICATE_STEP, grpc.StatusCode.ALREADY_EXISTS, "again")
-    verdicts = Verdicts.pending(["a", "b", "c", "d"], [3, 1, 0, 9])
+    verdicts = VerifyResponse.pending(["a", "b", "c", "d"], [3, 1, 0, 9])
     verdicts.commit(0, [5, 6, 9], 2, 3, 40)
     verdicts.fail(1, err)
     verdicts.commit(2, [7], 0, 1, 12)
@@ -217,7 +217,7 @@ def test_verdicts_round_trip_as_columns() -> None:
     pb = target_pb2.VerifyResponse.FromString(verdicts.to_pb().SerializeToString())
     assert list(pb.num_accepted) == [2, 0, 0, 0] and list(pb.token_ids) == [5, 6, 9, 7, 4]
     assert [e.index for e in pb.errors] == [1, 2]
-    back = Verdicts.from_pb(pb)
+    back = VerifyResponse.from_pb(pb)
     assert back.results() == [
         VerifyResult("a", 3, (5, 6, 9), (True, True, False), 40),
         VerifyResult("b", 1, error=err),
@@ -236,18 +236,18 @@ def test_verdicts_round_trip_as_columns() -> None:
     ],
 )  # fmt: skip
 def test_verify_response_with_inconsistent_columns_is_refused(mutate, match) -> None:  # type: ignore[no-untyped-def]
-    verdicts = Verdicts.pending(["a"], [3])
+    verdicts = VerifyResponse.pending(["a"], [3])
     verdicts.commit(0, [5, 6], 1, 2, 40)
     pb = verdicts.to_pb()
     mutate(pb)
     with pytest.raises(ValueError, match=match):
-        Verdicts.from_pb(pb)
+        VerifyResponse.from_pb(pb)
 
 
 def test_admission_round_trip_and_sampling_defaults() -> None:
-    adm = Admission("r", (1, 2, 3), SamplingParams(0.7, 5, 0.9, 2**62), first_step=4)
-    assert Admission.from_pb(adm.to_pb()) == adm
-    bare = Admission.from_pb(common_pb2.AdmitRequest(request_id="r", prompt_token_ids=[1]))
+    adm = AdmitRequest("r", (1, 2, 3), SamplingParams(0.7, 5, 0.9, 2**62), first_step=4)
+    assert AdmitRequest.from_pb(adm.to_pb()) == adm
+    bare = AdmitRequest.from_pb(common_pb2.AdmitRequest(request_id="r", prompt_token_ids=[1]))
     assert bare.sampling == SamplingParams()  # unset temperature / top_p mean 1
 
 
@@ -263,19 +263,19 @@ def test_admission_round_trip_and_sampling_defaults() -> None:
 def test_invalid_sampling_params_name_field(sampling, match) -> None:  # type: ignore[no-untyped-def]
     pb = common_pb2.AdmitRequest(request_id="r", prompt_token_ids=[1], sampling=sampling)
     with pytest.raises(ValueError, match=match):
-        Admission.from_pb(pb)
+        AdmitRequest.from_pb(pb)
 
 
 def test_admission_checks() -> None:
     with pytest.raises(ValueError, match="prompt_token_ids must hold"):
-        Admission("r", ())
+        AdmitRequest("r", ())
     with pytest.raises(ValueError, match=r"prompt_token_ids holds 99, outside .*\[0, 50\)"):
-        Admission("r", (1, 99)).check_vocab(50)
+        AdmitRequest("r", (1, 99)).check_vocab(50)
     with pytest.raises(ValueError, match=r"prompt_token_ids has 4 tokens; at most 3 fit"):
-        Admission("r", (1, 2, 3, 4)).check_limits(50, max_seq_len=4)
+        AdmitRequest("r", (1, 2, 3, 4)).check_limits(50, max_seq_len=4)
     with pytest.raises(ValueError, match="outside"):
-        Admission("r", (1, 99)).check_limits(50, max_seq_len=100)
-    Admission("r", (1, 2, 3)).check_limits(50, max_seq_len=4)  # room for one new token
+        AdmitRequest("r", (1, 99)).check_limits(50, max_seq_len=100)
+    AdmitRequest("r", (1, 2, 3)).check_limits(50, max_seq_len=4)  # room for one new token
 
 
 def _info(**kw: object) -> ModelInfo:
@@ -300,8 +300,8 @@ def test_model_info_round_trip_and_compatibility() -> None:
 
 
 def test_propose_ask_round_trip() -> None:
-    ask = ProposeAsk("r", 2, (4, 5), 9, 3)
-    assert ProposeAsk.from_pb(ask.to_pb()) == ask
+    ask = ProposeEntry("r", 2, (4, 5), 9, 3)
+    assert ProposeEntry.from_pb(ask.to_pb()) == ask
 
 
 def test_runtime_floors_match_the_generated_modules() -> None:
@@ -325,7 +325,7 @@ def test_block_with_a_short_column_is_every_entrys_error() -> None:
     pb = _block("sparse")
     pb.steps.pop()
     with pytest.raises(ValueError, match="steps has 3 values") as info:
-        ProposalBlock.from_pb(pb)
+        DraftBlock.from_pb(pb)
     verdicts = block_error(pb, info.value)
     assert verdicts.request_ids == ["r0", "r1", "r2", "r3"] and verdicts.steps == [0, 0, 0, 0]
     assert sorted(verdicts.errors) == [0, 1, 2, 3]
@@ -339,7 +339,7 @@ def test_parsed_block_locates_each_entrys_tokens_and_q_rows() -> None:
         DraftProposal(f"r{i}", i, 5, tuple(range(10 * i, 10 * i + k)), _q(form, k))
         for i, (form, k) in enumerate(zip(forms, ks, strict=True))
     ]
-    parsed = ProposalBlock.from_pb(block_to_pb(proposals))
+    parsed = DraftBlock.from_pb(block_to_pb(proposals))
     assert parsed.q_forms == [Q_SPARSE, Q_NONE, Q_DENSE, Q_SPARSE, Q_DENSE, Q_SPARSE]
     assert parsed.token_starts == [0, 2, 2, 3, 6, 6, 7] and parsed.q_starts == [0, 0, 0, 2, 1, 5]
     assert parsed.sparse is not None and parsed.sparse.probs.shape == (6, 4)
@@ -363,7 +363,7 @@ def test_parsed_block_entry_errors() -> None:
     pb.committed_lengths[1] = 0
     pb.request_ids[1] = ""  # the id is named first, as DraftProposal checks it first
     pb.committed_lengths[3] = 0
-    parsed = ProposalBlock.from_pb(pb)
+    parsed = DraftBlock.from_pb(pb)
     assert parsed.errors == {
         1: "entries[1].request_id must be a non-empty string.",
         3: "entries[3].committed_length must be >= 1 and <= 2147483647, got 0.",
@@ -371,33 +371,31 @@ def test_parsed_block_entry_errors() -> None:
 
 
 def test_empty_block_parses() -> None:
-    parsed = ProposalBlock.from_pb(block_to_pb([]))
+    parsed = DraftBlock.from_pb(block_to_pb([]))
     assert len(parsed) == 0 and parsed.sparse is None and parsed.dense is None
-    assert len(Verdicts.from_pb(Verdicts.pending([], []).to_pb())) == 0
+    assert len(VerifyResponse.from_pb(VerifyResponse.pending([], []).to_pb())) == 0
 
 
 def test_block_built_from_columns_is_checked() -> None:
     sparse = _q("sparse", 3)
     assert isinstance(sparse, SparseQ)
-    block = ProposalBlock.build(["a", "b"], [0, 1], [3, 4], [2, 1], [Q_SPARSE, Q_SPARSE],
+    block = DraftBlock.build(["a", "b"], [0, 1], [3, 4], [2, 1], [Q_SPARSE, Q_SPARSE],
                                 [5, 6, 7], sparse=sparse)  # fmt: skip
-    back = ProposalBlock.from_pb(
-        common_pb2.DraftBlock.FromString(block.to_pb().SerializeToString())
-    )
+    back = DraftBlock.from_pb(common_pb2.DraftBlock.FromString(block.to_pb().SerializeToString()))
     assert back.tokens(1) == [7] and back.sparse is not None
     assert torch.equal(back.sparse.probs, sparse.probs)
     with pytest.raises(ValueError, match="committed_lengths has 1 values for 2 request_ids"):
-        ProposalBlock.build(["a", "b"], [0, 1], [3], [2, 1], [Q_SPARSE] * 2, [5, 6, 7])
+        DraftBlock.build(["a", "b"], [0, 1], [3], [2, 1], [Q_SPARSE] * 2, [5, 6, 7])
     with pytest.raises(ValueError, match="draft_token_ids has 2 ids; the entries' num_draft"):
-        ProposalBlock.build(["a", "b"], [0, 1], [3, 4], [2, 1], [Q_SPARSE] * 2, [5, 6])
+        DraftBlock.build(["a", "b"], [0, 1], [3, 4], [2, 1], [Q_SPARSE] * 2, [5, 6])
     with pytest.raises(
         ValueError,
         match="sparse q has no tensor; the block has Q_FORM_SPARSE entries whose k_i sum to 3",
     ):
-        ProposalBlock.build(["a", "b"], [0, 1], [3, 4], [2, 1], [Q_SPARSE] * 2, [5, 6, 7])
+        DraftBlock.build(["a", "b"], [0, 1], [3, 4], [2, 1], [Q_SPARSE] * 2, [5, 6, 7])
     with pytest.raises(
         ValueError,
         match="sparse q has 3 rows; the block has Q_FORM_SPARSE entries whose k_i sum to 2",
     ):
-        ProposalBlock.build(["a", "b"], [0, 1], [3, 4], [2, 1], [Q_SPARSE, Q_NONE], [5, 6, 7],
+        DraftBlock.build(["a", "b"], [0, 1], [3, 4], [2, 1], [Q_SPARSE, Q_NONE], [5, 6, 7],
                             sparse=sparse)  # fmt: skip

@@ -1,7 +1,7 @@
 """The orchestrator's part in the hub tests: a `Driver` over a real `PairClient` that records
 each request's committed tokens, applies every verdict once by (request id, step), admits
 requests as steps go by and releases each one once it has enough tokens; and the services
-with their engines, on loopback ports."""
+with their engines, on loopback ports (`orchestrator.local`)."""
 
 from __future__ import annotations
 
@@ -12,61 +12,24 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from draft_service.engine import DraftEngine
-from draft_service.server import start as start_draft
-from orchestrator.pair import PairAdmission, PairClient, Proposer, StepEvent, StepReport
+from orchestrator.local import LocalPair, local_pair
+from orchestrator.pair import Admitted, PairAdmission, PairClient, Proposer, StepEvent, StepReport
 from specdec.sampling_params import SamplingParams
 from specdec.serving.messages import RequestError
-from specdec.serving.server import Server
 from target_service.config import TargetConfig
-from target_service.engine import TargetEngine
-from target_service.server import start as start_target
 from tests.draft_service.models import model_draft, runner_config
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
-@dataclass
-class Services:
-    target: Server
-    target_engine: TargetEngine
-    draft: Server
-    draft_engine: DraftEngine
-    draft_dir: Path
-
-    @property
-    def target_address(self) -> str:
-        return f"127.0.0.1:{self.target.port}"
-
-    def start_draft(self) -> str:
-        """A fresh draft service (after the old one was stopped); returns its address."""
-        self.draft, self.draft_engine = start_draft(model_draft(self.draft_dir))
-        return f"127.0.0.1:{self.draft.port}"
-
-
 @contextmanager
-def hub_services(target_dir: Path, draft_dir: Path) -> Iterator[Services]:
-    """Draft and target services; the target's hub uses the draft. The rejection sampler runs
-    its pure-torch implementation (bit-equal to the kernels; the Triton interpreter costs about
-    1 s per step on a CPU)."""
-    d_srv, d_eng = start_draft(model_draft(draft_dir))
-    config = TargetConfig(
-        runner_config(target_dir),
-        draft_address=f"127.0.0.1:{d_srv.port}",
-        draft_wait_s=5.0,
-        sampler_impl="torch",
-    )
-    try:
-        t_srv, t_eng = start_target(config)
-    except BaseException:
-        d_srv.stop(0)
-        raise
-    svc = Services(t_srv, t_eng, d_srv, d_eng, draft_dir)
-    try:
-        yield svc
-    finally:
-        svc.target.stop(0)
-        svc.draft.stop(0)
+def hub_services(target_dir: Path, draft_dir: Path) -> Iterator[LocalPair]:
+    """Draft and target services (`orchestrator.local`); the target's hub uses the draft. The
+    rejection sampler runs its pure-torch implementation (bit-equal to the kernels; the Triton
+    interpreter costs about 1 s per step on a CPU)."""
+    target = TargetConfig(runner_config(target_dir), draft_wait_s=5.0, sampler_impl="torch")
+    with local_pair(model_draft(draft_dir), target) as pair:
+        yield pair
 
 
 @dataclass
@@ -78,7 +41,7 @@ class Record:
     tokens: list[int]
     next_step: int = 0
     events: list[StepEvent] = field(default_factory=list)
-    admitted: int | RequestError | None = None
+    admitted: Admitted | RequestError | None = None
     error: RequestError | None = None
     done: bool = False
 

@@ -15,21 +15,22 @@ import grpc
 import pytest
 import torch
 
-from orchestrator.pair import StepReport
+from orchestrator.local import LocalPair
+from orchestrator.pair import Admitted, StepReport
 from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
 from specdec.pb.specdec.v1 import generate_pb2
 from specdec.runner import ModelRunner
 from specdec.serving.client import make_channel
-from specdec.serving.messages import Admission, ErrorReason, RequestError
+from specdec.serving.messages import AdmitRequest, ErrorReason, RequestError
 from tests.draft_service.models import (
     TOKENIZER_VOCAB,
     greedy_reference,
 )
-from tests.target_service.hub_helpers import GREEDY, Driver, Services, hub_services
+from tests.target_service.hub_helpers import GREEDY, Driver, hub_services
 
 
 @pytest.fixture(scope="module")
-def svc(checkpoints: tuple[Path, Path]) -> Iterator[Services]:
+def svc(checkpoints: tuple[Path, Path]) -> Iterator[LocalPair]:
     with hub_services(*checkpoints) as s:
         yield s
 
@@ -48,7 +49,7 @@ def _check_outputs(driver: Driver, reference: ModelRunner) -> None:
         assert rec.generated == want, f"request {rid} ({rec.proposer})"
 
 
-def _held(svc: Services, rid: str) -> bool:
+def _held(svc: LocalPair, rid: str) -> bool:
     try:
         svc.target_engine.tokens(rid)
     except KeyError:
@@ -57,7 +58,7 @@ def _held(svc: Services, rid: str) -> bool:
 
 
 def test_greedy_equals_target_only_for_every_proposer(
-    svc: Services, reference: ModelRunner
+    svc: LocalPair, reference: ModelRunner
 ) -> None:
     driver = Driver(svc.target_address, max_new_tokens=14)
     driver.admit("draft4", _prompt(0), "draft", 4)
@@ -88,7 +89,7 @@ def test_greedy_equals_target_only_for_every_proposer(
     assert any(r.draft_s > 0 for r in driver.reports)
 
 
-def test_release_and_stream_end_free_both_services(svc: Services) -> None:
+def test_release_and_stream_end_free_both_services(svc: LocalPair) -> None:
     driver = Driver(svc.target_address, max_new_tokens=1000)
     rids = ["a", "b", "c"]
     for i, rid in enumerate(rids):
@@ -123,7 +124,7 @@ def test_draft_death_changes_no_output_and_speculation_resumes(
             if n == 2:
                 own.draft.stop(0)
             if n == 5:
-                address = own.start_draft()
+                address = own.restart_draft()
                 records = {rid: (tuple(r.tokens), r.next_step)
                            for rid, r in driver.records.items()}  # fmt: skip
                 driver.client.set_draft(address, records)
@@ -146,7 +147,7 @@ def test_draft_death_changes_no_output_and_speculation_resumes(
 
 
 def test_failed_step_fails_only_its_requests(
-    svc: Services, reference: ModelRunner, monkeypatch: pytest.MonkeyPatch
+    svc: LocalPair, reference: ModelRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     engine = svc.target_engine
     verify = engine.verify_timed
@@ -175,10 +176,10 @@ def test_failed_step_fails_only_its_requests(
 
 
 def test_failed_draft_admission_runs_the_request_at_k0(
-    svc: Services, reference: ModelRunner
+    svc: LocalPair, reference: ModelRunner
 ) -> None:
     prompt = _prompt(50)
-    svc.draft_engine.admit(Admission("dup", tuple(prompt), GREEDY))  # the draft refuses "dup"
+    svc.draft_engine.admit(AdmitRequest("dup", tuple(prompt), GREEDY))  # the draft refuses "dup"
     try:
         driver = Driver(svc.target_address, max_new_tokens=6)
         driver.admit("dup", prompt, "draft", 3)
@@ -187,13 +188,15 @@ def test_failed_draft_admission_runs_the_request_at_k0(
     finally:
         assert svc.draft_engine.release(["dup"]) == 1
     _check_outputs(driver, reference)
-    assert driver.records["dup"].admitted == len(prompt), "a draft failure failed the request"
+    admitted = driver.records["dup"].admitted
+    assert isinstance(admitted, Admitted), "a draft failure failed the request"
+    assert admitted.committed_length == len(prompt) and admitted.prefill_s > 0
     assert all(e.num_draft_tokens == 0 for e in driver.records["dup"].events)
 
 
-def test_failed_target_admission_is_undone_on_the_draft(svc: Services) -> None:
+def test_failed_target_admission_is_undone_on_the_draft(svc: LocalPair) -> None:
     prompt = _prompt(51)
-    svc.target_engine.admit(Admission("twice", tuple(prompt), GREEDY))  # the target refuses
+    svc.target_engine.admit(AdmitRequest("twice", tuple(prompt), GREEDY))  # the target refuses
     try:
         driver = Driver(svc.target_address, max_new_tokens=6)
         driver.admit("twice", prompt, "draft", 3)
@@ -206,7 +209,7 @@ def test_failed_target_admission_is_undone_on_the_draft(svc: Services) -> None:
     assert svc.draft_engine.release(["twice"]) == 0, "the draft kept the refused request"
 
 
-def test_admission_errors_are_answered(svc: Services) -> None:
+def test_admission_errors_are_answered(svc: LocalPair) -> None:
     driver = Driver(svc.target_address, max_new_tokens=4)
     driver.admit("bad", [1, TOKENIZER_VOCAB + 3], "ngram", 2)
     driver.until(lambda: driver.records["bad"].admitted is not None)
@@ -230,7 +233,7 @@ def test_admission_errors_are_answered(svc: Services) -> None:
     )
 
 
-def test_cancelled_stream_releases_its_requests(svc: Services) -> None:
+def test_cancelled_stream_releases_its_requests(svc: LocalPair) -> None:
     admit = target_pb2.ServeAdmit(
         request=common_pb2.AdmitRequest(request_id="cut", prompt_token_ids=_prompt(60)),
         proposer=generate_pb2.PROPOSER_DRAFT,
@@ -259,7 +262,7 @@ def test_cancelled_stream_releases_its_requests(svc: Services) -> None:
             time.sleep(0.05)
 
 
-def test_second_serve_stream_is_refused(svc: Services) -> None:
+def test_second_serve_stream_is_refused(svc: LocalPair) -> None:
     driver = Driver(svc.target_address, max_new_tokens=4)
     with make_channel(svc.target_address) as channel:
         stub = target_pb2_grpc.TargetServiceStub(channel)
@@ -272,7 +275,7 @@ def test_second_serve_stream_is_refused(svc: Services) -> None:
     again.client.close()
 
 
-def test_step_report_timings_are_consistent(svc: Services) -> None:
+def test_step_report_timings_are_consistent(svc: LocalPair) -> None:
     driver = Driver(svc.target_address, max_new_tokens=6)
     driver.admit("t", _prompt(40), "draft", 3)
     driver.run()

@@ -13,8 +13,7 @@ from draft_service.engine import DraftEngine
 from draft_service.server import model_info
 from specdec.runner import ModelRunner, RunnerConfig
 from specdec.sampling_params import SamplingParams
-from specdec.serving.blocks import ProposeAsk
-from specdec.serving.messages import Admission
+from specdec.serving.messages import AdmitRequest, ProposeEntry
 from target_service.config import TargetConfig
 from target_service.engine import TargetEngine
 from tests.draft_service.models import build_checkpoints, greedy_reference, model_draft
@@ -64,8 +63,8 @@ def _run(
     tokens = {rid: list(p) for rid, p in prompts.items()}
     new: dict[str, list[int]] = {rid: [] for rid in prompts}
     for rid, p in prompts.items():
-        draft.admit(Admission(rid, tuple(p), sampling))
-        target.admit(Admission(rid, tuple(p), sampling))
+        draft.admit(AdmitRequest(rid, tuple(p), sampling))
+        target.admit(AdmitRequest(rid, tuple(p), sampling))
     graphed = []
     try:
         for step in range(steps):
@@ -73,7 +72,7 @@ def _run(
                 for runner in (draft.runner, target.runner):
                     _allow_only_result_reads(runner)  # type: ignore[arg-type]
                 torch.cuda.set_sync_debug_mode("error")
-            asks = [ProposeAsk(rid, step, tuple(new[rid]), len(tokens[rid]), ks[rid])
+            asks = [ProposeEntry(rid, step, tuple(new[rid]), len(tokens[rid]), ks[rid])
                     for rid in prompts]  # fmt: skip
             block, errors, d_times = draft.propose_timed(asks)
             assert not errors

@@ -13,19 +13,19 @@ import torch
 
 from draft_service.config import DraftConfig
 from draft_service.server import start as start_draft
+from orchestrator.local import LocalPair
 from specdec.errors import CheckpointError
 from specdec.pb import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2_grpc
 from specdec.sampling_params import SamplingParams
 from specdec.serving.blocks import DenseQ, DraftProposal, DraftQ, SparseQ, block_to_pb
 from specdec.serving.client import LockstepStream, make_channel
-from specdec.serving.messages import Admission, ErrorReason
+from specdec.serving.messages import AdmitRequest, ErrorReason
 from specdec.serving.server import ServerConfig
-from specdec.serving.verdicts import Verdicts, VerifyResult
+from specdec.serving.verdicts import VerifyResponse, VerifyResult
 from target_service.config import TargetConfig
 from target_service.server import start as start_target
 from tests.draft_service.models import (
     TOKENIZER_VOCAB,
-    Services,
     model_draft,
     runner_config,
     services,
@@ -37,7 +37,7 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
 @pytest.fixture(scope="module")
-def svc(checkpoints: tuple[Path, Path]) -> Iterator[Services]:
+def svc(checkpoints: tuple[Path, Path]) -> Iterator[LocalPair]:
     with services(checkpoints[0], model_draft(checkpoints[1]), sampler_impl="torch") as s:
         yield s
 
@@ -47,7 +47,7 @@ _admitted: list[str] = []
 
 
 @pytest.fixture(autouse=True)
-def _release(svc: Services) -> Iterator[None]:
+def _release(svc: LocalPair) -> Iterator[None]:
     """Frees every request a test admitted (16 KV slots per service)."""
     yield
     ids = common_pb2.ReleaseRequest(request_ids=_admitted)
@@ -63,14 +63,14 @@ def _release(svc: Services) -> Iterator[None]:
 
 
 @pytest.fixture
-def target(svc: Services) -> target_pb2_grpc.TargetServiceStub:
+def target(svc: LocalPair) -> target_pb2_grpc.TargetServiceStub:
     return target_pb2_grpc.TargetServiceStub(make_channel(svc.target_address))
 
 
 def _admit(target: target_pb2_grpc.TargetServiceStub, seed: int = 1, temp: float = 1.0) -> str:
     rid = f"req{next(_counter)}"
     _admitted.append(rid)
-    target.Admit(Admission(rid, tuple(PROMPT), SamplingParams(temp, seed=seed)).to_pb())
+    target.Admit(AdmitRequest(rid, tuple(PROMPT), SamplingParams(temp, seed=seed)).to_pb())
     return rid
 
 
@@ -98,7 +98,7 @@ def _verify(
     pb = block_to_pb(block) if isinstance(block, list) else block
     with LockstepStream(target.Verify) as stream:
         response = stream(pb)
-    return Verdicts.from_pb(response).results()
+    return VerifyResponse.from_pb(response).results()
 
 
 def test_any_order_and_k_2_0_1_each_against_its_own_q(
@@ -321,7 +321,7 @@ def test_bad_draft_input_is_that_requests_error(
         ([], common_pb2.SamplingParams(), "prompt_token_ids must hold"),
     ],
 )
-def test_invalid_admission(svc: Services, stub_kind: str, prompt, sampling, text) -> None:  # type: ignore[no-untyped-def]
+def test_invalid_admission(svc: LocalPair, stub_kind: str, prompt, sampling, text) -> None:  # type: ignore[no-untyped-def]
     if stub_kind == "target":
         stub = target_pb2_grpc.TargetServiceStub(make_channel(svc.target_address))
     else:
@@ -336,12 +336,12 @@ def test_invalid_admission(svc: Services, stub_kind: str, prompt, sampling, text
     assert stub.Admit(ok, timeout=10).committed_length == 2
 
 
-def test_draft_bad_asks_are_per_request_errors(svc: Services) -> None:
+def test_draft_bad_asks_are_per_request_errors(svc: LocalPair) -> None:
     stub = draft_pb2_grpc.DraftServiceStub(make_channel(svc.draft_address))
     ids = [f"d{next(_counter)}" for _ in range(5)]
     _admitted.extend(ids)
     for rid in ids:
-        stub.Admit(Admission(rid, tuple(PROMPT), SamplingParams(seed=3)).to_pb())
+        stub.Admit(AdmitRequest(rid, tuple(PROMPT), SamplingParams(seed=3)).to_pb())
     n = len(PROMPT)
     asks = [
         draft_pb2.ProposeEntry(request_id=ids[0], step=0, committed_length=n, num_draft_tokens=3),

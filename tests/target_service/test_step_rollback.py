@@ -11,8 +11,8 @@ import pytest
 import target_service.engine as engine_module
 from specdec.runner import ModelRunner
 from specdec.sampling_params import SamplingParams
-from specdec.serving.blocks import DraftProposal, ProposalBlock, block_to_pb
-from specdec.serving.messages import Admission, ErrorReason
+from specdec.serving.blocks import DraftBlock, DraftProposal, block_to_pb
+from specdec.serving.messages import AdmitRequest, ErrorReason
 from target_service.config import TargetConfig
 from target_service.engine import TargetEngine
 from tests.draft_service.models import build_checkpoints, runner_config
@@ -26,14 +26,14 @@ def target_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def _engine(target_dir: Path) -> TargetEngine:
     config = TargetConfig(runner_config(target_dir), sampler_impl="torch")
     engine = TargetEngine(ModelRunner.load(config.runner), config)
-    engine.admit(Admission("a", tuple(range(5, 14)), SamplingParams(0.0)))
-    engine.admit(Admission("b", tuple(range(20, 27)), SamplingParams(0.9, seed=3)))
+    engine.admit(AdmitRequest("a", tuple(range(5, 14)), SamplingParams(0.0)))
+    engine.admit(AdmitRequest("b", tuple(range(20, 27)), SamplingParams(0.9, seed=3)))
     return engine
 
 
-def _block() -> ProposalBlock:
+def _block() -> DraftBlock:
     proposals = [DraftProposal("a", 0, 9, (14, 15)), DraftProposal("b", 0, 7, ())]
-    return ProposalBlock.from_pb(block_to_pb(proposals))
+    return DraftBlock.from_pb(block_to_pb(proposals))
 
 
 def test_a_failed_verify_step_rolls_back_and_the_retry_is_served(

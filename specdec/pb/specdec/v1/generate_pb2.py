@@ -25,37 +25,41 @@ _sym_db = _symbol_database.Default()
 from specdec.pb.specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/generate.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"i\n\x0bSpeculation\x12&\n\x08proposer\x18\x01 \x01(\x0e\x32\x14.specdec.v1.Proposer\x12\x1d\n\x10num_draft_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x13\n\x11_num_draft_tokens\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xa0\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x18\n\x0btemperature\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\t \x01(\r\x12\x12\n\x05top_p\x18\n \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x04\x88\x01\x01\x12,\n\x0bspeculation\x18\x0c \x01(\x0b\x32\x17.specdec.v1.Speculation\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\r\n\x05model\x18\x0e \x01(\tB\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"N\n\x0eStepAcceptance\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\"\x87\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x11\n\tnum_steps\x18\x03 \x01(\r\x12\x12\n\nnum_drafts\x18\x04 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x06 \x01(\r\x12#\n\x1bnum_accepted_tokens_per_pos\x18\x07 \x03(\r\x12&\n\x08proposer\x18\x08 \x01(\x0e\x32\x14.specdec.v1.Proposer\x12!\n\x19num_draft_tokens_per_step\x18\t \x01(\r\"G\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\"\xa8\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12)\n\x05steps\x18\x04 \x03(\x0b\x32\x1a.specdec.v1.StepAcceptance\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\"\n\x06timing\x18\t \x01(\x0b\x32\x12.specdec.v1.TimingB\r\n\x0bstop_reason\"\x1b\n\x19GetServedModelInfoRequest\"\xd5\x02\n\x0bServedModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x05 \x01(\r\x12.\n\x10\x64\x65\x66\x61ult_proposer\x18\x06 \x01(\x0e\x32\x14.specdec.v1.Proposer\x12 \n\x18\x64\x65\x66\x61ult_num_draft_tokens\x18\x07 \x01(\r\x12\x1c\n\x14max_num_draft_tokens\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x10\n\x08\x64raft_up\x18\n \x01(\x08\x12%\n\x06target\x18\x0b \x01(\x0b\x32\x15.specdec.v1.ModelInfo\x12$\n\x05\x64raft\x18\x0c \x01(\x0b\x32\x15.specdec.v1.ModelInfo\":\n\x0fServedModelInfo\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ServedModel*Z\n\x08Proposer\x12\x14\n\x10PROPOSER_DEFAULT\x10\x00\x12\x12\n\x0ePROPOSER_DRAFT\x10\x01\x12\x12\n\x0ePROPOSER_NGRAM\x10\x02\x12\x10\n\x0cPROPOSER_OFF\x10\x03*\xc0\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x02\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x03\x12\x1d\n\x19\x46INISH_REASON_MAX_SEQ_LEN\x10\x04\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x05\x32\xf5\x01\n\x0fGenerateService\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12R\n\x0cGetModelInfo\x12%.specdec.v1.GetServedModelInfoRequest\x1a\x1b.specdec.v1.ServedModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x19specdec/v1/generate.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"i\n\x0bSpeculation\x12&\n\x08proposer\x18\x01 \x01(\x0e\x32\x14.specdec.v1.Proposer\x12\x1d\n\x10num_draft_tokens\x18\x02 \x01(\rH\x00\x88\x01\x01\x42\x13\n\x11_num_draft_tokens\"Y\n\x15SetSpeculationRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12,\n\x0bspeculation\x18\x02 \x01(\x0b\x32\x17.specdec.v1.Speculation\"n\n\x16SetSpeculationResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x08proposer\x18\x02 \x01(\x0e\x32\x14.specdec.v1.Proposer\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"\xa0\x03\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.specdec.v1.TokenIdsH\x00\x12\x17\n\nmax_tokens\x18\x04 \x01(\rH\x01\x88\x01\x01\x12\x0c\n\x04stop\x18\x05 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x06 \x03(\x05\x12\x12\n\nignore_eos\x18\x07 \x01(\x08\x12\x18\n\x0btemperature\x18\x08 \x01(\x01H\x02\x88\x01\x01\x12\r\n\x05top_k\x18\t \x01(\r\x12\x12\n\x05top_p\x18\n \x01(\x01H\x03\x88\x01\x01\x12\x11\n\x04seed\x18\x0b \x01(\x04H\x04\x88\x01\x01\x12,\n\x0bspeculation\x18\x0c \x01(\x0b\x32\x17.specdec.v1.Speculation\x12\"\n\x1ainclude_stop_str_in_output\x18\r \x01(\x08\x12\r\n\x05model\x18\x0e \x01(\tB\x08\n\x06promptB\r\n\x0b_max_tokensB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x07\n\x05_seed\"N\n\x0eStepAcceptance\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x18\n\x10num_draft_tokens\x18\x02 \x01(\r\x12\x14\n\x0cnum_accepted\x18\x03 \x01(\r\"\x87\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x11\n\tnum_steps\x18\x03 \x01(\r\x12\x12\n\nnum_drafts\x18\x04 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\x12\x1b\n\x13num_accepted_tokens\x18\x06 \x01(\r\x12#\n\x1bnum_accepted_tokens_per_pos\x18\x07 \x03(\r\x12&\n\x08proposer\x18\x08 \x01(\x0e\x32\x14.specdec.v1.Proposer\x12!\n\x19num_draft_tokens_per_step\x18\t \x01(\r\"o\n\x06Timing\x12\x0f\n\x07queue_s\x18\x01 \x01(\x01\x12\x1d\n\x15time_to_first_token_s\x18\x02 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x03 \x01(\x01\x12\x13\n\x0b\x61\x64mission_s\x18\x04 \x01(\x01\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\"\xa8\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12)\n\x05steps\x18\x04 \x03(\x0b\x32\x1a.specdec.v1.StepAcceptance\x12/\n\rfinish_reason\x18\x05 \x01(\x0e\x32\x18.specdec.v1.FinishReason\x12\x15\n\x0bstop_string\x18\x06 \x01(\tH\x00\x12\x17\n\rstop_token_id\x18\x07 \x01(\x05H\x00\x12 \n\x05usage\x18\x08 \x01(\x0b\x32\x11.specdec.v1.Usage\x12\"\n\x06timing\x18\t \x01(\x0b\x32\x12.specdec.v1.TimingB\r\n\x0bstop_reason\"\x1b\n\x19GetServedModelInfoRequest\"\xd5\x02\n\x0bServedModel\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x14\n\x0ctarget_model\x18\x02 \x01(\t\x12\x13\n\x0b\x64raft_model\x18\x03 \x01(\t\x12\x12\n\nvocab_size\x18\x04 \x01(\r\x12\x13\n\x0bmax_seq_len\x18\x05 \x01(\r\x12.\n\x10\x64\x65\x66\x61ult_proposer\x18\x06 \x01(\x0e\x32\x14.specdec.v1.Proposer\x12 \n\x18\x64\x65\x66\x61ult_num_draft_tokens\x18\x07 \x01(\r\x12\x1c\n\x14max_num_draft_tokens\x18\x08 \x01(\r\x12\x15\n\reos_token_ids\x18\t \x03(\x05\x12\x10\n\x08\x64raft_up\x18\n \x01(\x08\x12%\n\x06target\x18\x0b \x01(\x0b\x32\x15.specdec.v1.ModelInfo\x12$\n\x05\x64raft\x18\x0c \x01(\x0b\x32\x15.specdec.v1.ModelInfo\":\n\x0fServedModelInfo\x12\'\n\x06models\x18\x01 \x03(\x0b\x32\x17.specdec.v1.ServedModel*Z\n\x08Proposer\x12\x14\n\x10PROPOSER_DEFAULT\x10\x00\x12\x12\n\x0ePROPOSER_DRAFT\x10\x01\x12\x12\n\x0ePROPOSER_NGRAM\x10\x02\x12\x10\n\x0cPROPOSER_OFF\x10\x03*\xc0\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x01\x12\x1d\n\x19\x46INISH_REASON_STOP_STRING\x10\x02\x12\x1c\n\x18\x46INISH_REASON_STOP_TOKEN\x10\x03\x12\x1d\n\x19\x46INISH_REASON_MAX_SEQ_LEN\x10\x04\x12\x1b\n\x17\x46INISH_REASON_CANCELLED\x10\x05\x32\xce\x02\n\x0fGenerateService\x12G\n\x08Generate\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse0\x01\x12\x45\n\x08\x43omplete\x12\x1b.specdec.v1.GenerateRequest\x1a\x1c.specdec.v1.GenerateResponse\x12R\n\x0cGetModelInfo\x12%.specdec.v1.GetServedModelInfoRequest\x1a\x1b.specdec.v1.ServedModelInfo\x12W\n\x0eSetSpeculation\x12!.specdec.v1.SetSpeculationRequest\x1a\".specdec.v1.SetSpeculationResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.generate_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROPOSER']._serialized_start=1768
-  _globals['_PROPOSER']._serialized_end=1858
-  _globals['_FINISHREASON']._serialized_start=1861
-  _globals['_FINISHREASON']._serialized_end=2053
+  _globals['_PROPOSER']._serialized_start=2011
+  _globals['_PROPOSER']._serialized_end=2101
+  _globals['_FINISHREASON']._serialized_start=2104
+  _globals['_FINISHREASON']._serialized_end=2296
   _globals['_SPECULATION']._serialized_start=66
   _globals['_SPECULATION']._serialized_end=171
-  _globals['_TOKENIDS']._serialized_start=173
-  _globals['_TOKENIDS']._serialized_end=196
-  _globals['_GENERATEREQUEST']._serialized_start=199
-  _globals['_GENERATEREQUEST']._serialized_end=615
-  _globals['_STEPACCEPTANCE']._serialized_start=617
-  _globals['_STEPACCEPTANCE']._serialized_end=695
-  _globals['_USAGE']._serialized_start=698
-  _globals['_USAGE']._serialized_end=961
-  _globals['_TIMING']._serialized_start=963
-  _globals['_TIMING']._serialized_end=1034
-  _globals['_GENERATERESPONSE']._serialized_start=1037
-  _globals['_GENERATERESPONSE']._serialized_end=1333
-  _globals['_GETSERVEDMODELINFOREQUEST']._serialized_start=1335
-  _globals['_GETSERVEDMODELINFOREQUEST']._serialized_end=1362
-  _globals['_SERVEDMODEL']._serialized_start=1365
-  _globals['_SERVEDMODEL']._serialized_end=1706
-  _globals['_SERVEDMODELINFO']._serialized_start=1708
-  _globals['_SERVEDMODELINFO']._serialized_end=1766
-  _globals['_GENERATESERVICE']._serialized_start=2056
-  _globals['_GENERATESERVICE']._serialized_end=2301
+  _globals['_SETSPECULATIONREQUEST']._serialized_start=173
+  _globals['_SETSPECULATIONREQUEST']._serialized_end=262
+  _globals['_SETSPECULATIONRESPONSE']._serialized_start=264
+  _globals['_SETSPECULATIONRESPONSE']._serialized_end=374
+  _globals['_TOKENIDS']._serialized_start=376
+  _globals['_TOKENIDS']._serialized_end=399
+  _globals['_GENERATEREQUEST']._serialized_start=402
+  _globals['_GENERATEREQUEST']._serialized_end=818
+  _globals['_STEPACCEPTANCE']._serialized_start=820
+  _globals['_STEPACCEPTANCE']._serialized_end=898
+  _globals['_USAGE']._serialized_start=901
+  _globals['_USAGE']._serialized_end=1164
+  _globals['_TIMING']._serialized_start=1166
+  _globals['_TIMING']._serialized_end=1277
+  _globals['_GENERATERESPONSE']._serialized_start=1280
+  _globals['_GENERATERESPONSE']._serialized_end=1576
+  _globals['_GETSERVEDMODELINFOREQUEST']._serialized_start=1578
+  _globals['_GETSERVEDMODELINFOREQUEST']._serialized_end=1605
+  _globals['_SERVEDMODEL']._serialized_start=1608
+  _globals['_SERVEDMODEL']._serialized_end=1949
+  _globals['_SERVEDMODELINFO']._serialized_start=1951
+  _globals['_SERVEDMODELINFO']._serialized_end=2009
+  _globals['_GENERATESERVICE']._serialized_start=2299
+  _globals['_GENERATESERVICE']._serialized_end=2633
 # @@protoc_insertion_point(module_scope)

@@ -42,6 +42,24 @@ class Speculation(_message.Message):
     num_draft_tokens: int
     def __init__(self, proposer: _Optional[_Union[Proposer, str]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
 
+class SetSpeculationRequest(_message.Message):
+    __slots__ = ("request_id", "speculation")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    speculation: Speculation
+    def __init__(self, request_id: _Optional[str] = ..., speculation: _Optional[_Union[Speculation, _Mapping]] = ...) -> None: ...
+
+class SetSpeculationResponse(_message.Message):
+    __slots__ = ("request_id", "proposer", "num_draft_tokens")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    PROPOSER_FIELD_NUMBER: _ClassVar[int]
+    NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    proposer: Proposer
+    num_draft_tokens: int
+    def __init__(self, request_id: _Optional[str] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+
 class TokenIds(_message.Message):
     __slots__ = ("ids",)
     IDS_FIELD_NUMBER: _ClassVar[int]
@@ -113,14 +131,18 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., num_steps: _Optional[int] = ..., num_drafts: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., num_accepted_tokens: _Optional[int] = ..., num_accepted_tokens_per_pos: _Optional[_Iterable[int]] = ..., proposer: _Optional[_Union[Proposer, str]] = ..., num_draft_tokens_per_step: _Optional[int] = ...) -> None: ...
 
 class Timing(_message.Message):
-    __slots__ = ("queue_s", "time_to_first_token_s", "e2e_s")
+    __slots__ = ("queue_s", "time_to_first_token_s", "e2e_s", "admission_s", "prefill_s")
     QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     TIME_TO_FIRST_TOKEN_S_FIELD_NUMBER: _ClassVar[int]
     E2E_S_FIELD_NUMBER: _ClassVar[int]
+    ADMISSION_S_FIELD_NUMBER: _ClassVar[int]
+    PREFILL_S_FIELD_NUMBER: _ClassVar[int]
     queue_s: float
     time_to_first_token_s: float
     e2e_s: float
-    def __init__(self, queue_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
+    admission_s: float
+    prefill_s: float
+    def __init__(self, queue_s: _Optional[float] = ..., time_to_first_token_s: _Optional[float] = ..., e2e_s: _Optional[float] = ..., admission_s: _Optional[float] = ..., prefill_s: _Optional[float] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
     __slots__ = ("request_id", "text", "token_ids", "steps", "finish_reason", "stop_string", "stop_token_id", "usage", "timing")

@@ -53,6 +53,11 @@ class GenerateServiceStub:
                 request_serializer=specdec_dot_v1_dot_generate__pb2.GetServedModelInfoRequest.SerializeToString,
                 response_deserializer=specdec_dot_v1_dot_generate__pb2.ServedModelInfo.FromString,
                 _registered_method=True)
+        self.SetSpeculation = channel.unary_unary(
+                '/specdec.v1.GenerateService/SetSpeculation',
+                request_serializer=specdec_dot_v1_dot_generate__pb2.SetSpeculationRequest.SerializeToString,
+                response_deserializer=specdec_dot_v1_dot_generate__pb2.SetSpeculationResponse.FromString,
+                _registered_method=True)
 
 
 class GenerateServiceServicer:
@@ -86,6 +91,15 @@ class GenerateServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SetSpeculation(self, request, context):
+        """Changes a running or queued request's speculation from its next step on (the output's
+        distribution does not change, only how fast it comes). NOT_FOUND when no request with that
+        id is running or queued; INVALID_ARGUMENT for settings Generate would refuse.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerateServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -103,6 +117,11 @@ def add_GenerateServiceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=specdec_dot_v1_dot_generate__pb2.GetServedModelInfoRequest.FromString,
                     response_serializer=specdec_dot_v1_dot_generate__pb2.ServedModelInfo.SerializeToString,
+            ),
+            'SetSpeculation': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetSpeculation,
+                    request_deserializer=specdec_dot_v1_dot_generate__pb2.SetSpeculationRequest.FromString,
+                    response_serializer=specdec_dot_v1_dot_generate__pb2.SetSpeculationResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -190,6 +209,33 @@ class GenerateService:
             '/specdec.v1.GenerateService/GetModelInfo',
             specdec_dot_v1_dot_generate__pb2.GetServedModelInfoRequest.SerializeToString,
             specdec_dot_v1_dot_generate__pb2.ServedModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetSpeculation(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specdec.v1.GenerateService/SetSpeculation',
+            specdec_dot_v1_dot_generate__pb2.SetSpeculationRequest.SerializeToString,
+            specdec_dot_v1_dot_generate__pb2.SetSpeculationResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,5 +1,6 @@
-"""A minimal driver of the draft → target loop over real gRPC (the demo, the tests and the
-system benchmark use it; the orchestrator does the same with pipelining and scheduling).
+"""A direct driver of the two services over real gRPC, without the hub: the tests and the
+system benchmark use it to drive the services step by step (`specdec serve` drives them through
+the target's Serve stream instead, `orchestrator.pair`).
 
 Each step: ask the draft for k_i tokens per request (passing the last verdict's tokens), send
 its block unchanged to the target, record the verdicts. Without a draft channel the pipeline
@@ -17,10 +18,9 @@ import grpc
 
 from specdec.pb import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2_grpc
 from specdec.sampling_params import SamplingParams
-from specdec.serving.blocks import Q_NONE, ProposeAsk
 from specdec.serving.client import LockstepStream
-from specdec.serving.messages import Admission
-from specdec.serving.verdicts import Verdicts
+from specdec.serving.messages import AdmitRequest, ProposeEntry, QForm
+from specdec.serving.verdicts import VerifyResponse
 
 
 @dataclass(slots=True)
@@ -78,7 +78,7 @@ class Pipeline:
         return [self.target] if self.draft is None else [self.draft, self.target]
 
     def admit(self, request_id: str, prompt: Sequence[int], sampling: SamplingParams) -> None:
-        pb = Admission(request_id, tuple(prompt), sampling).to_pb()
+        pb = AdmitRequest(request_id, tuple(prompt), sampling).to_pb()
         for stub in self._stubs:
             stub.Admit(pb, timeout=self.timeout_s)
         self.requests[request_id] = Tracked(list(prompt), len(prompt))
@@ -90,7 +90,7 @@ class Pipeline:
         for rid in request_ids:
             self.requests.pop(rid, None)
 
-    def step(self, num_draft_tokens: Mapping[str, int]) -> Verdicts:
+    def step(self, num_draft_tokens: Mapping[str, int]) -> VerifyResponse:
         """One propose → verify step for the given requests; the verdicts in the block's order.
         Target-only (no draft): every k must be 0."""
         if self._propose is None:
@@ -103,7 +103,7 @@ class Pipeline:
         response = self._verify(block)
         verify = CallTiming(time.perf_counter() - start, response.timing)
         self.last_step = StepTrace(propose, verify)
-        verdicts = Verdicts.from_pb(response)
+        verdicts = VerifyResponse.from_pb(response)
         for i, rid in enumerate(verdicts.request_ids):
             if i not in verdicts.errors:
                 self._record(rid, verdicts, i)
@@ -116,7 +116,7 @@ class Pipeline:
         asks = []
         for rid, k in num_draft_tokens.items():
             seq = self.requests[rid]
-            ask = ProposeAsk(rid, seq.next_step, tuple(seq.new_tokens), len(seq.tokens), k)
+            ask = ProposeEntry(rid, seq.next_step, tuple(seq.new_tokens), len(seq.tokens), k)
             asks.append(ask.to_pb())
         start = time.perf_counter()
         proposed = self._propose(draft_pb2.ProposeBlock(entries=asks))
@@ -134,10 +134,10 @@ class Pipeline:
             steps=[s.next_step for s in seqs],
             committed_lengths=[len(s.tokens) for s in seqs],
             num_draft_tokens=[0] * len(rids),
-            q_forms=[Q_NONE] * len(rids),  # type: ignore[list-item]
+            q_forms=[QForm.NONE] * len(rids),  # type: ignore[list-item]
         )
 
-    def _record(self, rid: str, verdicts: Verdicts, i: int) -> None:
+    def _record(self, rid: str, verdicts: VerifyResponse, i: int) -> None:
         seq, tokens, k = self.requests[rid], verdicts.token_ids[i], verdicts.num_draft_tokens[i]
         seq.tokens.extend(tokens)
         seq.new_tokens = list(tokens)
