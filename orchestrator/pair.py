@@ -82,11 +82,14 @@ class PairAdmission:
 
 @dataclass(frozen=True, slots=True)
 class Admitted:
-    """A successful admission: the committed length, and the services' own time for it (the
-    target's prefill to the device's completion, the draft's admission overlapped)."""
+    """A successful admission: the committed length, the services' own time for it (the
+    target's prefill and first token, to the device's completion) and the verdict of the
+    request's first step, decoded in the prefill's own forward (None from a hub that sends
+    none)."""
 
     committed_length: int
     prefill_s: float
+    first: StepEvent | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,17 +119,20 @@ class StepReport:
 
     @classmethod
     def from_pb(cls, pb: target_pb2.ServeStep) -> StepReport:
-        v = VerifyResponse.from_pb(pb.verdicts)
-        errors = v.errors
-        events = tuple(
-            StepEvent(
-                rid, v.steps[i], () if i in errors else tuple(v.token_ids[i]),
-                v.num_draft_tokens[i], v.num_accepted[i], errors.get(i),
-            )
-            for i, rid in enumerate(v.request_ids)
-        )  # fmt: skip
-        return cls(events, pb.draft_s, pb.transport_s, pb.verify_s, pb.sampler_s, pb.step_s,
-                   pb.draft_up, pb.graphed)  # fmt: skip
+        return cls(step_events(pb.verdicts), pb.draft_s, pb.transport_s, pb.verify_s,
+                   pb.sampler_s, pb.step_s, pb.draft_up, pb.graphed)  # fmt: skip
+
+
+def step_events(pb: target_pb2.VerifyResponse) -> tuple[StepEvent, ...]:
+    v = VerifyResponse.from_pb(pb)
+    errors = v.errors
+    return tuple(
+        StepEvent(
+            rid, v.steps[i], () if i in errors else tuple(v.token_ids[i]),
+            v.num_draft_tokens[i], v.num_accepted[i], errors.get(i),
+        )
+        for i, rid in enumerate(v.request_ids)
+    )  # fmt: skip
 
 
 def _nothing() -> None:
@@ -318,5 +324,9 @@ class PairClient:
                 self._unanswered.pop(rid, None)
             if error is None and not released:
                 self._running.add(rid)
-        result = Admitted(pb.committed_length, pb.prefill_s) if error is None else error
+        result: Admitted | RequestError = error or Admitted(
+            pb.committed_length,
+            pb.prefill_s,
+            next(iter(step_events(pb.verdicts)), None) if pb.HasField("verdicts") else None,
+        )
         self._on_admitted(rid, result)

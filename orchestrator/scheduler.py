@@ -287,6 +287,8 @@ class Scheduler:
             return  # cancelled while being admitted; its release is on the way
         if isinstance(result, Admitted):
             job.on_admitted(result)
+            if result.first is not None and self._apply(pair, result.first):
+                self._finish(pair, request_id, release=True)  # one token was all it wanted
             return
         self._finish(pair, request_id, release=True)
         job.on_error(result.code, result.message)

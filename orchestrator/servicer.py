@@ -19,7 +19,15 @@ from typing import Any
 import grpc
 
 from orchestrator.detokenizer import TextTokenizer
-from orchestrator.requests import Job, JobMetrics, Served, deadline_of, parse_request
+from orchestrator.records import PROPOSERS
+from orchestrator.requests import (
+    Job,
+    JobMetrics,
+    Served,
+    deadline_of,
+    parse_request,
+    speculation_of,
+)
 from orchestrator.scheduler import Scheduler
 from specdec.pb.specdec.v1 import generate_pb2, generate_pb2_grpc
 from specdec.serving.status import status_for
@@ -129,6 +137,25 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             for _ in job.responses(context):
                 pass
             return job.record.complete_response()
+
+    def SetSpeculation(
+        self, request: generate_pb2.SetSpeculationRequest, context: grpc.ServicerContext
+    ) -> generate_pb2.SetSpeculationResponse:
+        b = self._backend(context)
+        rid = request.request_id
+        if not rid:
+            raise ValueError("request_id must name a running or queued request.")
+        proposer, k = speculation_of(request.speculation, b.served)
+        if not b.scheduler.set_speculation(rid, proposer, k):
+            context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"No request {rid!r} is running or queued (it may have finished).",
+            )
+        return generate_pb2.SetSpeculationResponse(
+            request_id=rid,
+            proposer=PROPOSERS[proposer],  # type: ignore[arg-type]
+            num_draft_tokens=k,
+        )
 
     def GetModelInfo(
         self, request: generate_pb2.GetServedModelInfoRequest, context: grpc.ServicerContext

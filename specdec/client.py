@@ -230,6 +230,28 @@ def build_request(
     return request
 
 
+def build_set_speculation(
+    request_id: str, proposer: str | None = None, num_draft_tokens: int | None = None
+) -> generate_pb2.SetSpeculationRequest:
+    """A SetSpeculationRequest; None leaves a setting to the server's default."""
+    if not request_id:
+        raise ValueError("request_id must name a running or queued request.")
+    if proposer is not None and proposer not in PROPOSERS:
+        raise ValueError(f"proposer must be one of {sorted(PROPOSERS)}, got {proposer!r}.")
+    if num_draft_tokens is not None and num_draft_tokens < 0:
+        raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}.")
+    request = generate_pb2.SetSpeculationRequest(request_id=request_id)
+    if proposer is not None:
+        request.speculation.proposer = PROPOSERS[proposer]  # type: ignore[assignment]
+    if num_draft_tokens is not None:
+        request.speculation.num_draft_tokens = num_draft_tokens
+    return request
+
+
+def _speculation_in_force(pb: generate_pb2.SetSpeculationResponse) -> tuple[str, int]:
+    return _PROPOSER_NAMES.get(pb.proposer, "default"), pb.num_draft_tokens
+
+
 def _options(max_message_bytes: int, server_name: str | None) -> list[tuple[str, Any]]:
     options: list[tuple[str, Any]] = [
         ("grpc.max_send_message_length", max_message_bytes),
@@ -295,6 +317,23 @@ class Client(_Base):
             )
         except grpc.RpcError as e:
             raise SpecdecClientError.from_rpc(e) from None
+
+    def set_speculation(
+        self,
+        request_id: str,
+        *,
+        proposer: str | None = None,
+        num_draft_tokens: int | None = None,
+        timeout: float | None = None,
+    ) -> tuple[str, int]:
+        """Changes a running or queued request's proposer and k from its next step; returns
+        the (proposer, k) now in force. NOT_FOUND once the request has finished."""
+        request = build_set_speculation(request_id, proposer, num_draft_tokens)
+        try:
+            pb = self._stub.SetSpeculation(request, timeout=self._deadline(timeout))
+        except grpc.RpcError as e:
+            raise SpecdecClientError.from_rpc(e) from None
+        return _speculation_in_force(pb)
 
     def model_info(self, *, timeout: float | None = None) -> list[ServedModel]:
         request = generate_pb2.GetServedModelInfoRequest()
@@ -380,6 +419,22 @@ class AsyncClient(_Base):
         except grpc.RpcError as e:
             raise SpecdecClientError.from_rpc(e) from None
         return GenerateOutput.from_pb(pb)
+
+    async def set_speculation(
+        self,
+        request_id: str,
+        *,
+        proposer: str | None = None,
+        num_draft_tokens: int | None = None,
+        timeout: float | None = None,
+    ) -> tuple[str, int]:
+        """As `Client.set_speculation`."""
+        request = build_set_speculation(request_id, proposer, num_draft_tokens)
+        try:
+            pb = await self._stub.SetSpeculation(request, timeout=self._deadline(timeout))
+        except grpc.RpcError as e:
+            raise SpecdecClientError.from_rpc(e) from None
+        return _speculation_in_force(pb)
 
     async def model_info(self, *, timeout: float | None = None) -> list[ServedModel]:
         request = generate_pb2.GetServedModelInfoRequest()

@@ -33,7 +33,7 @@ from specdec.serving.checks import (
     too_many_drafts,
     unknown_request,
 )
-from specdec.serving.messages import AdmitRequest, ErrorReason, ModelInfo, RequestError
+from specdec.serving.messages import AdmitRequest, ErrorReason, ModelInfo, QForm, RequestError
 from specdec.serving.verdicts import VerifyResponse
 from target_service.batch_layout import upload
 from target_service.config import TargetConfig
@@ -108,6 +108,47 @@ class TargetEngine:
             tokens = list(adm.prompt_token_ids)
             self._requests[adm.request_id] = _Request(tokens, adm.sampling, adm.first_step)
         return len(tokens), adm.first_step
+
+    def admit_decoding(self, adm: AdmitRequest) -> tuple[VerifyResponse, StepTimes]:
+        """Admits the request and decodes its first token in the prefill's own forward.
+
+        The prompt's last position is sampled exactly as a verify step of k = 0 at `first_step`
+        samples it (the same sampler, sampling parameters and random stream), without that
+        step's second pass over the weights. Returns the verdict of step `first_step`; when it
+        is an error (the sampler refused the logits) or anything raises, nothing stays admitted.
+        """
+        adm.check_limits(self.vocab_size, self.config.runner.max_seq_len)
+        rid = adm.request_id
+        with self._lock:
+            if rid in self._requests:
+                raise InvalidInputError(f"request_id {rid!r} is already admitted.")
+            self.runner.add_request(rid)
+            req = _Request(list(adm.prompt_token_ids), adm.sampling, adm.first_step)
+            self._requests[rid] = req
+            try:
+                out, times = self._prefill_step(rid, req)
+            except BaseException:
+                del self._requests[rid]
+                self.runner.release(rid)
+                raise
+            if out.errors:
+                del self._requests[rid]
+                self.runner.release(rid)
+            return out, times
+
+    def _prefill_step(self, rid: str, req: _Request) -> tuple[VerifyResponse, StepTimes]:
+        clock = StepClock(self._device)
+        clock.mark()
+        logits = self.runner.forward([ForwardItem(rid, req.tokens, 1)])  # [1, V]
+        clock.mark()
+        n = len(req.tokens)
+        block = DraftBlock.build([rid], [req.next_step], [n], [0], [int(QForm.NONE)], [])
+        packed = self._sample(block, int(QForm.NONE), [0], [0], [req], logits[:, None, :])
+        clock.mark()
+        out = VerifyResponse.pending(block.request_ids, block.steps)
+        [result] = self.runner.to_host(packed)
+        self._commit_group(block, [0], [0], [req], result.tolist(), out)
+        return out, StepTimes(clock.seconds(0, 1), clock.seconds(1, 2), graphed=False)
 
     def release(self, request_ids: Sequence[str]) -> int:
         with self._lock:

@@ -34,7 +34,7 @@ import struct
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import grpc
 
@@ -70,6 +70,14 @@ class _Group:
     draft_s: float = 0.0
     transport_s: float = 0.0
     draft_graphed: bool = True  # the draft's forwards replayed graphs (or it drafted nothing)
+
+
+class _Refused(Exception):
+    """The target's sampler refused a request's first token: its verdict's error."""
+
+    def __init__(self, error: RequestError):
+        super().__init__(error.message)
+        self.error = error
 
 
 def request_error(exc: BaseException) -> RequestError:
@@ -200,25 +208,28 @@ class Hub:
             adm = AdmitRequest.from_pb(pb.request)
             limit = self._config.max_num_draft_tokens
             proposer, k = _speculation(pb.proposer, pb.num_draft_tokens, limit)
-            if proposer == "draft":
-                pending = self._draft.start_admit(adm)  # runs while the target prefills
-            length, step = self.engine.admit(adm)
-            self.engine.runner.synchronize()  # the prefill's time, not its launches
+            if proposer == "draft":  # runs while the target prefills; its first ask is for the
+                # step after the one decoded here
+                pending = self._draft.start_admit(replace(adm, first_step=adm.first_step + 1))
+            verdicts, _ = self.engine.admit_decoding(adm)
+            if verdicts.errors:
+                raise _Refused(verdicts.errors[0])
         except Exception as e:
             if pending is not None:
                 self._draft.settle(pending, [])
-            error = request_error(e).to_pb()
-            self._emit(admitted=target_pb2.ServeAdmitted(request_id=rid, error=error))
+            error = e.error if isinstance(e, _Refused) else request_error(e)
+            self._emit(admitted=target_pb2.ServeAdmitted(request_id=rid, error=error.to_pb()))
             return
-        req = HubRequest(rid, adm.sampling, proposer, k, list(adm.prompt_token_ids), step)
+        tokens = [*adm.prompt_token_ids, *verdicts.token_ids[0]]
+        req = HubRequest(rid, adm.sampling, proposer, k, tokens, adm.first_step + 1)
         self._requests[rid] = req
+        admitted = target_pb2.ServeAdmitted(
+            request_id=rid, committed_length=len(tokens), next_step=req.next_step,
+            prefill_s=time.perf_counter() - start, verdicts=verdicts.to_pb(),
+        )  # fmt: skip
+        self._emit(admitted=admitted)  # the first token goes out before the draft is waited for
         if pending is not None:
             self._draft.settle(pending, [req])
-        admitted = target_pb2.ServeAdmitted(
-            request_id=rid, committed_length=length, next_step=step,
-            prefill_s=time.perf_counter() - start,
-        )  # fmt: skip
-        self._emit(admitted=admitted)
 
     def _release(self, request_ids: list[str]) -> None:
         ids = [rid for rid in dict.fromkeys(request_ids) if rid in self._requests]

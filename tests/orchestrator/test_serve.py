@@ -25,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from orchestrator.config import PlacementConfig, SchedulerConfig, ServeConfig, ServiceConfig
 from orchestrator.server import Orchestrator
+from specdec.client import Client, SpecdecClientError
 from specdec.pb import common_pb2, draft_pb2_grpc, target_pb2_grpc
 from specdec.pb.specdec.v1 import generate_pb2 as pb
 from specdec.pb.specdec.v1 import generate_pb2_grpc
@@ -370,7 +371,8 @@ def test_killed_draft_restarts_and_speculation_resumes(stack: Stack) -> None:
     for w in workers:
         w.join(120)
     assert outputs and all(tokens == expected for tokens, _ in outputs)
-    ks = [[s.num_draft_tokens for s in steps] for _, steps in outputs]
+    assert all(steps[0].num_draft_tokens == 0 for _, steps in outputs), "step 0: the admission"
+    ks = [[s.num_draft_tokens for s in steps[1:]] for _, steps in outputs]
     assert any(0 in k and k[0] > 0 for k in ks), "some request ran target-only for a while"
     resumed = [k for k in ks if 0 in k and any(n > 0 for n in k[k.index(0) :])]
     assert resumed, "drafting resumed inside a request that spanned the restart"
@@ -420,3 +422,28 @@ def test_killed_target_restarts_and_its_requests_finish(stack: Stack) -> None:
     assert pair.target_address != old_address, "a new target process serves the pair"
     tokens, steps, _ = stream(stack.stub, request(prompt, 20, "draft", 3))
     assert tokens == expected[:20] and any(s.num_accepted for s in steps)
+
+
+def test_set_speculation_applies_from_the_next_step(stack: Stack) -> None:
+    prompt = list(PROMPTS[1])
+    calls = stack.stub.Generate(request(prompt, 60, "draft", 4, request_id="respec"))
+    first = next(calls)
+    tokens, steps = list(first.token_ids), list(first.steps)
+    with Client(stack.address, timeout=30) as client:
+        assert client.set_speculation("respec", proposer="off") == ("off", 0)
+        for r in calls:
+            tokens += r.token_ids
+            steps += r.steps
+            final = r
+        assert tokens == oracle(stack.target_dir, tuple(prompt), 60), "the output is unchanged"
+        ks = [s.num_draft_tokens for s in steps]
+        switched = next(i for i, k in enumerate(ks) if k == 0 and i > 0)
+        assert all(k == 0 for k in ks[switched:]) and switched < len(ks) - 1, ks
+        assert final.usage.proposer == pb.PROPOSER_OFF
+        with pytest.raises(SpecdecClientError) as gone:
+            client.set_speculation("respec", num_draft_tokens=2)
+        assert gone.value.code == grpc.StatusCode.NOT_FOUND
+        with pytest.raises(SpecdecClientError) as bad:
+            client.set_speculation("respec", proposer="draft", num_draft_tokens=99)
+        assert bad.value.code == grpc.StatusCode.INVALID_ARGUMENT
+        assert "num_draft_tokens" in bad.value.details

@@ -82,6 +82,8 @@ class Driver:
         elif isinstance(event, tuple):
             if event[0] in self.records:
                 self.records[event[0]].admitted = event[1]
+                if isinstance(event[1], Admitted) and event[1].first is not None:
+                    self._apply(event[1].first)
         else:
             assert isinstance(event, str)
             self.draft_events.append(event)

@@ -78,7 +78,9 @@ def test_greedy_equals_target_only_for_every_proposer(
     _check_outputs(driver, reference)
     recs = driver.records
     for rid, k in (("draft4", 4), ("draft2", 2), ("draft6", 6)):  # every step: never demoted
-        assert [e.num_draft_tokens for e in recs[rid].events] == [k] * len(recs[rid].events)
+        first, *steps = [e.num_draft_tokens for e in recs[rid].events]
+        assert first == 0, "the first token comes from the admission's own forward"
+        assert steps == [k] * len(steps) and steps, rid
     assert sum(e.num_accepted for rid in ("draft4", "draft2", "draft6")
                for e in recs[rid].events) > 0, "no draft was ever accepted"  # fmt: skip
     assert sum(e.num_draft_tokens for rid in ("ngram3", "ngram4") for e in recs[rid].events) > 0
@@ -190,7 +192,8 @@ def test_failed_draft_admission_runs_the_request_at_k0(
     _check_outputs(driver, reference)
     admitted = driver.records["dup"].admitted
     assert isinstance(admitted, Admitted), "a draft failure failed the request"
-    assert admitted.committed_length == len(prompt) and admitted.prefill_s > 0
+    assert admitted.committed_length == len(prompt) + 1 and admitted.prefill_s > 0
+    assert admitted.first is not None and admitted.first.step == 0
     assert all(e.num_draft_tokens == 0 for e in driver.records["dup"].events)
 
 

@@ -131,18 +131,20 @@ class ServeStep(_message.Message):
     def __init__(self, verdicts: _Optional[_Union[VerifyResponse, _Mapping]] = ..., draft_s: _Optional[float] = ..., transport_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., sampler_s: _Optional[float] = ..., step_s: _Optional[float] = ..., draft_up: _Optional[bool] = ..., graphed: _Optional[bool] = ...) -> None: ...
 
 class ServeAdmitted(_message.Message):
-    __slots__ = ("request_id", "committed_length", "next_step", "error", "prefill_s")
+    __slots__ = ("request_id", "committed_length", "next_step", "error", "prefill_s", "verdicts")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NEXT_STEP_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
     PREFILL_S_FIELD_NUMBER: _ClassVar[int]
+    VERDICTS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     committed_length: int
     next_step: int
     error: _common_pb2.RequestError
     prefill_s: float
-    def __init__(self, request_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., next_step: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.RequestError, _Mapping]] = ..., prefill_s: _Optional[float] = ...) -> None: ...
+    verdicts: VerifyResponse
+    def __init__(self, request_id: _Optional[str] = ..., committed_length: _Optional[int] = ..., next_step: _Optional[int] = ..., error: _Optional[_Union[_common_pb2.RequestError, _Mapping]] = ..., prefill_s: _Optional[float] = ..., verdicts: _Optional[_Union[VerifyResponse, _Mapping]] = ...) -> None: ...
 
 class DraftDown(_message.Message):
     __slots__ = ("message",)
