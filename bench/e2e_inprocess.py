@@ -94,7 +94,10 @@ def graph_ms(
 ) -> dict[str, float]:
     """ "n,b" → mean ms of one graph step of b requests × n tokens at job["ctx"] tokens of KV;
     with `prefill_len`, also "prefill,N": one request's N-token prompt in one `forward` (its
-    next-token logits included), in a slot of its own."""
+    next-token logits included), in a slot of its own, from an idle device to the logits on it
+    (one call's latency, what a request's time to first token contains); and
+    "prefill_pipelined,N": the mean of back-to-back calls, each launched while the previous one
+    runs (throughput, which no single request sees)."""
     batches, ctx = job["batches"], job["ctx"]
     slots, seq = max(batches) + (1 if prefill_len else 0), max(ctx + 64, prefill_len + 1)
     runner = _load(path, device, job["dtype"], slots, seq, job["graph_sizes"])
@@ -105,20 +108,26 @@ def graph_ms(
         for n in ns:
             out[f"{n},{b}"] = runner_step_ms(runner, ids[:b], n, ctx, True, dev, job["iters"])
     if prefill_len:
-        out[f"prefill,{prefill_len}"] = prefill_ms(runner, prefill_len, dev, job["iters"])
+        out[f"prefill,{prefill_len}"] = prefill_ms(runner, prefill_len, dev, job["iters"], True)
+        out[f"prefill_pipelined,{prefill_len}"] = prefill_ms(
+            runner, prefill_len, dev, job["iters"], False
+        )
     del runner
     _free(dev)
     return out
 
 
-def prefill_ms(runner: ModelRunner, n: int, dev: torch.device, iters: int) -> float:
-    """Mean ms of `ModelRunner.forward` of one n-token item (then rolled back)."""
+def prefill_ms(runner: ModelRunner, n: int, dev: torch.device, iters: int, each: bool) -> float:
+    """Mean ms of `ModelRunner.forward` of one n-token item (then rolled back); `each`: the
+    device is synchronised after every call (one call's latency), else only after the last."""
     g = torch.Generator(device="cpu").manual_seed(1)
     tokens = torch.randint(1, 1000, (n,), generator=g)
     runner.add_request("prefill")
 
     def step() -> None:
         runner.forward([ForwardItem("prefill", tokens, 1)])
+        if each:
+            runner.synchronize()
         runner.truncate("prefill", 0)
 
     try:

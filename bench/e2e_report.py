@@ -282,7 +282,9 @@ def _serve(result: dict[str, Any]) -> list[str]:
         "",
         "Time to first token at batch 1 (idle server, median of the timed requests after one "
         "warm-up; client: call to first token, server: Timing.time_to_first_token_s), against "
-        "the target's in-process prefill (`ModelRunner.forward` of one prompt of that length):",
+        "the target's in-process prefill (`ModelRunner.forward` of one prompt of that length, "
+        "from an idle device to its logits: one call's latency; in brackets the mean of "
+        "back-to-back calls, which overlap each other's launches):",
         "",
         "| config | prompt tokens | client TTFT ms | server TTFT ms | in-process prefill ms "
         "| client / prefill | server: queue / hand-off / prefill / first step ms |",
@@ -293,10 +295,11 @@ def _serve(result: dict[str, Any]) -> list[str]:
         ratio = f"{t['client_ms_median'] / prefill:.2f}" if prefill else "-"
         parts = t.get("parts_ms_median")  # absent from runs before the split was reported
         split = " / ".join(_f(parts[p]) for p in TTFT_PARTS) if parts else "-"
+        piped = result["inprocess_ms"]["target"].get(f"prefill_pipelined,{t['prompt_len']}")
+        shown = (_f(prefill) if prefill else "-") + (f" ({_f(piped)})" if piped else "")
         lines.append(
             f"| {t['config']} | {t['prompt_len']} | {_f(t['client_ms_median'])} "
-            f"| {_f(t['server_ms_median'])} | {_f(prefill) if prefill else '-'} | {ratio} "
-            f"| {split} |"
+            f"| {_f(t['server_ms_median'])} | {shown} | {ratio} | {split} |"
         )
     return lines
 

@@ -182,13 +182,18 @@ def hub_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float
 
 
 def wait_idle(url: str, timeout_s: float = 120.0) -> None:
-    """Until the orchestrator holds no request (cancelled ones are released first)."""
+    """Until the orchestrator holds no request (cancelled ones are released first) and the hubs
+    have stopped stepping: a finished request's release reaches its hub at the next step
+    boundary, so a step for it may still be running when the orchestrator holds nothing."""
     deadline = time.monotonic() + timeout_s
+    held = ("specdec:num_requests_running", "specdec:num_requests_waiting")
+    steps = None
     while time.monotonic() < deadline:
         m = scrape(url)
-        held = ("specdec:num_requests_running", "specdec:num_requests_waiting")
         if all(m.get(name, 0.0) == 0 for name in held):
-            return
+            if steps == m.get("specdec:steps_total"):
+                return
+            steps = m.get("specdec:steps_total")
         time.sleep(0.05)
     raise RuntimeError(f"requests still running {timeout_s:.0f} s after a row ended.")
 
