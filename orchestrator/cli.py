@@ -106,11 +106,32 @@ def _server_args(parser: argparse.ArgumentParser) -> None:
                         "refused with RESOURCE_EXHAUSTED (at most --max-workers - 16)")  # fmt: skip
 
 
+def _tls_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group(
+        "TLS", "PEM files; plaintext without them. The --service-tls-* files are read by "
+        "every service on its own node, so they must exist at the same path on every node."
+    )  # fmt: skip
+    d, ds = partial(default_of, ServeConfig), partial(default_of, ServiceConfig)
+    pem = partial(g.add_argument, type=Path, metavar="FILE")
+    pem("--tls-cert", default=d("tls_cert"),
+        help="certificate chain of the client port (with --tls-key)")  # fmt: skip
+    pem("--tls-key", default=d("tls_key"))
+    pem("--service-tls-cert", default=ds("tls_cert"),
+        help="certificate chain of the draft and target services' servers, every pair (with "
+             "--service-tls-key and --service-tls-root-cert)")  # fmt: skip
+    pem("--service-tls-key", default=ds("tls_key"))
+    pem("--service-tls-root-cert", default=ds("tls_root_cert"),
+        help="CA that the orchestrator -> target and target -> draft channels trust")  # fmt: skip
+    g.add_argument("--service-tls-server-name", metavar="NAME", default=ds("tls_server_name"),
+                   help="name those channels check in the services' certificate (default: "
+                        "the node's IP address, which the services listen on)")  # fmt: skip
+
+
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path,
                         help="TOML or JSON file whose keys are these flags' names")  # fmt: skip
     parser.add_argument("--log-level", default="INFO")
-    for add in (_services_args, _placement_args, _scheduler_args, _server_args):
+    for add in (_services_args, _placement_args, _scheduler_args, _server_args, _tls_args):
         add(parser)
 
 
@@ -145,6 +166,9 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             synthetic_acceptance_length=args.synthetic_acceptance_length,
             synthetic_num_draft_tokens=None if args.synthetic_acceptance_length is None
             else args.num_draft_tokens,
+            tls_cert=args.service_tls_cert, tls_key=args.service_tls_key,
+            tls_root_cert=args.service_tls_root_cert,
+            tls_server_name=args.service_tls_server_name,
         ),
         placement=PlacementConfig(
             pairs=args.pairs, address=args.address, num_cpus=args.num_cpus,
@@ -158,7 +182,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         metrics_port=None if args.metrics_port is not None and args.metrics_port < 0
         else args.metrics_port,
         grace_s=args.grace_s, drain_s=args.drain_s, max_workers=args.max_workers,
-        max_concurrent_calls=args.max_concurrent_calls,
+        max_concurrent_calls=args.max_concurrent_calls, tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     )  # fmt: skip
 
 

@@ -37,6 +37,27 @@ def _check_model_dir(name: str, value: str) -> None:
     )
 
 
+def _check_pem(flag: str, path: Path) -> None:
+    try:
+        text = Path(path).read_bytes()
+    except OSError as e:
+        raise ValueError(f"{flag} {str(path)!r} cannot be read: {e.strerror or e}.") from None
+    if b"-----BEGIN " not in text:
+        raise ValueError(f"{flag} {str(path)!r} is not a PEM file (it has no -----BEGIN line).")
+
+
+def _check_tls_pair(flag: str, cert: Path | None, key: Path | None) -> None:
+    """`flag`-cert and `flag`-key go together, and both must be readable PEM files."""
+    if (cert is None) != (key is None):
+        raise ValueError(
+            f"{flag}-cert and {flag}-key go together (a PEM certificate chain and its private "
+            f"key), or neither; got only {flag}-{'cert' if key is None else 'key'}."
+        )
+    if cert is not None and key is not None:
+        _check_pem(f"{flag}-cert", cert)
+        _check_pem(f"{flag}-key", key)
+
+
 @dataclass(frozen=True, slots=True)
 class ServiceConfig:
     """What each pair's target and draft services load and the limits they hold.
@@ -62,6 +83,15 @@ class ServiceConfig:
     # then NOT distributed as the target's. Both None (the default) or both set.
     synthetic_acceptance_length: float | None = None
     synthetic_num_draft_tokens: int | None = None
+    # TLS of every service's server, and the CA (and the name in its certificate) that the
+    # orchestrator -> target and target -> draft channels check. Paths, not PEM bytes: each
+    # actor reads them on its own node (so they must exist there too, e.g. a Secret mounted at
+    # the same path), and the private key is never pickled into Ray's object store and GCS
+    # with the actors' arguments. The name is needed because the services listen on node IPs.
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_root_cert: Path | None = None
+    tls_server_name: str | None = None
 
     def __post_init__(self) -> None:
         _check_model_dir("target", self.target)
@@ -95,6 +125,29 @@ class ServiceConfig:
                     f"{self.max_requests}], got {size}."
                 )
         self._check_synthetic()
+        self._check_tls()
+
+    def _check_tls(self) -> None:
+        _check_tls_pair("--service-tls", self.tls_cert, self.tls_key)
+        if self.tls_cert is not None and self.tls_root_cert is None:
+            raise ValueError(
+                "--service-tls-cert needs --service-tls-root-cert: the CA that the orchestrator "
+                "-> target and target -> draft channels trust."
+            )
+        if self.tls_root_cert is not None:
+            if self.tls_cert is None:
+                raise ValueError(
+                    "--service-tls-root-cert needs --service-tls-cert and --service-tls-key: "
+                    "without them the services listen in plaintext."
+                )
+            _check_pem("--service-tls-root-cert", self.tls_root_cert)
+        if self.tls_server_name is not None and (
+            self.tls_root_cert is None or not self.tls_server_name
+        ):
+            raise ValueError(
+                "--service-tls-server-name must be a non-empty name in the services' "
+                "certificate, given with --service-tls-root-cert."
+            )
 
     def _check_synthetic(self) -> None:
         length, k = self.synthetic_acceptance_length, self.synthetic_num_draft_tokens
@@ -176,6 +229,8 @@ class ServeConfig:
     drain_s: float = 0.0
     max_workers: int = 256  # each streaming call holds a server thread while it runs
     max_concurrent_calls: int = 256 - SPARE_WORKERS  # more get RESOURCE_EXHAUSTED at once
+    tls_cert: Path | None = None  # PEM certificate chain and key: TLS on the client port
+    tls_key: Path | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -193,6 +248,7 @@ class ServeConfig:
                 f"refusals), got {self.max_concurrent_calls} with max_workers={self.max_workers}; "
                 f"raise --max-workers to hold more calls."
             )
+        _check_tls_pair("--tls", self.tls_cert, self.tls_key)
         s = self.scheduler
         if s.proposer == "draft" and self.services.draft is None:
             raise ValueError(
