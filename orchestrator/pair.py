@@ -144,7 +144,8 @@ class PairClient:
 
     Raises ConnectionError if the target cannot be reached within `timeout_s` or refuses the
     stream (it serves one orchestrator at a time). `on_close` gets the stream's error, or None
-    after `close`.
+    after `close`. TLS when `tls_root_cert` (PEM) is given, checking `tls_server_name` in the
+    target's certificate if set, else the address's host.
     """
 
     def __init__(
@@ -157,6 +158,8 @@ class PairClient:
         on_draft_up: Callable[[], None] = _nothing,
         on_close: Callable[[BaseException | None], None] | None = None,
         timeout_s: float = 60.0,
+        tls_root_cert: bytes | None = None,
+        tls_server_name: str | None = None,
     ):
         self._on_step, self._on_admitted = on_step, on_admitted
         self._on_draft_down, self._on_draft_up, self._on_close = (
@@ -173,7 +176,9 @@ class PairClient:
         self._ready = threading.Event()
         self._failure: BaseException | None = None
         self._closing = False
-        self._channel = make_channel(target_address)
+        self._channel = make_channel(
+            target_address, tls_root_cert=tls_root_cert, tls_server_name=tls_server_name
+        )
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError as e:

@@ -79,10 +79,13 @@ def pair_capacity(pair: PairPlacement) -> int:
     return min(pair.target_info.max_requests, pair.draft_info.max_requests)
 
 
-def release_on(address: str, request_ids: list[str]) -> None:
+def release_on(
+    address: str, request_ids: list[str], tls_root_cert: bytes | None, tls_server_name: str | None
+) -> None:
     """Releases requests on a draft service directly (best effort: it may be down too)."""
     try:
-        with make_channel(address) as channel:
+        with make_channel(address, tls_root_cert=tls_root_cert,
+                          tls_server_name=tls_server_name) as channel:  # fmt: skip
             stub = draft_pb2_grpc.DraftServiceStub(channel)
             stub.Release(common_pb2.ReleaseRequest(request_ids=request_ids), timeout=10.0)
     except grpc.RpcError as e:
@@ -111,6 +114,8 @@ class Orchestrator:
                 grace_s=config.grace_s,
                 drain_s=config.drain_s,
                 max_workers=config.max_workers,
+                tls_cert=config.tls_cert,
+                tls_key=config.tls_key,
             ),
             [SERVICE_NAME],
             lambda s: add_to_server(self.servicer, s),
@@ -170,6 +175,7 @@ class Orchestrator:
     def _client(self, sched: Scheduler, p: PairPlacement) -> PairClient:
         """A hub stream to pair p's target, linked to its draft (waits for draft_up)."""
         i, linked = p.index, threading.Event()
+        root_cert, server_name = self._service_tls()
         client = PairClient(
             p.target_address,
             on_step=partial(sched.post_step, i),
@@ -177,6 +183,8 @@ class Orchestrator:
             on_draft_down=partial(_draft_down, sched, i, linked),
             on_draft_up=linked.set,
             on_close=partial(sched.post_closed, i),
+            tls_root_cert=root_cert,
+            tls_server_name=server_name,
         )
         if p.draft_address is not None:
             client.set_draft(p.draft_address, {})
@@ -186,6 +194,14 @@ class Orchestrator:
                     f"The target of pair {i} could not reach its draft at {p.draft_address}."
                 )
         return client
+
+    def _service_tls(self) -> tuple[bytes | None, str | None]:
+        """The CA (PEM) and server name of channels to the services; None, None: plaintext.
+        Read at each connect, so that services restarted after a rotation are trusted."""
+        services = self.config.services
+        if services.tls_root_cert is None:
+            return None, None
+        return services.tls_root_cert.read_bytes(), services.tls_server_name
 
     def _set_serving(self, serving: bool) -> None:
         if not self._stopped.is_set():  # shutdown owns health from then on
@@ -201,7 +217,7 @@ class Orchestrator:
         pair = self.placement.pairs[index]
         self.placement.wait_target(pair)
         if pair.draft_address is not None and request_ids:
-            release_on(pair.draft_address, request_ids)
+            release_on(pair.draft_address, request_ids, *self._service_tls())
         assert self.scheduler is not None
         client = self._client(self.scheduler, pair)
         self.clients[index], old = client, self.clients[index]

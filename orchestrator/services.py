@@ -67,7 +67,7 @@ def start_service(role: str, config: ServiceConfig) -> tuple[Any, ModelInfo]:
     from specdec.serving.server import ServerConfig
 
     device = actor_device(config)
-    server = ServerConfig(host="0.0.0.0", port=0)
+    server = ServerConfig(host="0.0.0.0", port=0, tls_cert=config.tls_cert, tls_key=config.tls_key)
     if role == "draft":
         from draft_service.config import DraftConfig
         from draft_service.server import start as start_draft
@@ -94,6 +94,8 @@ def start_service(role: str, config: ServiceConfig) -> tuple[Any, ModelInfo]:
             max_num_draft_tokens=config.max_num_draft_tokens,
             sampler_impl=config.sampler_impl,
             synthetic=synthetic_acceptance(config),
+            draft_tls_root_cert=config.tls_root_cert,
+            draft_tls_server_name=config.tls_server_name,
         )
     )
     log.info("%s service on %s", role, device)

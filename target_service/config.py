@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 from specdec.runner import RunnerConfig
@@ -27,6 +28,10 @@ class TargetConfig:
     # Address of the draft service to check at start-up (tokenizer compatibility); optional.
     draft_address: str | None = None
     draft_wait_s: float = 30.0
+    # TLS of the hub's channel to its draft: the CA (PEM) it trusts and, since the draft
+    # listens on a node IP, the name it checks in the draft's certificate. Plaintext if None.
+    draft_tls_root_cert: Path | None = None
+    draft_tls_server_name: str | None = None
     sampler_impl: Literal["auto", "triton", "torch"] = "auto"
     max_support_size: int = 1024
     synthetic: SyntheticAcceptance | None = None
@@ -52,3 +57,5 @@ class TargetConfig:
             )
         if self.draft_wait_s < 0:
             raise ValueError(f"draft_wait_s must be >= 0, got {self.draft_wait_s}.")
+        if self.draft_tls_server_name is not None and self.draft_tls_root_cert is None:
+            raise ValueError("draft_tls_server_name needs draft_tls_root_cert (TLS to the draft).")

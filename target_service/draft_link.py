@@ -60,9 +60,16 @@ class DraftLink:
     """A connected draft service; `info` is its ModelInfo. Not thread-safe (the hub's loop
     thread alone uses it)."""
 
-    def __init__(self, address: str, max_message_bytes: int, timeout_s: float):
+    def __init__(
+        self,
+        address: str,
+        max_message_bytes: int,
+        timeout_s: float,
+        tls_root_cert: bytes | None = None,
+        tls_server_name: str | None = None,
+    ):
         self.address, self.timeout_s = address, timeout_s
-        self._channel = make_channel(address, max_message_bytes)
+        self._channel = make_channel(address, max_message_bytes, tls_root_cert, tls_server_name)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
             self._stub = draft_pb2_grpc.DraftServiceStub(self._channel)

@@ -60,10 +60,15 @@ class DraftSide:
 
     def connect(self, address: str) -> str | None:
         """Connects to the draft service at `address` and checks its tokenizer; else why not."""
+        c = self._config
         try:
+            # read at each connect: a draft that comes back after a certificate rotation works
+            root = None if c.draft_tls_root_cert is None else c.draft_tls_root_cert.read_bytes()
             link = DraftLink(
-                address, self._config.server.max_message_bytes, self._config.draft_wait_s
+                address, c.server.max_message_bytes, c.draft_wait_s, root, c.draft_tls_server_name
             )
+        except OSError as e:
+            return f"Reading the draft's TLS root certificate {c.draft_tls_root_cert}: {e}"
         except DraftDown as e:
             return str(e)
         try:

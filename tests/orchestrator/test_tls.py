@@ -1,0 +1,202 @@
+"""`specdec serve` with TLS on every hop: the client port (--tls-*), the draft and target
+services' ports and the channels to them (--service-tls-*). A real local Ray cluster on CPU and
+tiny checkpoints; one stack, started from the flags and a --config file, serves the module.
+
+The services' certificate names only SERVICE_NAME (no IP address), so the orchestrator -> target
+and target -> draft channels reach them only by checking the overridden server name.
+"""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import re
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import pytest
+import ray
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from orchestrator.cli import main, parse_args, serve_config
+from orchestrator.server import Orchestrator
+from specdec.client import Client, SpecdecClientError
+from specdec.serving.client import make_channel
+from tests.draft_service.models import build_checkpoints
+from tests.orchestrator.test_serve import oracle
+
+SERVICE_NAME = "specdec-services"  # as a Kubernetes Service's name would be
+PROMPT = (5, 6, 7, 8)
+N = 8
+
+
+@dataclass(frozen=True)
+class Pki:
+    """A test CA and two certificates it signed, each as (cert, key) PEM files."""
+
+    ca: Path
+    api: tuple[Path, Path]  # the client port: 127.0.0.1 and localhost
+    service: tuple[Path, Path]  # the services: SERVICE_NAME only
+
+
+def _issue(folder: Path, name: str, sans: list, ca: tuple | None = None) -> tuple[Path, Path]:
+    """A certificate for `sans`, signed by `ca` ((cert, key) objects), else a self-signed CA."""
+    from cryptography import x509
+    from cryptography.hazmat.primitives import hashes, serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    subject = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, name)])
+    issuer_cert, issuer_key = ca if ca is not None else (None, key)
+    now = datetime.datetime.now(datetime.UTC)
+    builder = (
+        x509.CertificateBuilder().subject_name(subject)
+        .issuer_name(issuer_cert.subject if issuer_cert is not None else subject)
+        .public_key(key.public_key()).serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(x509.BasicConstraints(ca=ca is None, path_length=None), critical=True)
+    )  # fmt: skip
+    if sans:
+        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
+    cert = builder.sign(issuer_key, hashes.SHA256())
+    cert_path, key_path = folder / f"{name}.crt", folder / f"{name}.key"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+def _load(pair: tuple[Path, Path]) -> tuple:
+    from cryptography import x509
+    from cryptography.hazmat.primitives import serialization
+
+    cert, key = pair
+    return (
+        x509.load_pem_x509_certificate(cert.read_bytes()),
+        serialization.load_pem_private_key(key.read_bytes(), password=None),
+    )
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
+    from cryptography import x509
+
+    folder = tmp_path_factory.mktemp("pki")
+    ca = _load(_issue(folder, "ca", []))
+    local = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
+    api = _issue(folder, "api", local, ca)
+    service = _issue(folder, "service", [x509.DNSName(SERVICE_NAME)], ca)
+    return Pki(folder / "ca.crt", api, service)
+
+
+@dataclass
+class Stack:
+    orchestrator: Orchestrator
+    address: str
+    target_dir: Path
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[Stack]:
+    folder = tmp_path_factory.mktemp("tls-serve")
+    target, draft = build_checkpoints(folder)
+    toml = folder / "serve.toml"  # the services' TLS from the file, the client port's as flags
+    toml.write_text(
+        f'service-tls-cert = "{pki.service[0]}"\nservice-tls-key = "{pki.service[1]}"\n'
+        f'service-tls-root-cert = "{pki.ca}"\nservice-tls-server-name = "{SERVICE_NAME}"\n'
+    )
+    args = parse_args([
+        "serve", "--config", str(toml), "--target", str(target), "--draft", str(draft),
+        "--device", "cpu", "--sampler-impl", "torch", "--max-seq-len", "128", "--host",
+        "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--grace-s", "2", "--num-cpus", "4",
+        "--tls-cert", str(pki.api[0]), "--tls-key", str(pki.api[1]),
+    ])  # fmt: skip
+    config = serve_config(args)
+    assert config.services.tls_server_name == SERVICE_NAME
+    orchestrator = Orchestrator(config)
+    port = orchestrator.start()
+    try:
+        yield Stack(orchestrator, f"127.0.0.1:{port}", target)
+    finally:
+        orchestrator.stop(1.0)
+    assert not ray.is_initialized()
+
+
+def test_greedy_output_over_tls_is_the_targets(stack: Stack, pki: Pki) -> None:
+    """Drafts travel target -> draft over TLS: the pair came up with its draft and used it."""
+    with Client(stack.address, timeout=120, root_certificates=pki.ca.read_bytes()) as client:
+        assert client.health()
+        out = client.complete(
+            list(PROMPT), max_tokens=N, temperature=0.0, ignore_eos=True, proposer="draft",
+            num_draft_tokens=3,
+        )  # fmt: skip
+    assert list(out.token_ids) == oracle(stack.target_dir, PROMPT, N)
+    assert out.usage is not None and out.usage.num_draft_tokens > 0
+    assert stack.orchestrator.clients[0].draft_up
+
+
+def test_a_plaintext_client_is_refused(stack: Stack) -> None:
+    with Client(stack.address, timeout=10) as client:
+        assert not client.health()
+        with pytest.raises(SpecdecClientError) as info:
+            client.complete(list(PROMPT), max_tokens=2)
+    assert info.value.code == grpc.StatusCode.UNAVAILABLE
+
+
+def _health(channel: grpc.Channel) -> int:
+    stub = health_pb2_grpc.HealthStub(channel)
+    return int(stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status)
+
+
+@pytest.mark.parametrize("role", ["target", "draft"])
+def test_service_ports_refuse_plaintext_and_answer_health_over_tls(
+    stack: Stack, pki: Pki, role: str
+) -> None:
+    pair = stack.orchestrator.placement.pairs[0]
+    address = pair.target_address if role == "target" else pair.draft_address
+    assert address is not None
+    with make_channel(address) as plain, pytest.raises(grpc.RpcError) as info:
+        _health(plain)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+    ca = pki.ca.read_bytes()
+    with make_channel(address, tls_root_cert=ca, tls_server_name=SERVICE_NAME) as channel:
+        assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+    # the certificate names no IP address: without the override the name check fails
+    with make_channel(address, tls_root_cert=ca) as unnamed, pytest.raises(grpc.RpcError) as info:
+        _health(unnamed)
+    assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+
+
+def test_bad_tls_flags_fail_at_start_up(
+    checkpoints: tuple[Path, Path], pki: Pki, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    target, _ = checkpoints
+    (cert, key), ca = pki.service, str(pki.ca)
+    not_pem = tmp_path / "not.pem"
+    not_pem.write_text("hello\n")
+    cases = {
+        "--tls-cert and --tls-key go together": ["--tls-cert", str(cert)],
+        "--service-tls-cert and --service-tls-key go together": ["--service-tls-key", str(key)],
+        "--tls-key '/nonexistent/tls.key' cannot be read: No such file": [
+            "--tls-cert", str(cert), "--tls-key", "/nonexistent/tls.key"],
+        "--service-tls-cert .* is not a PEM file": [
+            "--service-tls-cert", str(not_pem), "--service-tls-key", str(key),
+            "--service-tls-root-cert", ca],
+        "--service-tls-cert needs --service-tls-root-cert": [
+            "--service-tls-cert", str(cert), "--service-tls-key", str(key)],
+        "--service-tls-root-cert needs --service-tls-cert": ["--service-tls-root-cert", ca],
+        "--service-tls-server-name must be .* given with --service-tls-root-cert": [
+            "--service-tls-server-name", SERVICE_NAME],
+    }  # fmt: skip
+    for message, flags in cases.items():
+        assert main(["serve", "--target", str(target), "--metrics-port", "-1", *flags]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("specdec serve: ") and re.search(message, err), (message, err)
