@@ -78,6 +78,11 @@ def _placement_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-gpus", type=int, default=d("num_gpus"), help="local cluster only")
     g.add_argument("--start-timeout-s", type=float, default=d("start_timeout_s"))
     g.add_argument("--restart-timeout-s", type=float, default=d("restart_timeout_s"))
+    g.add_argument("--draft-resources", metavar="JSON", default=d("draft_resources"),
+                   help='custom Ray resources every draft bundle asks for, e.g. '
+                        '{"draft_gpu": 1}: drafts go to the nodes that offer them')  # fmt: skip
+    g.add_argument("--target-resources", metavar="JSON", default=d("target_resources"),
+                   help='the same for every target bundle, e.g. {"target_gpu": 1}')  # fmt: skip
 
 
 def _scheduler_args(parser: argparse.ArgumentParser) -> None:
@@ -151,6 +156,17 @@ def read_config_file(path: Path, parser: argparse.ArgumentParser) -> dict[str, A
     return out
 
 
+def _json(flag: str, value: Any) -> Any:
+    """A JSON flag's value: parsed here from the command line's text; from --config it comes
+    parsed already (a TOML table, a JSON object). The config dataclass checks its shape."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{flag} must be JSON; {value!r} is not ({e.msg}, at {e.pos}).") from None
+
+
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The config the parsed flags describe; ValueError names the bad field."""
     if not args.target:
@@ -174,6 +190,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             pairs=args.pairs, address=args.address, num_cpus=args.num_cpus,
             num_gpus=args.num_gpus, start_timeout_s=args.start_timeout_s,
             restart_timeout_s=args.restart_timeout_s,
+            draft_resources=_json("--draft-resources", args.draft_resources),
+            target_resources=_json("--target-resources", args.target_resources),
         ),
         scheduler=SchedulerConfig(
             max_queue=args.max_queue, proposer=proposer, num_draft_tokens=args.num_draft_tokens

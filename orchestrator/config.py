@@ -169,12 +169,41 @@ class ServiceConfig:
             )
 
 
+def _check_resources(name: str, resources: object) -> None:
+    """Custom Ray resources: a mapping of names to positive amounts, CPU and GPU left out (the
+    placement sets those itself)."""
+    flag = "--" + name.replace("_", "-")
+    example = f'{{"{name.removesuffix("_resources")}_gpu": 1}}'
+    if not isinstance(resources, dict):
+        raise ValueError(
+            f"{flag} must be a JSON object of Ray custom resource names to positive amounts, "
+            f"e.g. '{example}'; got {resources!r}."
+        )
+    for key, amount in resources.items():
+        if not isinstance(key, str) or not key.strip():
+            raise ValueError(f"{flag} names resources by non-empty strings, got {key!r}.")
+        if key in ("CPU", "GPU"):
+            raise ValueError(
+                f"{flag} takes custom resources only: {key} per service comes from --device and "
+                f"the GPUs the cluster has; name a resource your nodes offer, e.g. '{example}'."
+            )
+        if (
+            isinstance(amount, bool)
+            or not isinstance(amount, int | float)
+            or not (math.isfinite(amount) and amount > 0)
+        ):
+            raise ValueError(f"{flag}: {key!r} must be a positive number, got {amount!r}.")
+
+
 @dataclass(frozen=True, slots=True)
 class PlacementConfig:
     """How many pairs run and on which Ray cluster.
 
     `address` None starts a local cluster with `num_cpus` / `num_gpus` (None: what the machine
     has); otherwise it joins that cluster ("auto" reads RAY_ADDRESS, as on KubeRay).
+    `draft_resources` / `target_resources` are custom Ray resources (name → amount) that each
+    pair's draft / target bundle asks for besides its CPU and GPU, e.g. {"draft_gpu": 1} puts
+    the drafts on nodes started with `--resources='{"draft_gpu": N}'` (`orchestrator.placement`).
     """
 
     pairs: int = 1
@@ -183,8 +212,12 @@ class PlacementConfig:
     num_gpus: int | None = None
     start_timeout_s: float = 900.0
     restart_timeout_s: float = 600.0
+    draft_resources: dict[str, float] = field(default_factory=dict)
+    target_resources: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        _check_resources("draft_resources", self.draft_resources)
+        _check_resources("target_resources", self.target_resources)
         if not 1 <= self.pairs <= 256:
             raise ValueError(f"pairs must be in [1, 256], got {self.pairs}.")
         if self.num_cpus is not None and self.num_cpus < 1:

@@ -5,6 +5,17 @@ each, so draft and target never share one; with one GPU per pair both actors tak
 same GPU; with none they run on CPU. Bundles are packed onto one node where they fit, so the
 draft → target hop stays on the node.
 
+Node types. `--draft-resources` / `--target-resources` add custom Ray resources to the draft's
+and the target's bundle (to the one bundle both share, summed, when they share a GPU), so drafts
+can go to one kind of node (a small GPU) and targets to another: only nodes started with those
+resources (`ray start --resources=...`, a KubeRay worker group's `resources`) can hold them.
+When no node offers both, the pair's bundles cannot share a node. The group's strategy stays
+PACK, which Ray documents as best-effort: bundles go onto one node where one fits them all, and
+are spread over other nodes when none does (STRICT_PACK would instead leave the group pending
+forever; SPREAD would split pairs that could share a node). The draft → target hop then crosses
+the network on every step. A resource no node offers yet is logged; the group waits for one (an
+autoscaler may add it) until `start_timeout_s`.
+
 An actor starts its service's gRPC server in its own process (the service modules, and torch,
 are imported there, never in the orchestrator) and reports `node_ip:port` and the service's
 ModelInfo. All services of all pairs load at once; the orchestrator then checks each pair's
@@ -18,6 +29,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -102,13 +114,20 @@ def gpus_per_pair(total_gpus: float, pairs: int, services_per_pair: int, device:
     )
 
 
-def _bundles(gpus: int, services: int) -> tuple[list[dict[str, float]], list[int], float]:
-    """The group's bundles, each service's bundle index, and each service's GPU share."""
-    if gpus == services:
-        return [{"CPU": 1, "GPU": 1} for _ in range(services)], list(range(services)), 1.0
+def _bundles(
+    gpus: int, custom: Sequence[Mapping[str, float]]
+) -> tuple[list[dict[str, float]], list[int], float]:
+    """The group's bundles, each service's bundle index, and each service's GPU share;
+    `custom[i]` holds the custom resources of service i (target, then draft)."""
+    services = len(custom)
     if gpus == 1:
-        return [{"CPU": services, "GPU": 1}], [0] * services, 1.0 / services
-    return [{"CPU": 1} for _ in range(services)], list(range(services)), 0.0
+        shared: dict[str, float] = {"CPU": services, "GPU": 1}
+        for resources in custom:
+            for name, amount in resources.items():
+                shared[name] = shared.get(name, 0) + amount
+        return [shared], [0] * services, 1.0 / services
+    base = {"CPU": 1, "GPU": 1} if gpus == services else {"CPU": 1}
+    return [base | dict(r) for r in custom], list(range(services)), 1.0 if gpus else 0.0
 
 
 def _started(actor: Any, role: str, pair: int, timeout_s: float) -> tuple[str, ModelInfo]:
@@ -148,9 +167,14 @@ class Placement:
         n = self.services_per_pair
         total = ray.cluster_resources().get("GPU", 0.0)
         gpus = gpus_per_pair(total, self.config.pairs, n, self.services.device)
-        bundles, index, share = _bundles(gpus, n)
-        log.info("placing %d pair(s): %d GPU(s) per pair (cluster: %g)", self.config.pairs,
-                 gpus, total)  # fmt: skip
+        custom = [self.config.target_resources, self.config.draft_resources][:n]
+        bundles, index, share = _bundles(gpus, custom)
+        log.info("placing %d pair(s): %d GPU(s) per pair (cluster: %g), bundles %s",
+                 self.config.pairs, gpus, total, bundles)  # fmt: skip
+        missing = sorted({k for r in custom for k in r} - set(ray.cluster_resources()))
+        if missing:
+            log.warning("no node offers %s yet: the pairs wait for one up to %g s", missing,
+                        self.config.start_timeout_s)  # fmt: skip
         groups = [placement_group(bundles, strategy="PACK") for _ in range(self.config.pairs)]
         self._groups = groups
         try:
@@ -191,6 +215,8 @@ class Placement:
                      for a, role in zip(actors[i], roles, strict=True)]  # fmt: skip
             pair = PairPlacement(i, group, actors[i][0], *infos[0])
             self.pairs.append(pair)
+            log.info("pair %d: target at %s, draft at %s", i, infos[0][0],
+                     infos[1][0] if len(infos) == 2 else None)  # fmt: skip
             if len(infos) == 2:
                 pair.draft, (pair.draft_address, pair.draft_info) = actors[i][1], infos[1]
                 try:

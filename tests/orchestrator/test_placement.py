@@ -1,10 +1,13 @@
 """Placement on a real local Ray cluster with two logical GPUs: draft and target on separate
-GPUs, sharing one when there are fewer, on CPU without; tokenizer refusal; a killed draft comes
-back at a new address. Stand-in actors report where Ray put them instead of loading models
-(test_serve runs the real services)."""
+GPUs, sharing one when there are fewer, on CPU without; custom resources in each service's bundle
+(--draft-resources / --target-resources, flags and config file); tokenizer refusal; a killed
+draft comes back at a new address. Stand-in actors report where Ray put them instead of loading
+models (test_serve runs the real services; tests/deploy/test_multinode places them on two
+nodes)."""
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Iterator
@@ -12,7 +15,9 @@ from pathlib import Path
 
 import pytest
 import ray
+from ray.util import placement_group_table
 
+from orchestrator.cli import parse_args, serve_config
 from orchestrator.config import PlacementConfig, ServiceConfig
 from orchestrator.placement import Placement, _bundles, gpus_per_pair
 from specdec.serving.messages import ModelInfo
@@ -41,8 +46,8 @@ class StandIn:
 def cluster() -> Iterator[None]:
     # the workers import this module by name: give them the repository on their path
     root = str(Path(__file__).resolve().parents[2])
-    ray.init(num_cpus=8, num_gpus=2, include_dashboard=False,
-             runtime_env={"env_vars": {"PYTHONPATH": root}})  # fmt: skip
+    ray.init(num_cpus=8, num_gpus=2, resources={"draft_node": 2, "target_node": 1},
+             include_dashboard=False, runtime_env={"env_vars": {"PYTHONPATH": root}})  # fmt: skip
     yield
     ray.shutdown()
 
@@ -56,8 +61,11 @@ def services(tmp_path: Path, draft: str | None = "draft", device: str = "auto") 
     )
 
 
-def place(tmp_path: Path, pairs: int, **kw: object) -> Placement:
-    placement = Placement(PlacementConfig(pairs=pairs), services(tmp_path, **kw), StandIn)  # type: ignore[arg-type]
+def place(
+    tmp_path: Path, pairs: int, config: PlacementConfig | None = None, **kw: object
+) -> Placement:
+    config = config or PlacementConfig(pairs=pairs)
+    placement = Placement(config, services(tmp_path, **kw), StandIn)  # type: ignore[arg-type]
     placement.start()
     return placement
 
@@ -76,9 +84,74 @@ def test_gpus_per_pair_rules() -> None:
         gpus_per_pair(2, 3, 2, "auto")
     with pytest.raises(ValueError, match="device 'cuda' needs a GPU"):
         gpus_per_pair(0, 1, 2, "cuda")
-    assert _bundles(2, 2) == ([{"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}], [0, 1], 1.0)
-    assert _bundles(1, 2) == ([{"CPU": 2, "GPU": 1}], [0, 0], 0.5)
-    assert _bundles(0, 2) == ([{"CPU": 1}, {"CPU": 1}], [0, 1], 0.0)
+    assert _bundles(2, [{}, {}]) == ([{"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}], [0, 1], 1.0)
+    assert _bundles(1, [{}, {}]) == ([{"CPU": 2, "GPU": 1}], [0, 0], 0.5)
+    assert _bundles(0, [{}, {}]) == ([{"CPU": 1}, {"CPU": 1}], [0, 1], 0.0)
+    assert _bundles(1, [{}]) == ([{"CPU": 1, "GPU": 1}], [0], 1.0)
+
+
+def test_each_bundle_carries_its_services_custom_resources() -> None:
+    target, draft = {"target_gpu": 1}, {"draft_gpu": 0.5, "fast_net": 1}
+    bundles, index, _ = _bundles(2, [target, draft])
+    assert bundles == [{"CPU": 1, "GPU": 1, "target_gpu": 1},
+                       {"CPU": 1, "GPU": 1, "draft_gpu": 0.5, "fast_net": 1}]  # fmt: skip
+    assert index == [0, 1]
+    cpu = [{"CPU": 1, "target_gpu": 1}, {"CPU": 1, "draft_gpu": 0.5, "fast_net": 1}]
+    assert _bundles(0, [target, draft]) == (cpu, [0, 1], 0.0)
+    # one GPU for both: the one bundle asks for both services' resources, summed
+    shared = _bundles(1, [{"x": 1, "y": 2}, {"x": 0.5}])
+    assert shared == ([{"CPU": 2, "GPU": 1, "x": 1.5, "y": 2}], [0, 0], 0.5)
+    assert _bundles(1, [{"x": 1}])[0] == [{"CPU": 1, "GPU": 1, "x": 1}]
+    assert target == {"target_gpu": 1}, "the config's mappings are not changed"
+
+
+def test_resources_from_flags_and_config_file(tmp_path: Path) -> None:
+    svc = services(tmp_path)
+    base = ["serve", "--target", svc.target, "--draft", str(svc.draft)]
+    assert serve_config(parse_args(base)).placement == PlacementConfig()
+    flags = ["--draft-resources", '{"draft_gpu": 1}', "--target-resources", '{"target_gpu": 2}']
+    placement = serve_config(parse_args(base + flags)).placement
+    assert placement.draft_resources == {"draft_gpu": 1}
+    assert placement.target_resources == {"target_gpu": 2}
+    toml = tmp_path / "serve.toml"  # a table, or the flag's JSON text, both under either name
+    toml.write_text(
+        f'target = "{svc.target}"\ndraft = "{svc.draft}"\n'
+        "draft-resources = {draft_gpu = 1, fast_net = 0.5}\n"
+        "target_resources = '{\"target_gpu\": 1}'\n"
+    )
+    placement = serve_config(parse_args(["serve", "--config", str(toml)])).placement
+    assert placement.draft_resources == {"draft_gpu": 1, "fast_net": 0.5}
+    assert placement.target_resources == {"target_gpu": 1}
+    args = ["serve", "--config", str(toml), "--draft-resources", '{"small_gpu": 1}']
+    assert serve_config(parse_args(args)).placement.draft_resources == {"small_gpu": 1}
+    js = tmp_path / "serve.json"
+    js.write_text(json.dumps({"target": svc.target, "target_resources": {"big": 1}}))
+    placement = serve_config(parse_args(["serve", "--config", str(js)])).placement
+    assert placement.target_resources == {"big": 1} and placement.draft_resources == {}
+
+
+REFUSALS = [  # (--draft-resources value, the message it gets)
+    ("{draft_gpu: 1}", r"--draft-resources must be JSON; .* is not \(Expecting property"),
+    ('["draft_gpu"]', r"must be a JSON object of Ray custom resource names to positive amounts"),
+    ("1", r"e\.g\. '\{\"draft_gpu\": 1\}'; got 1\."),
+    ('{"draft_gpu": 0}', r"--draft-resources: 'draft_gpu' must be a positive number, got 0\."),
+    ('{"draft_gpu": -1}', r"'draft_gpu' must be a positive number, got -1\."),
+    ('{"draft_gpu": true}', r"'draft_gpu' must be a positive number, got True\."),
+    ('{"draft_gpu": "1"}', r"'draft_gpu' must be a positive number, got '1'\."),
+    ('{"draft_gpu": NaN}', r"'draft_gpu' must be a positive number, got nan\."),
+    ('{"GPU": 1}', r"--draft-resources takes custom resources only: GPU per service comes from"),
+    ('{"CPU": 1}', r"--draft-resources takes custom resources only: CPU"),
+    ('{"": 1}', r"--draft-resources names resources by non-empty strings, got ''\."),
+]
+
+
+@pytest.mark.parametrize(("value", "message"), REFUSALS)
+def test_resources_refusals_name_the_flag(tmp_path: Path, value: str, message: str) -> None:
+    svc = services(tmp_path)
+    for role in ("draft", "target"):
+        flag, text = f"--{role}-resources", value.replace("draft", role)
+        with pytest.raises(ValueError, match=message.replace("draft", role)):
+            serve_config(parse_args(["serve", "--target", svc.target, flag, text]))
 
 
 def test_one_pair_gets_a_gpu_per_service(cluster: None, tmp_path: Path) -> None:
@@ -140,3 +213,28 @@ def test_killed_draft_comes_back_at_a_new_address(cluster: None, tmp_path: Path)
         assert pair.draft_address == address and info.tokenizer_hash == "shared-tokenizer"
     finally:
         placement.stop(0.0)
+
+
+def test_bundles_ask_for_the_custom_resources(cluster: None, tmp_path: Path) -> None:
+    config = PlacementConfig(draft_resources={"draft_node": 1}, target_resources={"target_node": 1})
+    placement = place(tmp_path, 1, config)
+    try:
+        (pair,) = placement.pairs
+        table = placement_group_table(pair.group)
+        assert table["strategy"] == "PACK" and table["state"] == "CREATED"
+        target, draft = table["bundles"][0], table["bundles"][1]
+        assert target["target_node"] == 1 and "draft_node" not in target
+        assert draft["draft_node"] == 1 and "target_node" not in draft
+        assert ray.available_resources().get("target_node", 0) == 0
+        assert ray.available_resources()["draft_node"] == 1
+    finally:
+        placement.stop(0.0)
+
+
+def test_resources_no_node_offers_time_out_naming_them(
+    cluster: None, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    config = PlacementConfig(draft_resources={"nowhere_gpu": 1}, start_timeout_s=1.0)
+    with pytest.raises(RuntimeError, match=r"could not reserve .*'nowhere_gpu': 1"):
+        place(tmp_path, 1, config)
+    assert "no node offers ['nowhere_gpu'] yet" in caplog.text
