@@ -208,12 +208,13 @@ class Hub:
             adm = AdmitRequest.from_pb(pb.request)
             limit = self._config.max_num_draft_tokens
             proposer, k = _speculation(pb.proposer, pb.num_draft_tokens, limit)
-            if proposer == "draft":  # runs while the target prefills; its first ask is for the
-                # step after the one decoded here
-                pending = self._draft.start_admit(replace(adm, first_step=adm.first_step + 1))
             verdicts, _ = self.engine.admit_decoding(adm)
             if verdicts.errors:
                 raise _Refused(verdicts.errors[0])
+            if proposer == "draft":  # after the target's prefill, which it would slow down on a
+                # shared GPU; it runs while the first token goes out, and its first ask is for
+                # the step after the one decoded here
+                pending = self._draft.start_admit(replace(adm, first_step=adm.first_step + 1))
         except Exception as e:
             if pending is not None:
                 self._draft.settle(pending, [])
