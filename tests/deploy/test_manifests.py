@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import datetime
 import ipaddress
+import json
 import os
 import shutil
 import subprocess
@@ -49,16 +50,6 @@ K8S_VERSIONS = ("1.27", "1.37")
 CRD_DIR = Path(os.environ.get("SPECDEC_KUBERAY_CRDS", ROOT.parent / "shared/data/kuberay-crds"))
 # `specdec serve` flags that overlays/multi-node uses and the command does not have yet
 # (deploy/README.md, "Flags the multi-node overlay assumes").
-ASSUMED_FLAGS = (
-    "--tls-cert",
-    "--tls-key",
-    "--service-tls-cert",
-    "--service-tls-key",
-    "--service-tls-root-cert",
-    "--service-tls-server-name",
-    "--draft-resources",
-    "--target-resources",
-)
 # orchestrator/server.py stop(): after drain_s and grace_s, up to min(grace_s, 5) + 10 s for the
 # services' own stop.
 SERVICES_STOP_S = 15
@@ -241,7 +232,7 @@ def test_a_broken_object_fails(breakage: str) -> None:
 
 def serve_args(overlay: str, tmp_path: Path) -> tuple[Any, list[str]]:
     """The orchestrator's `specdec serve` command line as the real parser reads it (serve.toml
-    included), less the assumed flags, which it also returns."""
+    included), and the container's own arguments as written."""
     pod = _pod(list(render(overlay)))
     [container] = pod["containers"]
     script, args = container["command"][2], container["args"]
@@ -250,20 +241,19 @@ def serve_args(overlay: str, tmp_path: Path) -> tuple[Any, list[str]]:
     assert config_mount["mountPath"] == "/etc/specdec/config"
     toml_path = tmp_path / "serve.toml"
     toml_path.write_text(find(render(overlay), "ConfigMap")["data"]["serve.toml"])
-    assumed = [a for a in args if a.split("=")[0] in ASSUMED_FLAGS]
-    argv = ["serve", "--config", str(toml_path), "--address=ray:6379"]
-    argv += [a for a in args if a not in assumed]
+    argv = ["serve", "--config", str(toml_path), "--address=ray:6379", *args]
     try:
-        return parse_args(argv), assumed
+        return parse_args(argv), list(args)
     except SystemExit:
         pytest.fail(f"`specdec serve` refuses the flags of {overlay}: {argv}")
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_serve_flags_exist_and_fit_the_cluster(overlay: str, tmp_path: Path) -> None:
-    args, assumed = serve_args(overlay, tmp_path)
-    if overlay.endswith("single-node-2gpu"):
-        assert assumed == [], "the single-node overlay must run with today's flags"
+    args, _ = serve_args(overlay, tmp_path)
+    if overlay.endswith("single-node-2gpu"):  # TLS off, no custom resources
+        assert args.tls_cert is None and args.service_tls_cert is None
+        assert not args.draft_resources and not args.target_resources
     groups = _ray_groups(list(render(overlay)))
     gpus = sum(
         g["replicas"] * int(g["template"]["spec"]["containers"][0]["resources"]["limits"].get(
@@ -276,7 +266,7 @@ def test_serve_flags_exist_and_fit_the_cluster(overlay: str, tmp_path: Path) -> 
         for role in ("draft", "target"):
             assert by_name[role]["resources"] == {f"{role}_gpu": "1"}
             assert by_name[role]["replicas"] == args.pairs
-            assert f'--{role}-resources={{"{role}_gpu": 1}}' in assumed
+            assert json.loads(getattr(args, f"{role}_resources")) == {f"{role}_gpu": 1}
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -316,7 +306,7 @@ def _under(path: str, mounts: dict[str, str]) -> str | None:
 def test_checkpoints_and_certificates_are_mounted_where_flags_point(
     overlay: str, tmp_path: Path
 ) -> None:
-    args, assumed = serve_args(overlay, tmp_path)
+    args, flags = serve_args(overlay, tmp_path)
     objs = list(render(overlay))
     pod = _pod(objs)
     orchestrator = [(pod, pod["containers"][0])]
@@ -329,7 +319,7 @@ def test_checkpoints_and_certificates_are_mounted_where_flags_point(
             assert _under(model, claims) == "specdec-checkpoints", (overlay, model)
         assert all(m.get("readOnly") for m in container["volumeMounts"] if m["mountPath"]
                    in claims), "checkpoints are mounted read-only"  # fmt: skip
-    for flag in assumed:
+    for flag in flags:
         name, _, path = flag.partition("=")
         if "tls" not in name or not path.startswith("/"):
             continue
