@@ -14,8 +14,6 @@ Dockerfiles.
 from __future__ import annotations
 
 import copy
-import datetime
-import ipaddress
 import json
 import os
 import shutil
@@ -35,6 +33,7 @@ import yaml
 from orchestrator.cli import parse_args
 from orchestrator.servicer import SERVICE_NAME
 from specdec.serving.server import Server, ServerConfig
+from tests.certs import self_signed_localhost
 
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
@@ -352,46 +351,13 @@ def test_the_orchestrator_command_starts_ray_then_serve_with_its_args(tmp_path: 
     ]  # fmt: skip
 
 
-def _tls_pair(tmp: Path) -> tuple[Path, Path]:
-    """A self-signed certificate for localhost, as the client Secret's ca.crt must sign."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "specdec")])
-    now = datetime.datetime.now(datetime.UTC)
-    san = x509.SubjectAlternativeName(
-        [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    )
-    cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(san, critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )  # fmt: skip
-    cert_path, key_path = tmp / "tls.crt", tmp / "tls.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
-
-
 def test_the_tls_probe_command_tells_serving_from_not(tmp_path: Path) -> None:
     """The multi-node overlay's exec probe, run as written against a TLS server."""
     [container] = _pod(list(render("overlays/multi-node")))["containers"]
     script = container["readinessProbe"]["exec"]["command"][2]
     ca_path, address = "/etc/specdec/tls/client/ca.crt", "localhost:50050"
     assert ca_path in script and address in script
-    cert, key = _tls_pair(tmp_path)
+    cert, key = self_signed_localhost(tmp_path, "specdec")  # as the client Secret's ca.crt signs
     server = Server(ServerConfig(tls_cert=cert, tls_key=key), [SERVICE_NAME], lambda s: None)
     port = server.start()
     script = script.replace(ca_path, str(cert)).replace(address, f"localhost:{port}")

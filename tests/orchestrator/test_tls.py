@@ -8,8 +8,6 @@ and target -> draft channels reach them only by checking the overridden server n
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,6 +22,7 @@ from orchestrator.cli import main, parse_args, serve_config
 from orchestrator.server import Orchestrator
 from specdec.client import Client, SpecdecClientError
 from specdec.serving.client import make_channel
+from tests.certs import issue, load, localhost_names
 from tests.draft_service.models import build_checkpoints
 from tests.orchestrator.test_serve import oracle
 
@@ -41,59 +40,14 @@ class Pki:
     service: tuple[Path, Path]  # the services: SERVICE_NAME only
 
 
-def _issue(folder: Path, name: str, sans: list, ca: tuple | None = None) -> tuple[Path, Path]:
-    """A certificate for `sans`, signed by `ca` ((cert, key) objects), else a self-signed CA."""
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    subject = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, name)])
-    issuer_cert, issuer_key = ca if ca is not None else (None, key)
-    now = datetime.datetime.now(datetime.UTC)
-    builder = (
-        x509.CertificateBuilder().subject_name(subject)
-        .issuer_name(issuer_cert.subject if issuer_cert is not None else subject)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(x509.BasicConstraints(ca=ca is None, path_length=None), critical=True)
-    )  # fmt: skip
-    if sans:
-        builder = builder.add_extension(x509.SubjectAlternativeName(sans), critical=False)
-    cert = builder.sign(issuer_key, hashes.SHA256())
-    cert_path, key_path = folder / f"{name}.crt", folder / f"{name}.key"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
-
-
-def _load(pair: tuple[Path, Path]) -> tuple:
-    from cryptography import x509
-    from cryptography.hazmat.primitives import serialization
-
-    cert, key = pair
-    return (
-        x509.load_pem_x509_certificate(cert.read_bytes()),
-        serialization.load_pem_private_key(key.read_bytes(), password=None),
-    )
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     from cryptography import x509
 
     folder = tmp_path_factory.mktemp("pki")
-    ca = _load(_issue(folder, "ca", []))
-    local = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("localhost")]
-    api = _issue(folder, "api", local, ca)
-    service = _issue(folder, "service", [x509.DNSName(SERVICE_NAME)], ca)
+    ca = load(issue(folder, "ca", []))
+    api = issue(folder, "api", localhost_names(), ca)
+    service = issue(folder, "service", [x509.DNSName(SERVICE_NAME)], ca)
     return Pki(folder / "ca.crt", api, service)
 
 

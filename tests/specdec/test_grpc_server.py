@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import datetime
-import ipaddress
 import os
 import signal
 import subprocess
@@ -23,6 +21,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from specdec.errors import CacheFullError, StaleProposalError
 from specdec.serving.client import LockstepStream, make_channel
 from specdec.serving.server import Server, ServerConfig
+from tests.certs import self_signed_localhost
 
 SERVICE = "test.Echo"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -123,40 +122,8 @@ def test_oversized_message_is_resource_exhausted(server: Server) -> None:
         assert call(b"x" * 1000, timeout=5) == b"x" * 1000
 
 
-def _self_signed(tmp: Path) -> tuple[Path, Path]:
-    x509 = pytest.importorskip("cryptography.x509")
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-
-    key = ec.generate_private_key(ec.SECP256R1())
-    name = x509.Name([x509.NameAttribute(x509.oid.NameOID.COMMON_NAME, "specdec-test")])
-    now = datetime.datetime.now(datetime.UTC)
-    san = x509.SubjectAlternativeName(
-        [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
-    )
-    cert = (
-        x509.CertificateBuilder().subject_name(name).issuer_name(name)
-        .public_key(key.public_key()).serial_number(x509.random_serial_number())
-        .not_valid_before(now - datetime.timedelta(minutes=1))
-        .not_valid_after(now + datetime.timedelta(hours=1))
-        .add_extension(san, critical=False)
-        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-        .sign(key, hashes.SHA256())
-    )  # fmt: skip
-    cert_path, key_path = tmp / "cert.pem", tmp / "key.pem"
-    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    key_path.write_bytes(
-        key.private_bytes(
-            serialization.Encoding.PEM,
-            serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption(),
-        )
-    )
-    return cert_path, key_path
-
-
 def test_tls(tmp_path: Path) -> None:
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed_localhost(tmp_path)
     srv = Server(ServerConfig(tls_cert=cert, tls_key=key), [SERVICE], _register)
     port = srv.start()
     try:
