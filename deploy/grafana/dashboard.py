@@ -1,0 +1,273 @@
+"""The specdec Grafana dashboard, built with grafana-foundation-sdk (its Grafana 11.6 types).
+
+    python deploy/grafana/dashboard.py --out deploy/grafana/specdec.json
+
+writes the JSON that deploy/grafana/provisioning/ provisions; tests/deploy/test_dashboard.py
+checks that the committed file equals a fresh generation. Every query reads the metrics that
+orchestrator/metrics.py defines, filtered by the dashboard's `model_pair` and `proposer`
+variables; `$__rate_interval` is Grafana's own (at least four scrape intervals).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from grafana_foundation_sdk.builders import common, dashboard, prometheus, timeseries
+from grafana_foundation_sdk.cog.encoder import JSONEncoder
+from grafana_foundation_sdk.models import common as common_models
+from grafana_foundation_sdk.models import dashboard as dashboard_models
+from grafana_foundation_sdk.models.dashboard import DataSourceRef, GridPos
+
+UID = "specdec"
+DATASOURCE = DataSourceRef(type_val="prometheus", uid="${datasource}")
+PAIR = 'model_pair=~"$model_pair"'
+SPEC = f'{PAIR}, proposer=~"$proposer"'
+WINDOW = "[$__rate_interval]"
+BY_PAIR_PROPOSER = "sum by (model_pair, proposer)"
+INTERVAL_ONLY = ("auto", "auto_count", "auto_min")
+
+
+def rate(metric: str, labels: str = PAIR, by: str = "sum by (model_pair)") -> str:
+    return f"{by} (rate({metric}{{{labels}}}{WINDOW}))"
+
+
+def spec_rate(name: str) -> str:
+    return rate(f"specdec:spec_decode_{name}_total", SPEC, BY_PAIR_PROPOSER)
+
+
+def by_proposer(expr: str, legend: str = "") -> tuple[tuple[str, str], ...]:
+    return ((expr, "{{model_pair}} {{proposer}}" + legend),)
+
+
+def quantiles(histogram: str) -> tuple[tuple[str, str], ...]:
+    buckets = rate(f"specdec:{histogram}_bucket", PAIR, "sum by (model_pair, le)")
+    return tuple(
+        (f"histogram_quantile({q}, {buckets})", f"{{{{model_pair}}}} p{round(q * 100)}")
+        for q in (0.5, 0.9, 0.99)
+    )
+
+
+def mean_per_step(part: str) -> tuple[str, str]:
+    metric = f"specdec:step_{part}seconds"
+    expr = f"{rate(metric + '_sum')} / {rate(metric + '_count')}"
+    return expr, f"{{{{model_pair}}}} {part.rstrip('_') or 'whole step'}"
+
+
+PER_POSITION = rate(
+    "specdec:spec_decode_num_accepted_tokens_per_pos_total",
+    SPEC,
+    "sum by (model_pair, proposer, position)",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class PanelSpec:
+    """One time series panel: its queries as (PromQL, legend) pairs."""
+
+    title: str
+    description: str
+    unit: str
+    queries: tuple[tuple[str, str], ...]
+    max: float | None = None
+
+
+SPECULATION = (
+    PanelSpec(
+        "Acceptance rate",
+        "Draft tokens accepted / draft tokens verified, by model pair and proposer.",
+        "percentunit",
+        by_proposer(f"{spec_rate('num_accepted_tokens')} / {spec_rate('num_draft_tokens')}"),
+        max=1,
+    ),
+    PanelSpec(
+        "Mean acceptance length",
+        "Tokens a draft step yields: 1 + accepted draft tokens / drafts (the target's own token "
+        "included).",
+        "none",
+        by_proposer(f"1 + {spec_rate('num_accepted_tokens')} / {spec_rate('num_drafts')}"),
+    ),
+    PanelSpec(
+        "Acceptance by draft position",
+        "Drafts whose token at position i (from 0) was accepted / drafts: vLLM's per-position "
+        "acceptance rate. Falls with the position, since a rejection ends the draft.",
+        "percentunit",
+        by_proposer(
+            f"{PER_POSITION} / on (model_pair, proposer) group_left {spec_rate('num_drafts')}",
+            " position {{position}}",
+        ),
+        max=1,
+    ),
+    PanelSpec(
+        "Chosen k (draft tokens per draft)",
+        "There is no metric of the k each step chose: this is derived as draft tokens verified "
+        "/ drafts, the mean k of the steps that drafted (shorter near a request's end).",
+        "none",
+        by_proposer(f"{spec_rate('num_draft_tokens')} / {spec_rate('num_drafts')}"),
+    ),
+)
+REQUESTS = (
+    PanelSpec(
+        "Generated tokens/s",
+        "Rate of generated tokens, counted when a request finishes (from its usage).",
+        "short",
+        ((rate("specdec:generation_tokens_total"), "{{model_pair}}"),),
+    ),
+    PanelSpec(
+        "Time to first token",
+        "Arrival to first token: p50, p90 and p99 from the histogram's buckets.",
+        "s",
+        quantiles("time_to_first_token_seconds"),
+    ),
+    PanelSpec(
+        "Time per output token",
+        "Mean time per token after the first, per request: p50, p90 and p99.",
+        "s",
+        quantiles("time_per_output_token_seconds"),
+    ),
+    PanelSpec(
+        "Requests running and waiting",
+        "Requests admitted to a pair, and requests queued for admission.",
+        "short",
+        tuple(
+            (
+                f"sum by (model_pair) (specdec:num_requests_{state}{{{PAIR}}})",
+                f"{{{{model_pair}}}} {state}",
+            )
+            for state in ("running", "waiting")
+        ),
+    ),
+    PanelSpec(
+        "Errors by code",
+        "Requests ended by an error status, by gRPC status code (refusals included).",
+        "reqps",
+        (
+            (
+                rate("specdec:request_errors_total", PAIR, "sum by (model_pair, code)"),
+                "{{model_pair}} {{code}}",
+            ),
+        ),
+    ),
+    PanelSpec(
+        "Finished requests by reason",
+        "Requests that finished, by finish reason.",
+        "reqps",
+        (
+            (
+                rate("specdec:request_success_total", PAIR, "sum by (model_pair, finish_reason)"),
+                "{{model_pair}} {{finish_reason}}",
+            ),
+        ),
+    ),
+)
+STEPS = (
+    PanelSpec(
+        "Draft, transport and verify time per step",
+        "Mean seconds per hub step: the draft's forward and the Propose round trip less it "
+        "(steps that used the draft service), the target's verify forward, the rejection "
+        "sampler, and the whole step.",
+        "s",
+        tuple(mean_per_step(part) for part in ("draft_", "transport_", "verify_", "sampler_", "")),
+    ),
+)
+ROWS = (("Speculative decoding", SPECULATION), ("Requests", REQUESTS), ("Steps", STEPS))
+
+
+def panel(spec: PanelSpec, x: int, y: int) -> timeseries.Panel:
+    legend = (
+        common.VizLegendOptions()
+        .display_mode(common_models.LegendDisplayMode.LIST)
+        .placement(common_models.LegendPlacement.BOTTOM)
+        .show_legend(True)
+    )
+    built = (
+        timeseries.Panel()
+        .title(spec.title)
+        .description(spec.description)
+        .datasource(DATASOURCE)
+        .unit(spec.unit)
+        .min(0)
+        .legend(legend)
+        .grid_pos(GridPos(h=8, w=12, x=x, y=y))
+    )
+    if spec.max is not None:
+        built = built.max(spec.max)
+    for i, (expr, legend_format) in enumerate(spec.queries):
+        built = built.with_target(
+            prometheus.Dataquery()
+            .datasource(DATASOURCE)
+            .expr(expr)
+            .legend_format(legend_format)
+            .range()
+            .ref_id(chr(ord("A") + i))
+        )
+    return built
+
+
+def label_variable(name: str, metric: str) -> dashboard.QueryVariable:
+    return (
+        dashboard.QueryVariable(name)
+        .label(name)
+        .datasource(DATASOURCE)
+        .query(f"label_values({metric}, {name})")
+        .refresh(dashboard_models.VariableRefresh.ON_TIME_RANGE_CHANGED)
+        .multi(True)
+        .include_all(True)
+        .all_value(".*")
+        .current(dashboard_models.VariableOption(selected=True, text="All", value="$__all"))
+    )
+
+
+def build() -> dict[str, object]:
+    """The dashboard as the JSON object Grafana reads."""
+    board = (
+        dashboard.Dashboard("specdec")
+        .uid(UID)
+        .description("Speculative decoding served by specdec: acceptance, latency, steps.")
+        .tags(["specdec"])
+        .refresh("30s")
+        .time("now-1h", "now")
+        .timezone("browser")
+        .tooltip(dashboard_models.DashboardCursorSync.CROSSHAIR)
+        .with_variable(
+            dashboard.DatasourceVariable("datasource").label("Prometheus").type("prometheus")
+        )
+        .with_variable(label_variable("model_pair", "specdec:steps_total"))
+        .with_variable(label_variable("proposer", "specdec:spec_decode_num_drafts_total"))
+    )
+    y, panel_id = 0, 0
+    for title, specs in ROWS:
+        panel_id += 1
+        row = dashboard.Row(title).id(panel_id).grid_pos(GridPos(h=1, w=24, x=0, y=y))
+        board = board.with_row(row)
+        y += 1
+        for i, spec in enumerate(specs):
+            panel_id += 1
+            board = board.with_panel(panel(spec, x=12 * (i % 2), y=y + 8 * (i // 2)).id(panel_id))
+        y += 8 * ((len(specs) + 1) // 2)
+    built = json.loads(JSONEncoder(sort_keys=True, indent=2).encode(board.build()))
+    # The SDK writes an interval variable's fields on every variable; Grafana's schema
+    # (@grafana/schema VariableModel) has no such fields, and the schema test rejects them.
+    for variable in built["templating"]["list"]:
+        if variable["type"] != "interval":
+            for key in INTERVAL_ONLY:
+                variable.pop(key, None)
+    return dict(built)
+
+
+def render_json() -> str:
+    return json.dumps(build(), indent=2, sort_keys=True) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True, help="where to write the JSON")
+    args = parser.parse_args()
+    args.out.write_text(render_json())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
