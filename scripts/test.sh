@@ -5,6 +5,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -m pip install -q --disable-pip-version-check -e ".[dev]"
+# tests/deploy/test_prometheus.py runs Debian's prometheus and promtool (npm packages the
+# deploy tests need they install themselves, under ~/.cache/specdec/npm)
+if ! command -v promtool >/dev/null || ! command -v prometheus >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends prometheus \
+        >/dev/null
+fi
 ruff check .
 ruff format --check .
 mypy
