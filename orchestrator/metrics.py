@@ -37,11 +37,14 @@ Every metric lives in the Metrics object's own CollectorRegistry, never the glob
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Sequence
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 import grpc
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from orchestrator.pair import StepReport
 from specdec.pb.specdec.v1 import generate_pb2
@@ -151,11 +154,14 @@ class Metrics:
 
     def on_step(self, report: StepReport, proposer_of: Callable[[str], str | None]) -> None:
         """Counts one hub step's drafts and timings; `proposer_of` maps a request to its proposer
-        (None for a request the orchestrator no longer holds)."""
+        (None for a request the orchestrator no longer holds: its verdict is dropped, no
+        response carries it, so it is not counted either)."""
         for event in report.events:
             if event.error is not None or event.num_draft_tokens == 0:
                 continue
-            proposer = proposer_of(event.request_id) or "unknown"
+            proposer = proposer_of(event.request_id)
+            if proposer is None:
+                continue
             labels = (self.model_pair, proposer)
             self._drafts.labels(*labels).inc()
             self._draft_tokens.labels(*labels).inc(event.num_draft_tokens)
@@ -208,9 +214,29 @@ def start_metrics_server(
 ) -> tuple[Any, int]:
     """Serves `registry` at http://host:port/metrics on a daemon thread; port 0 picks one.
 
-    Returns the server (stop it with `shutdown()` then `server_close()`) and its port.
+    Always in the classic text format (0.0.4), whatever the scraper's Accept header asks:
+    prometheus_client answers a request for OpenMetrics with `specdec:` escaped to `specdec_`,
+    and Prometheus 2.x asks for OpenMetrics, so its PromQL would not find the names this module
+    documents. Returns the server (stop it with `shutdown()` then `server_close()`) and its port.
     """
-    server, _thread = start_http_server(
-        port, addr=host, registry=registry if registry is not None else CollectorRegistry()
-    )
+    reg = registry if registry is not None else CollectorRegistry()
+
+    class Handler(BaseHTTPRequestHandler):
+        def do_GET(self) -> None:
+            if self.path.split("?", 1)[0] not in ("/metrics", "/"):
+                self.send_error(404, "metrics are at /metrics")
+                return
+            body = generate_latest(reg)
+            self.send_response(200)
+            self.send_header("Content-Type", CONTENT_TYPE_PLAIN_0_0_4)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, format: str, *args: Any) -> None:
+            pass  # one line per scrape is noise
+
+    server = ThreadingHTTPServer((host, port), Handler)
+    server.daemon_threads = True
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server, int(server.server_port)

@@ -57,6 +57,7 @@ class PairAdmission:
     proposer: Proposer
     num_draft_tokens: int  # k for this request (ignored when proposer == "off")
     first_step: int = 0
+    max_length: int = 0  # prompt + tokens the orchestrator keeps at most; 0: no limit
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -65,6 +66,8 @@ class PairAdmission:
             raise ValueError("token_ids must hold at least one token id.")
         if self.first_step < 0:
             raise ValueError(f"first_step must be >= 0, got {self.first_step}.")
+        if self.max_length < 0:
+            raise ValueError(f"max_length must be >= 0, got {self.max_length}.")
         _check_speculation(self.proposer, self.num_draft_tokens)
 
     def to_pb(self) -> target_pb2.ServeAdmit:
@@ -77,6 +80,7 @@ class PairAdmission:
             ),
             proposer=PROPOSERS[self.proposer],  # type: ignore[arg-type]
             num_draft_tokens=self.num_draft_tokens,
+            max_length=self.max_length,
         )
 
 

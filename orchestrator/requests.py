@@ -193,9 +193,11 @@ class Job:
         r = self.record
         r.mark_sent()
         proposer: Proposer = r.proposer  # type: ignore[assignment]
+        limit = r.criteria.max_tokens
         return PairAdmission(
-            r.request_id, tokens, self.sampling, proposer, r.num_draft_tokens, next_step
-        )
+            r.request_id, tokens, self.sampling, proposer, r.num_draft_tokens, next_step,
+            max_length=0 if limit is None else len(r.prompt_ids) + limit,
+        )  # fmt: skip
 
     def readmission(self) -> tuple[tuple[int, ...], int]:
         return self.record.readmission()

@@ -146,7 +146,7 @@ class Hub:
         try:
             self._start()
             while self._apply(self._take()):
-                if self._requests:
+                if self._steppable():
                     self._step()
         except Exception:
             log.exception("the hub's loop failed")
@@ -168,9 +168,12 @@ class Hub:
         if failure is not None:
             self._emit(draft_down=target_pb2.DraftDown(message=failure))
 
+    def _steppable(self) -> bool:
+        return any(not r.done for r in self._requests.values())
+
     def _take(self) -> list[object]:
         """The controls sent so far; waits for one while there is nothing to step."""
-        controls = [] if self._requests else [self._controls.get()]
+        controls = [] if self._steppable() else [self._controls.get()]
         while True:
             try:
                 controls.append(self._controls.get_nowait())
@@ -223,6 +226,7 @@ class Hub:
             return
         tokens = [*adm.prompt_token_ids, *verdicts.token_ids[0]]
         req = HubRequest(rid, adm.sampling, proposer, k, tokens, adm.first_step + 1)
+        req.max_length = pb.max_length
         self._requests[rid] = req
         admitted = target_pb2.ServeAdmitted(
             request_id=rid, committed_length=len(tokens), next_step=req.next_step,
@@ -259,7 +263,7 @@ class Hub:
 
     def _step(self) -> None:
         start = time.perf_counter()
-        group = _Group(list(self._requests.values()))
+        group = _Group([r for r in self._requests.values() if not r.done])
         verify_s = sampler_s = 0.0
         graphed = False
         try:
@@ -314,10 +318,13 @@ class Hub:
         )  # fmt: skip
 
     def _k(self, r: HubRequest) -> int:
-        """The request's k this step: its setting, within the services' limits."""
+        """The request's k this step: its setting, within the services' limits and the
+        request's max_length."""
         if r.proposer == "off":
             return 0
         k = min(r.num_draft_tokens, self._max_seq_len - len(r.tokens) - 1)
+        if r.max_length:  # no drafts past the last token the orchestrator keeps
+            k = min(k, r.max_length - len(r.tokens) - 1)
         if r.on_draft and self._draft.link is not None:
             info = self._draft.link.info
             k = min(k, info.max_num_draft_tokens, info.max_seq_len - len(r.tokens))

@@ -36,6 +36,12 @@ class HubRequest:
     next_step: int
     on_draft: bool = False  # admitted on the current draft service
     told: int = 0  # how many of `tokens` the draft service knows
+    max_length: int = 0  # left out of steps once it holds this many tokens; 0: no limit
+
+    @property
+    def done(self) -> bool:
+        """It holds every token the orchestrator will keep: a step for it would be wasted."""
+        return 0 < self.max_length <= len(self.tokens)
 
 
 Emit = Callable[..., None]  # ServeEvent fields, e.g. emit(draft_down=...)

@@ -72,7 +72,11 @@ REPORTS = [
         True,  # graphed
     ),
     Report(
-        (Event("a", 1, (11, 12), 3, 1), Event("b", 1, (), 0, 0, ERROR)),
+        (
+            Event("a", 1, (11, 12), 3, 1),
+            Event("b", 1, (), 0, 0, ERROR),
+            Event("gone", 1, (13, 14), 3, 1),  # released meanwhile: its verdict is dropped
+        ),
         0.0,
         0.0,
         0.003,
@@ -101,6 +105,7 @@ def test_spec_decode_counters_equal_what_was_fed(served) -> None:
     assert [_value(s, per_pos, proposer="draft", position=str(i)) for i in range(2)] == [2, 1]
     assert [_value(s, per_pos, proposer="ngram", position=str(i)) for i in range(4)] == [1] * 4
     assert (per_pos, (("model_pair", PAIR), ("position", "2"), ("proposer", "draft"))) not in s
+    assert not [key for key in s if ("proposer", "unknown") in key[1]]
     assert _value(s, "specdec:steps_total") == 2
     assert _value(s, "specdec:eager_steps_total") == 1
     assert _value(s, "specdec:draft_up") == 0
@@ -170,3 +175,20 @@ def test_two_instances_have_separate_registries() -> None:
     labels = {"model_pair": PAIR, "code": "INTERNAL"}
     assert first.registry.get_sample_value("specdec:request_errors_total", labels) == 1
     assert second.registry.get_sample_value("specdec:request_errors_total", labels) is None
+
+
+def test_served_in_the_classic_text_format_whatever_the_scraper_asks(served) -> None:
+    """Prometheus 2.x asks for OpenMetrics, in which prometheus_client escapes `specdec:` to
+    `specdec_`; the server answers the text format, where the names keep their colon."""
+    metrics, port = served
+    metrics.on_error("INTERNAL")
+    accept = (
+        "application/openmetrics-text;version=1.0.0;q=0.5,"
+        "application/openmetrics-text;version=0.0.1;q=0.4,text/plain;version=0.0.4;q=0.3,*/*;q=0.2"
+    )
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": accept})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4")
+        text = response.read().decode()
+    assert 'specdec:request_errors_total{code="INTERNAL"' in text
+    assert "specdec_" not in text

@@ -68,9 +68,12 @@ class Driver:
             timeout_s=30.0,
         )
 
-    def admit(self, rid: str, prompt: list[int], proposer: Proposer, k: int) -> None:
+    def admit(
+        self, rid: str, prompt: list[int], proposer: Proposer, k: int, max_length: int = 0
+    ) -> None:
         self.records[rid] = Record(list(prompt), proposer, list(prompt))
-        self.client.admit(PairAdmission(rid, tuple(prompt), GREEDY, proposer, k))
+        admission = PairAdmission(rid, tuple(prompt), GREEDY, proposer, k, max_length=max_length)
+        self.client.admit(admission)
 
     def handle(self, timeout_s: float = 30.0) -> object:
         """Waits for the next callback and applies it; returns it."""
@@ -104,6 +107,10 @@ class Driver:
         if len(rec.generated) >= self.max_new_tokens:
             rec.done = True
             self.client.release([e.request_id])
+
+    def pending(self) -> bool:
+        """Whether a callback is waiting to be handled."""
+        return not self._events.empty()
 
     def run(self, on_step: Callable[[int], None] = lambda n: None, timeout_s: float = 60.0) -> None:
         """Handles events until every request is done; on_step(n) after the n-th step report."""

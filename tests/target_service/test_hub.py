@@ -287,3 +287,25 @@ def test_step_report_timings_are_consistent(svc: LocalPair) -> None:
         assert isinstance(r, StepReport)
         parts = r.draft_s + r.verify_s + r.sampler_s
         assert 0 < parts <= r.step_s, r
+
+
+def test_the_hub_stops_stepping_a_request_at_its_max_length(
+    svc: LocalPair, reference: ModelRunner
+) -> None:
+    """No step past the last token the orchestrator keeps: the last step drafts only what fits,
+    and the request then waits for its release without costing a step."""
+    prompt = _prompt(61)
+    driver = Driver(svc.target_address, max_new_tokens=1000)  # never releases it
+    try:
+        driver.admit("capped", prompt, "draft", 4, max_length=len(prompt) + 6)
+        driver.until(lambda: len(driver.records["capped"].generated) >= 6)
+        steps = len(driver.reports)
+        time.sleep(0.5)
+        while driver.pending():
+            driver.handle(1.0)
+        assert len(driver.reports) == steps, "the hub stepped a request past its max_length"
+        rec = driver.records["capped"]
+        assert rec.generated == greedy_reference(reference, prompt, 6), "not one token past it"
+        assert _held(svc, "capped"), "it waits for its release"
+    finally:
+        driver.client.close()
