@@ -21,7 +21,7 @@ from specdec.client import (
 )
 from specdec.pb.specdec.v1 import generate_pb2, generate_pb2_grpc
 from specdec.serving.server import Server, ServerConfig
-from tests.specdec.test_grpc_server import _self_signed
+from tests.certs import self_signed_localhost
 from tests.specdec.test_torch_free import _probe
 
 SERVICE = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
@@ -280,7 +280,7 @@ def test_async_client(served) -> None:
 
 
 def test_tls(tmp_path: Path) -> None:
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed_localhost(tmp_path)
     server = _serve(FakeGenerate(), ServerConfig(tls_cert=cert, tls_key=key))
     try:
         address = f"localhost:{server.port}"
