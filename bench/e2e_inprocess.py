@@ -22,6 +22,7 @@ import json
 import platform
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -97,7 +98,9 @@ def graph_ms(
     next-token logits included), in a slot of its own, from an idle device to the logits on it
     (one call's latency, what a request's time to first token contains); and
     "prefill_pipelined,N": the mean of back-to-back calls, each launched while the previous one
-    runs (throughput, which no single request sees)."""
+    runs (throughput, which no single request sees); "prefill_idle,N": one call after the
+    process and the device sat idle for IDLE_S, as a request reaching an idle server finds
+    them."""
     batches, ctx = job["batches"], job["ctx"]
     slots, seq = max(batches) + (1 if prefill_len else 0), max(ctx + 64, prefill_len + 1)
     runner = _load(path, device, job["dtype"], slots, seq, job["graph_sizes"])
@@ -112,6 +115,7 @@ def graph_ms(
         out[f"prefill_pipelined,{prefill_len}"] = prefill_ms(
             runner, prefill_len, dev, job["iters"], False
         )
+        out[f"prefill_idle,{prefill_len}"] = prefill_idle_ms(runner, prefill_len, dev, job["iters"])
     del runner
     _free(dev)
     return out
@@ -134,6 +138,31 @@ def prefill_ms(runner: ModelRunner, n: int, dev: torch.device, iters: int, each:
         return timed(step, dev, warmup=2, iters=iters)
     finally:
         runner.release("prefill")
+
+
+IDLE_S = 0.2  # the TTFT requests' gaps are at least this long (wait_idle)
+
+
+def prefill_idle_ms(runner: ModelRunner, n: int, dev: torch.device, iters: int) -> float:
+    """Mean ms of one `forward` of an n-token item to its synchronised end, each call after
+    IDLE_S with nothing running."""
+    g = torch.Generator(device="cpu").manual_seed(1)
+    tokens = torch.randint(1, 1000, (n,), generator=g)
+    runner.add_request("prefill")
+    times = []
+    try:
+        for i in range(iters + 1):
+            runner.synchronize()
+            time.sleep(IDLE_S)
+            start = time.perf_counter()
+            runner.forward([ForwardItem("prefill", tokens, 1)])
+            runner.synchronize()
+            if i:  # the first one warms up
+                times.append(time.perf_counter() - start)
+            runner.truncate("prefill", 0)
+    finally:
+        runner.release("prefill")
+    return 1e3 * sum(times) / len(times)
 
 
 def prepare(job: dict[str, Any]) -> dict[str, Any]:

@@ -284,7 +284,8 @@ def _serve(result: dict[str, Any]) -> list[str]:
         "warm-up; client: call to first token, server: Timing.time_to_first_token_s), against "
         "the target's in-process prefill (`ModelRunner.forward` of one prompt of that length, "
         "from an idle device to its logits: one call's latency; in brackets the mean of "
-        "back-to-back calls, which overlap each other's launches):",
+        "back-to-back calls, which overlap each other's launches; then one call after 0.2 s "
+        "idle, as a request reaching an idle server finds the host and the device):",
         "",
         "| config | prompt tokens | client TTFT ms | server TTFT ms | in-process prefill ms "
         "| client / prefill | server: queue / hand-off / prefill / first step ms |",
@@ -295,8 +296,11 @@ def _serve(result: dict[str, Any]) -> list[str]:
         ratio = f"{t['client_ms_median'] / prefill:.2f}" if prefill else "-"
         parts = t.get("parts_ms_median")  # absent from runs before the split was reported
         split = " / ".join(_f(parts[p]) for p in TTFT_PARTS) if parts else "-"
-        piped = result["inprocess_ms"]["target"].get(f"prefill_pipelined,{t['prompt_len']}")
+        target = result["inprocess_ms"]["target"]
+        piped = target.get(f"prefill_pipelined,{t['prompt_len']}")
+        idle = target.get(f"prefill_idle,{t['prompt_len']}")
         shown = (_f(prefill) if prefill else "-") + (f" ({_f(piped)})" if piped else "")
+        shown += f"; idle {_f(idle)}" if idle else ""
         lines.append(
             f"| {t['config']} | {t['prompt_len']} | {_f(t['client_ms_median'])} "
             f"| {_f(t['server_ms_median'])} | {shown} | {ratio} | {split} |"
