@@ -98,7 +98,9 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     assert not ray.is_initialized()
 
 
-NEW_TOKENS = 3
+# step 1 drafts k = K only with K + 1 tokens still to come (the hub drafts no further than
+# max_tokens); tokens 1 to 3 are tested
+NEW_TOKENS = K + 2
 
 
 @dataclass
