@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from functools import partial
+from pathlib import Path
 
 from specdec.serving.cli import (
     add_runner_args,
@@ -41,6 +42,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=d("draft_wait_s"),
         help="how long to wait for the draft at --draft-address",
+    )
+    parser.add_argument(
+        "--draft-tls-root-cert",
+        type=Path,
+        default=d("draft_tls_root_cert"),
+        help="PEM CA the draft's certificate must chain to: TLS to the draft",
+    )
+    parser.add_argument(
+        "--draft-tls-server-name",
+        default=d("draft_tls_server_name"),
+        help="the name the draft's certificate must carry (default: the address's host)",
     )
     parser.add_argument(
         "--sampler-impl", choices=["auto", "triton", "torch"], default=d("sampler_impl")
@@ -100,6 +112,8 @@ def target_config(args: argparse.Namespace) -> TargetConfig:
         max_support_size=args.max_support_size,
         draft_address=args.draft_address,
         draft_wait_s=args.draft_wait_s,
+        draft_tls_root_cert=args.draft_tls_root_cert,
+        draft_tls_server_name=args.draft_tls_server_name,
         sampler_impl=args.sampler_impl,
         synthetic=synthetic(args),
     )

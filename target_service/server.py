@@ -35,7 +35,12 @@ def warm_up(engine: TargetEngine) -> None:
 def check_draft(engine: TargetEngine, config: TargetConfig) -> None:
     """Fetches the draft's ModelInfo and raises CheckpointError if its tokenizer differs."""
     assert config.draft_address is not None
-    with make_channel(config.draft_address, config.server.max_message_bytes) as channel:
+    root = config.draft_tls_root_cert
+    channel = make_channel(
+        config.draft_address, config.server.max_message_bytes,
+        None if root is None else root.read_bytes(), config.draft_tls_server_name,
+    )  # fmt: skip
+    with channel:
         grpc.channel_ready_future(channel).result(timeout=config.draft_wait_s)
         stub = draft_pb2_grpc.DraftServiceStub(channel)
         pb = stub.GetModelInfo(common_pb2.GetModelInfoRequest(), timeout=config.draft_wait_s)
