@@ -37,6 +37,7 @@ Every metric lives in the Metrics object's own CollectorRegistry, never the glob
 
 from __future__ import annotations
 
+import socket
 import threading
 from collections.abc import Callable, Sequence
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -222,6 +223,8 @@ def start_metrics_server(
     reg = registry if registry is not None else CollectorRegistry()
 
     class Handler(BaseHTTPRequestHandler):
+        timeout = 30  # seconds a connection may sit idle before its thread lets it go
+
         def do_GET(self) -> None:
             if self.path.split("?", 1)[0] not in ("/metrics", "/"):
                 self.send_error(404, "metrics are at /metrics")
@@ -236,7 +239,10 @@ def start_metrics_server(
         def log_message(self, format: str, *args: Any) -> None:
             pass  # one line per scrape is noise
 
-    server = ThreadingHTTPServer((host, port), Handler)
+    class Server(ThreadingHTTPServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    server = Server((host, port), Handler)
     server.daemon_threads = True
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server, int(server.server_port)

@@ -333,6 +333,8 @@ class PairClient:
                 self._unanswered.pop(rid, None)
             if error is None and not released:
                 self._running.add(rid)
+        if released:  # an answer for a request released meanwhile: its id may be in use again
+            return
         result: Admitted | RequestError = error or Admitted(
             pb.committed_length,
             pb.prefill_s,

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import grpc
 
 from orchestrator.pair import Admitted, PairAdmission, StepEvent, StepReport
-from specdec.errors import SpecdecError
+from specdec.errors import SpecdecError, UnavailableError
 from specdec.serving.messages import ErrorReason, RequestError
 
 log = logging.getLogger(__name__)
@@ -193,10 +193,18 @@ class Scheduler:
         self, request_id: str, proposer: str, num_draft_tokens: int, timeout_s: float = 10.0
     ) -> bool:
         """Gives a running or waiting request new speculation settings from its next step
-        (checked by the caller); False if no such request is running or waiting."""
+        (checked by the caller); False if no such request is running or waiting. Raises
+        UnavailableError once the server is stopping, or when the scheduler did not answer."""
+        with self._lock:
+            if self._stopping:
+                raise UnavailableError("The server is shutting down.")
         done: Future[bool] = Future()
         self._post(self._on_set_speculation, request_id, proposer, num_draft_tokens, done)
-        return done.result(timeout_s)
+        try:
+            return done.result(timeout_s)
+        except TimeoutError:
+            message = f"The scheduler did not answer within {timeout_s:g} s."
+            raise UnavailableError(message) from None
 
     def post_step(self, pair: int, report: StepReport) -> None:
         self._post(self._on_step, pair, report)
@@ -272,12 +280,16 @@ class Scheduler:
     def _on_set_speculation(
         self, request_id: str, proposer: str, num_draft_tokens: int, done: Future[bool]
     ) -> None:
-        pair, job = self._find(request_id)
-        if job is not None:
-            job.set_speculation(proposer, num_draft_tokens)  # a re-admission keeps them
-            if pair is not None and pair.alive:
-                assert pair.client is not None
-                pair.client.set_speculation(request_id, proposer, num_draft_tokens)
+        try:
+            pair, job = self._find(request_id)
+            if job is not None:
+                job.set_speculation(proposer, num_draft_tokens)  # a re-admission keeps them
+                if pair is not None and pair.alive:
+                    assert pair.client is not None
+                    pair.client.set_speculation(request_id, proposer, num_draft_tokens)
+        except BaseException as e:  # the caller waits on `done`: it must always be answered
+            done.set_exception(e)
+            raise
         done.set_result(job is not None)
 
     def _on_admitted(self, index: int, request_id: str, result: Admitted | RequestError) -> None:

@@ -35,3 +35,9 @@ class CheckpointError(SpecdecError, ValueError):
     """A model directory that is missing, corrupt, unsupported or too large for the device."""
 
     grpc_code = "FAILED_PRECONDITION"
+
+
+class UnavailableError(SpecdecError):
+    """The server cannot take the call now (stopping, or a part did not answer); retry."""
+
+    grpc_code = "UNAVAILABLE"

@@ -205,36 +205,53 @@ class Hub:
 
     def _admit(self, pb: target_pb2.ServeAdmit) -> None:
         rid = pb.request.request_id
-        pending = None
+        pending, admitted_on_target = None, False
         start = time.perf_counter()
         try:
             adm = AdmitRequest.from_pb(pb.request)
             limit = self._config.max_num_draft_tokens
             proposer, k = _speculation(pb.proposer, pb.num_draft_tokens, limit)
-            verdicts, _ = self.engine.admit_decoding(adm)
-            if verdicts.errors:
-                raise _Refused(verdicts.errors[0])
+            verdicts = self._prefill(adm)
+            admitted_on_target = True
             if proposer == "draft":  # after the target's prefill, which it would slow down on a
-                # shared GPU; it runs while the first token goes out, and its first ask is for
-                # the step after the one decoded here
-                pending = self._draft.start_admit(replace(adm, first_step=adm.first_step + 1))
+                # shared GPU; it runs while the first token goes out
+                first_step = adm.first_step + (verdicts is not None)
+                pending = self._draft.start_admit(replace(adm, first_step=first_step))
         except Exception as e:
             if pending is not None:
                 self._draft.settle(pending, [])
+            if admitted_on_target:
+                self.engine.release([rid])
             error = e.error if isinstance(e, _Refused) else request_error(e)
             self._emit(admitted=target_pb2.ServeAdmitted(request_id=rid, error=error.to_pb()))
             return
-        tokens = [*adm.prompt_token_ids, *verdicts.token_ids[0]]
-        req = HubRequest(rid, adm.sampling, proposer, k, tokens, adm.first_step + 1)
+        tokens = [*adm.prompt_token_ids, *(verdicts.token_ids[0] if verdicts else ())]
+        next_step = adm.first_step + (verdicts is not None)
+        req = HubRequest(rid, adm.sampling, proposer, k, tokens, next_step)
         req.max_length = pb.max_length
         self._requests[rid] = req
         admitted = target_pb2.ServeAdmitted(
-            request_id=rid, committed_length=len(tokens), next_step=req.next_step,
-            prefill_s=time.perf_counter() - start, verdicts=verdicts.to_pb(),
+            request_id=rid, committed_length=len(tokens), next_step=next_step,
+            prefill_s=time.perf_counter() - start,
+            verdicts=verdicts.to_pb() if verdicts else None,
         )  # fmt: skip
         self._emit(admitted=admitted)  # the first token goes out before the draft is waited for
         if pending is not None:
             self._draft.settle(pending, [req])
+
+    def _prefill(self, adm: AdmitRequest) -> VerifyResponse | None:
+        """A new request (step 0) gets its first token decoded in its prefill's forward: the
+        verdict of step 0. A re-admission (a later first step, after a failure or a restart)
+        is only prefilled, so that its next step is verified at its own k exactly as it would
+        have been without the failure: a seeded output does not depend on a retry."""
+        if adm.first_step > 0:
+            self.engine.admit(adm)
+            self.engine.runner.synchronize()  # the prefill's time, not its launches
+            return None
+        verdicts, _ = self.engine.admit_decoding(adm)
+        if verdicts.errors:
+            raise _Refused(verdicts.errors[0])
+        return verdicts
 
     def _release(self, request_ids: list[str]) -> None:
         ids = [rid for rid in dict.fromkeys(request_ids) if rid in self._requests]

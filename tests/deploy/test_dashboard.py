@@ -15,6 +15,8 @@ import yaml
 
 from deploy.grafana import dashboard, schema
 
+pytestmark = pytest.mark.slow  # installs npm packages on its first run
+
 GRAFANA = Path(__file__).resolve().parents[2] / "deploy" / "grafana"
 
 

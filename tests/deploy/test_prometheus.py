@@ -44,6 +44,8 @@ import yaml
 from deploy.grafana import render
 from deploy.grafana.schema import npm_install
 
+pytestmark = pytest.mark.slow  # a real Prometheus and a live serve: about a minute
+
 ROOT = Path(__file__).resolve().parents[2]
 PROM = ROOT / "deploy" / "prometheus"
 SERVICES = ROOT / "deploy" / "k8s" / "base" / "services.yaml"

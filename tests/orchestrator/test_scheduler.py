@@ -276,3 +276,19 @@ def test_set_speculation_reaches_the_running_pair_and_the_record(make) -> None: 
     eventually(lambda: pair.admitted == ["a", "b"])
     assert pair.admissions[1].proposer == "off" and pair.admissions[1].num_draft_tokens == 0
     assert not sched.set_speculation("a", "draft", 2), "a finished request was changed"
+
+
+def test_the_admissions_first_verdict_is_applied_and_can_finish_the_request(make) -> None:  # type: ignore[no-untyped-def]
+    sched, [pair] = make([1], max_queue=1)
+    one, more = FakeJob("one", max_tokens=1), FakeJob("more", max_tokens=3)
+    sched.submit(one)
+    sched.submit(more)
+    eventually(lambda: pair.admitted == ["one"])
+    sched.post_admitted(0, "one", Admitted(5, 0.01, event("one", 0, 7)))
+    eventually(one.done.is_set)  # one token was all it wanted: finished and released
+    assert one.tokens == [7] and pair.released == ["one"]
+    eventually(lambda: pair.admitted == ["one", "more"])
+    sched.post_admitted(0, "more", Admitted(5, 0.01, event("more", 0, 8)))
+    sched.post_step(0, step(event("more", 1, 9, 10)))
+    eventually(more.done.is_set)
+    assert more.tokens == [8, 9, 10] and more.error is None

@@ -426,7 +426,7 @@ def test_killed_target_restarts_and_its_requests_finish(stack: Stack) -> None:
 
 def test_set_speculation_applies_from_the_next_step(stack: Stack) -> None:
     prompt = list(PROMPTS[1])
-    calls = stack.stub.Generate(request(prompt, 60, "draft", 4, request_id="respec"))
+    calls = stack.stub.Generate(request(prompt, 200, "draft", 4, request_id="respec"))
     first = next(calls)
     tokens, steps = list(first.token_ids), list(first.steps)
     with Client(stack.address, timeout=30) as client:
@@ -435,7 +435,7 @@ def test_set_speculation_applies_from_the_next_step(stack: Stack) -> None:
             tokens += r.token_ids
             steps += r.steps
             final = r
-        assert tokens == oracle(stack.target_dir, tuple(prompt), 60), "the output is unchanged"
+        assert tokens == oracle(stack.target_dir, tuple(prompt), 200), "the output is unchanged"
         ks = [s.num_draft_tokens for s in steps]
         switched = next(i for i, k in enumerate(ks) if k == 0 and i > 0)
         assert all(k == 0 for k in ks[switched:]) and switched < len(ks) - 1, ks

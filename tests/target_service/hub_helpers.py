@@ -69,10 +69,26 @@ class Driver:
         )
 
     def admit(
-        self, rid: str, prompt: list[int], proposer: Proposer, k: int, max_length: int = 0
+        self,
+        rid: str,
+        prompt: list[int],
+        proposer: Proposer,
+        k: int,
+        max_length: int = 0,
+        sampling: SamplingParams = GREEDY,
     ) -> None:
         self.records[rid] = Record(list(prompt), proposer, list(prompt))
-        admission = PairAdmission(rid, tuple(prompt), GREEDY, proposer, k, max_length=max_length)
+        admission = PairAdmission(rid, tuple(prompt), sampling, proposer, k, max_length=max_length)
+        self.client.admit(admission)
+
+    def readmit(self, rid: str, k: int, sampling: SamplingParams) -> None:
+        """Admits a request again from its record (prompt + committed tokens, next step), as
+        the orchestrator does after a failed step."""
+        rec = self.records[rid]
+        rec.error, rec.done, rec.admitted = None, False, None
+        admission = PairAdmission(
+            rid, tuple(rec.tokens), sampling, rec.proposer, k, first_step=rec.next_step
+        )
         self.client.admit(admission)
 
     def handle(self, timeout_s: float = 30.0) -> object:

@@ -20,6 +20,7 @@ from orchestrator.pair import Admitted, StepReport
 from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
 from specdec.pb.specdec.v1 import generate_pb2
 from specdec.runner import ModelRunner
+from specdec.sampling_params import SamplingParams
 from specdec.serving.client import make_channel
 from specdec.serving.messages import AdmitRequest, ErrorReason, RequestError
 from tests.draft_service.models import (
@@ -309,3 +310,35 @@ def test_the_hub_stops_stepping_a_request_at_its_max_length(
         assert _held(svc, "capped"), "it waits for its release"
     finally:
         driver.client.close()
+
+
+def test_a_seeded_output_does_not_depend_on_a_retry(
+    svc: LocalPair, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A failed step, then the request admitted again from its record: the same tokens as a
+    run without the failure (the re-admission is prefilled only, and its next step is verified
+    at its own k)."""
+    sampling, prompt, n = SamplingParams(1.0, seed=11), _prompt(71), 12
+    clean = Driver(svc.target_address, max_new_tokens=n)
+    clean.admit("seeded", prompt, "draft", 3, sampling=sampling)
+    clean.run()
+    clean.client.close()
+    verify, calls = svc.target_engine.verify_timed, []
+
+    def fail_third(block: object) -> object:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected")
+        return verify(block)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(svc.target_engine, "verify_timed", fail_third)
+    retried = Driver(svc.target_address, max_new_tokens=n)
+    retried.admit("seeded", prompt, "draft", 3, sampling=sampling)
+    retried.until(lambda: retried.records["seeded"].done)
+    rec = retried.records["seeded"]
+    assert rec.error is not None and rec.error.reason == ErrorReason.STEP_FAILED
+    retried.readmit("seeded", 3, sampling)
+    retried.run()
+    retried.client.close()
+    assert rec.generated[:n] == clean.records["seeded"].generated[:n]
+    assert len(calls) > 3, "the request ran on after its retry"
