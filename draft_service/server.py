@@ -60,6 +60,8 @@ def start(config: DraftConfig, runner: ModelRunner | None = None) -> tuple[Serve
     if runner is None and config.proposer == "model":
         assert config.runner is not None
         runner = ModelRunner.load(config.runner)
+    if runner is not None:
+        runner.own_device()
     engine = DraftEngine(config, runner, model_info(config, runner))
     servicer = DraftServicer(engine)
     server = Server(

@@ -61,7 +61,9 @@ def build_server(engine: TargetEngine, config: TargetConfig) -> Server:
 
 def start(config: TargetConfig, runner: ModelRunner | None = None) -> tuple[Server, TargetEngine]:
     """Loads (unless given a runner), binds, warms up, checks the draft, then SERVING."""
-    engine = TargetEngine(runner or ModelRunner.load(config.runner), config)
+    runner = runner or ModelRunner.load(config.runner)
+    runner.own_device()
+    engine = TargetEngine(runner, config)
     server = build_server(engine, config)
     server.start()
     try:

@@ -7,9 +7,11 @@ KV state lives in fixed slots (see `kv_cache`). Llama, Mistral, Qwen2 and Qwen3 
 plain-torch `model.Transformer`; any other causal LM on transformers' own model (`fallback`).
 """
 
+import contextlib
+import functools
 import logging
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch
 
@@ -97,6 +99,31 @@ class FastBackend:
         return out.copy_(logits)
 
 
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+@contextlib.contextmanager
+def on_device(device: torch.device) -> Iterator[None]:
+    """`device` as the current CUDA device meanwhile: Triton launches its kernels on the
+    current device, so work for cuda:1 launched while cuda:0 is current fails."""
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device):
+        yield
+
+
+def _on_own_device(method: _F) -> _F:
+    """The runner method runs with the runner's GPU as the current CUDA device."""
+
+    @functools.wraps(method)
+    def scoped(self: "ModelRunner", *args: Any, **kwargs: Any) -> Any:
+        with on_device(self._device):
+            return method(self, *args, **kwargs)
+
+    return scoped  # type: ignore[return-value]
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -166,6 +193,18 @@ class ModelRunner:
         tokenizer: Any = None,
     ) -> "ModelRunner":
         """Fast-path runner from a checkpoint or from HF-named tensors (benchmarks, tests)."""
+        with on_device(torch.device(config.device)):
+            return cls._from_hf_weights(config, hf_config, weights, info, tokenizer)
+
+    @classmethod
+    def _from_hf_weights(
+        cls,
+        config: RunnerConfig,
+        hf_config: Any,
+        weights: Checkpoint | dict[str, torch.Tensor],
+        info: CheckpointInfo | None,
+        tokenizer: Any,
+    ) -> "ModelRunner":
         from specdec.errors import CheckpointError
 
         args = ModelArgs.from_hf(hf_config)
@@ -249,6 +288,7 @@ class ModelRunner:
         """Rolls back to `length` tokens (0 <= length <= cached_length), e.g. after a rejection."""
         self._cache.truncate(request_id, length)
 
+    @_on_own_device
     @torch.inference_mode()
     def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:
         """One ragged pass; float32 logits [sum(num_logits), vocab] in item order.
@@ -305,6 +345,7 @@ class ModelRunner:
                 f"token ids of request {request_id!r} must be in [0, {self.vocab_size})."
             )
 
+    @_on_own_device
     @torch.inference_mode()
     def graph_step(
         self,
@@ -358,6 +399,7 @@ class ModelRunner:
             self._cache.extend(rid, n if kept is None else kept[i])
         return logits, outs
 
+    @_on_own_device
     @torch.inference_mode()
     def ragged_step(
         self,
@@ -408,11 +450,24 @@ class ModelRunner:
         if ids and not (min(ids) >= 0 and max(ids) < self.vocab_size):
             raise InvalidInputError(f"token ids must be in [0, {self.vocab_size}).")
 
+    @property
+    def device(self) -> torch.device:
+        return self._device
+
+    def own_device(self) -> None:
+        """Makes the runner's GPU this process's current CUDA device (a service's process holds
+        one runner): the kernels the engines launch outside the runner (the samplers') then
+        run there too."""
+        if self._device.type == "cuda":
+            torch.cuda.set_device(self._device)
+
+    @_on_own_device
     def synchronize(self) -> None:
         """Waits for the work queued on the runner's device (nothing to wait for on a CPU)."""
         if self._device.type == "cuda":
             torch.cuda.current_stream(self._device).synchronize()
 
+    @_on_own_device
     def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
         """CPU copies of device tensors with one host synchronisation for all of them (pinned
         buffers, non-blocking copies, then one wait): the step's one sync."""
@@ -424,6 +479,7 @@ class ModelRunner:
         torch.cuda.current_stream(self._device).synchronize()
         return host
 
+    @_on_own_device
     def upload(self, tensor: torch.Tensor) -> torch.Tensor:
         """`tensor` on the runner's device without a host sync (pinned, non-blocking)."""
         if self._device.type != "cuda" or tensor.device.type != "cpu":
