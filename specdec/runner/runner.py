@@ -142,16 +142,24 @@ class ModelRunner:
         # not (no captured shape fits): the services report both
         self.graph_steps = 0
         self.eager_steps = 0
-        fast = isinstance(backend, FastBackend)
-        if fast and self._device.type == "cuda" and config.cuda_graph_batch_sizes:
-            self._graphs = StepGraphs(
-                backend.step,
-                config.cuda_graph_batch_sizes,
-                self.vocab_size,
-                config.max_seq_len,
-                cache.scratch_slot,
-                self._device,
-            )
+        if (
+            isinstance(backend, FastBackend)
+            and self._device.type == "cuda"
+            and config.cuda_graph_batch_sizes
+        ):
+            with on_device(self._device):  # the graphs' memory pool lives on the current device
+                self._graphs = self._step_graphs(backend, cache)
+
+    def _step_graphs(self, backend: FastBackend, cache: SlotCache) -> StepGraphs:
+        config = self.config
+        return StepGraphs(
+            backend.step,
+            config.cuda_graph_batch_sizes,
+            self.vocab_size,
+            config.max_seq_len,
+            cache.scratch_slot,
+            self._device,
+        )
 
     @classmethod
     def load(cls, config: RunnerConfig) -> "ModelRunner":
