@@ -107,7 +107,10 @@ class StepGraphs:
         torch.cuda.current_stream(dev).wait_stream(side)
         outputs = tuple(torch.empty_like(x) for x in example)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
+        # on this device's own stream: torch.cuda.graph's default capture stream is made once
+        # per process, on whichever device captured first, and entering it makes that device
+        # current (Triton then launched cuda:1's kernels on cuda:0)
+        with torch.cuda.graph(graph, pool=self._pool, stream=side):
             for buf, x in zip(outputs, body(), strict=True):
                 buf.copy_(x)
         return _Graph(graph, tokens, starts, slots, static_in, logits, outputs)
