@@ -21,6 +21,7 @@ from draft_service.ngram import propose_ngram
 from draft_service.sampling import sample_draft
 from specdec.errors import CacheFullError, InvalidInputError
 from specdec.runner import ForwardItem, ModelRunner
+from specdec.runner.runner import on_device
 from specdec.runner.timing import StepClock, StepTimes
 from specdec.sampling_params import SamplingParams
 from specdec.serving.blocks import (
@@ -230,7 +231,9 @@ class DraftEngine:
         sampled: set[str] = set()
         times = StepTimes()
         if active:
-            drafts, q, sampled, times = self._run_model(active)
+            assert self.runner is not None
+            with on_device(self.runner.device):  # gRPC threads start on cuda:0
+                drafts, q, sampled, times = self._run_model(active)
         form = Q_SPARSE if self.config.q_form == "sparse" else Q_DENSE
         forms = [form if a.request_id in sampled else Q_NONE for a in asks]
         block = self._block(asks, [drafts.get(a.request_id, []) for a in asks], forms, q)

@@ -21,6 +21,7 @@ import torch
 
 from specdec.errors import InvalidInputError
 from specdec.runner import ForwardItem, ModelRunner
+from specdec.runner.runner import on_device
 from specdec.runner.timing import StepClock, StepTimes
 from specdec.sampling_params import SamplingParams
 from specdec.serving.blocks import DenseQ, DraftBlock, DraftQ, SparseQ
@@ -119,7 +120,7 @@ class TargetEngine:
         """
         adm.check_limits(self.vocab_size, self.config.runner.max_seq_len)
         rid = adm.request_id
-        with self._lock:
+        with self._lock, on_device(self.runner.device):  # the sampler's kernels too
             if rid in self._requests:
                 raise InvalidInputError(f"request_id {rid!r} is already admitted.")
             self.runner.add_request(rid)
@@ -171,7 +172,7 @@ class TargetEngine:
 
     def verify_timed(self, block: DraftBlock) -> tuple[VerifyResponse, StepTimes]:
         """`verify`, and where the step's time went on the device."""
-        with self._lock:
+        with self._lock, on_device(self.runner.device):  # the sampler's kernels too
             out = VerifyResponse.pending(block.request_ids, block.steps)
             rids = block.request_ids
             counts = Counter(rids) if len(set(rids)) < len(rids) else None
