@@ -43,12 +43,10 @@ KUSTOMIZATIONS = (*OVERLAYS, "checkpoints")
 # Kubernetes versions whose schemas core kinds are checked against: the oldest the manifests
 # support (gRPC probes are GA from 1.27) and the newest kubernetes-validate ships.
 K8S_VERSIONS = ("1.27", "1.37")
-# KubeRay's CRDs (ray-project/kuberay, ray-operator/config/crd/bases/ at commit feeaf72, after
-# v1.7.0) sit beside the repository in shared/data/kuberay-crds/, whose README asks that they
-# are read from there, not copied into the project. SPECDEC_KUBERAY_CRDS names another folder.
+# KubeRay's CRDs: the ray.io_*.yaml files of ray-project/kuberay's
+# ray-operator/config/crd/bases/ (checked against commit feeaf72, after v1.7.0), not vendored
+# here; SPECDEC_KUBERAY_CRDS names their folder (CI keeps them beside the checkout).
 CRD_DIR = Path(os.environ.get("SPECDEC_KUBERAY_CRDS", ROOT.parent / "shared/data/kuberay-crds"))
-# `specdec serve` flags that overlays/multi-node uses and the command does not have yet
-# (deploy/README.md, "Flags the multi-node overlay assumes").
 # orchestrator/server.py stop(): after drain_s and grace_s, up to min(grace_s, 5) + 10 s for the
 # services' own stop.
 SERVICES_STOP_S = 15
@@ -100,8 +98,9 @@ def crd_schemas() -> dict[tuple[str, str], Any]:
     files = sorted(CRD_DIR.glob("ray.io_*.yaml"))
     if not files:
         pytest.fail(
-            f"KubeRay's CRDs are not in {CRD_DIR}: check out shared/ beside the repository, or "
-            f"set SPECDEC_KUBERAY_CRDS to a folder holding ray.io_rayclusters.yaml and the others."
+            f"KubeRay's CRDs are not in {CRD_DIR}: set SPECDEC_KUBERAY_CRDS to a folder holding "
+            f"ray.io_rayclusters.yaml and the others (ray-project/kuberay, "
+            f"ray-operator/config/crd/bases/)."
         )
     out = {}
     for path in files:
