@@ -105,7 +105,7 @@ class StepEvent:
     token_ids: tuple[int, ...]  # committed this step; empty on error
     num_draft_tokens: int  # drafts verified this step (k_i actually proposed)
     num_accepted: int
-    error: RequestError | None
+    error: RequestError | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -19,17 +19,6 @@ from specdec.serving.messages import ErrorReason, RequestError
 PAIR = "target-8b/draft-1b"
 
 
-def Event(
-    request_id: str,
-    step: int,
-    token_ids: tuple[int, ...],
-    k: int,
-    accepted: int,
-    error: RequestError | None = None,
-) -> StepEvent:
-    return StepEvent(request_id, step, token_ids, k, accepted, error)
-
-
 @pytest.fixture
 def served() -> Iterator[tuple[Metrics, int]]:
     metrics = Metrics(PAIR)
@@ -58,10 +47,10 @@ ERROR = RequestError(ErrorReason.CAPACITY, grpc.StatusCode.RESOURCE_EXHAUSTED, "
 REPORTS = [
     Report(
         (
-            Event("a", 0, (1, 2, 3), 3, 2),
-            Event("b", 0, (4,), 2, 0),
-            Event("c", 0, (5, 6, 7, 8, 9), 4, 4),
-            Event("d", 0, (10,), 0, 0),
+            StepEvent("a", 0, (1, 2, 3), 3, 2),
+            StepEvent("b", 0, (4,), 2, 0),
+            StepEvent("c", 0, (5, 6, 7, 8, 9), 4, 4),
+            StepEvent("d", 0, (10,), 0, 0),
         ),
         0.002,
         0.0005,
@@ -73,9 +62,9 @@ REPORTS = [
     ),
     Report(
         (
-            Event("a", 1, (11, 12), 3, 1),
-            Event("b", 1, (), 0, 0, ERROR),
-            Event("gone", 1, (13, 14), 3, 1),  # released meanwhile: its verdict is dropped
+            StepEvent("a", 1, (11, 12), 3, 1),
+            StepEvent("b", 1, (), 0, 0, ERROR),
+            StepEvent("gone", 1, (13, 14), 3, 1),  # released meanwhile: its verdict is dropped
         ),
         0.0,
         0.0,

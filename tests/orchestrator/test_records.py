@@ -21,17 +21,6 @@ from tests.orchestrator.bpe import EOS, text_tokenizer, train_bpe
 PROMPT = (5, 6, 7)
 
 
-def Event(
-    request_id: str,
-    step: int,
-    token_ids: tuple[int, ...],
-    k: int,
-    accepted: int,
-    error: RequestError | None = None,
-) -> StepEvent:
-    return StepEvent(request_id, step, token_ids, k, accepted, error)
-
-
 class Clock:
     def __init__(self) -> None:
         self.now = 100.0
@@ -52,7 +41,7 @@ def _record(criteria: StopCriteria = NO_LIMIT, *, text: bool = False, **kw) -> R
 
 def _step(step: int, tokens: tuple[int, ...], k: int | None = None) -> StepEvent:
     k = len(tokens) - 1 if k is None else k
-    return Event("r", step, tokens, k, len(tokens) - 1)
+    return StepEvent("r", step, tokens, k, len(tokens) - 1)
 
 
 def test_each_step_is_applied_once_and_a_gap_is_an_error() -> None:
@@ -151,10 +140,10 @@ def test_streamed_responses_add_up_to_the_complete_response() -> None:
 
 def test_acceptance_counts_per_request_and_per_position() -> None:
     rec = _record()
-    rec.apply(Event("r", 0, (1, 2, 3), 3, 2))  # positions 0, 1 accepted
-    rec.apply(Event("r", 1, (4,), 3, 0))  # all rejected
-    rec.apply(Event("r", 2, (5,), 0, 0))  # no drafts: not a draft step
-    rec.apply(Event("r", 3, (6, 7, 8, 9, 10), 4, 4))
+    rec.apply(StepEvent("r", 0, (1, 2, 3), 3, 2))  # positions 0, 1 accepted
+    rec.apply(StepEvent("r", 1, (4,), 3, 0))  # all rejected
+    rec.apply(StepEvent("r", 2, (5,), 0, 0))  # no drafts: not a draft step
+    rec.apply(StepEvent("r", 3, (6, 7, 8, 9, 10), 4, 4))
     usage = rec.usage()
     assert (usage.num_steps, usage.num_drafts) == (4, 3)
     assert (usage.num_draft_tokens, usage.num_accepted_tokens) == (10, 6)
@@ -166,7 +155,7 @@ def test_an_error_verdict_ends_the_request() -> None:
     rec = _record()
     rec.apply(_step(0, (1,)))
     error = RequestError(ErrorReason.CAPACITY, grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
-    delta = rec.apply(Event("r", 1, (), 0, 0, error))
+    delta = rec.apply(StepEvent("r", 1, (), 0, 0, error))
     assert delta is not None and delta.finished and delta.error == error
     assert rec.done and rec.error == error
     assert rec.apply(_step(2, (3,))) is None
