@@ -12,11 +12,13 @@ import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import ray
 from ray.util import placement_group_table
 
+import orchestrator.placement as placement_module
 from orchestrator.cli import parse_args, serve_config
 from orchestrator.config import PlacementConfig, ServiceConfig
 from orchestrator.placement import Placement, _bundles, gpus_per_pair
@@ -238,3 +240,28 @@ def test_resources_no_node_offers_time_out_naming_them(
     with pytest.raises(RuntimeError, match=r"could not reserve .*'nowhere_gpu': 1"):
         place(tmp_path, 1, config)
     assert "no node offers ['nowhere_gpu'] yet" in caplog.text
+
+
+def test_a_local_cluster_late_to_start_is_started_once_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[dict[str, Any]] = []
+
+    def init(**kwargs: Any) -> None:
+        calls.append(kwargs)
+        if len(calls) == 1:
+            raise Exception("The current node timed out during startup. This could happen ...")
+
+    monkeypatch.setattr(placement_module.ray, "init", init)
+    monkeypatch.setattr(placement_module.ray, "shutdown", lambda: None)
+    monkeypatch.setattr(placement_module.ray, "is_initialized", lambda: False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    assert placement_module.connect(PlacementConfig(num_cpus=2), 2) is True
+    assert len(calls) == 2 and calls[0] == calls[1]
+
+    def other(**kwargs: Any) -> None:
+        raise RuntimeError("something else")
+
+    monkeypatch.setattr(placement_module.ray, "init", other)
+    with pytest.raises(RuntimeError, match="something else"):  # only that timeout is retried
+        placement_module.connect(PlacementConfig(num_cpus=2), 2)
