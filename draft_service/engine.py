@@ -263,7 +263,7 @@ class DraftEngine:
         reqs = [self._requests[a.request_id] for a in asks]
         ids, ks = [a.request_id for a in asks], [a.num_draft_tokens for a in asks]
         eager, graphs = runner.eager_steps, runner.graph_steps
-        clock = StepClock(torch.device(runner.config.device))
+        clock = StepClock(runner.device)
         clock.mark()
         tails = self._catch_up_tails(asks, reqs)
         # temperature, top_k, top_p, seed, position, and each tail's last real position

@@ -75,7 +75,7 @@ class TargetEngine:
         self.vocab_size = runner.info.tokenizer_vocab_size or runner.vocab_size
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
-        self._device = torch.device(config.runner.device)
+        self._device = runner.device
 
     @property
     def info(self) -> ModelInfo:

@@ -67,6 +67,25 @@ class RunnerConfig:
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
 
+    @property
+    def torch_device(self) -> torch.device:
+        """The device with its index: see `resolve_device`."""
+        return resolve_device(self.device)
+
+
+def resolve_device(spec: str | torch.device) -> torch.device:
+    """`spec` as a device with an index where it is a GPU: "cuda" alone is the process's
+    current CUDA device. A Ray actor is handed its GPU through CUDA_VISIBLE_DEVICES and told
+    "cuda"; `torch.cuda.set_device` and the CUDA graphs' pools need the index.
+
+    >>> resolve_device("cpu")
+    device(type='cpu')
+    """
+    device = torch.device(spec)
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
 
 @dataclass(frozen=True, slots=True)
 class ForwardItem:

@@ -124,7 +124,7 @@ def open_checkpoint(config: RunnerConfig, kv_bytes: Callable[[Any], int]) -> Che
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, TypeError) as exc:
         raise CheckpointError(f"The tokenizer in {str(path)!r} cannot be loaded ({exc}).") from exc
-    device = torch.device(config.device)
+    device = config.torch_device
     _check_dtype(device, config.torch_dtype, config.dtype)
     num_params = _count_params(files)
     need = num_params * config.torch_dtype.itemsize + kv_bytes(cfg)

@@ -136,7 +136,7 @@ class ModelRunner:
         self.config, self.info, self.tokenizer = config, info, tokenizer
         self.vocab_size = backend.vocab_size
         self._backend, self._cache = backend, cache
-        self._device = torch.device(config.device)
+        self._device = config.torch_device
         self._graphs: StepGraphs | None = None
         # steps that replayed a captured graph, and steps on a graph-capable runner that could
         # not (no captured shape fits): the services report both
@@ -201,7 +201,7 @@ class ModelRunner:
         tokenizer: Any = None,
     ) -> "ModelRunner":
         """Fast-path runner from a checkpoint or from HF-named tensors (benchmarks, tests)."""
-        with on_device(torch.device(config.device)):
+        with on_device(config.torch_device):
             return cls._from_hf_weights(config, hf_config, weights, info, tokenizer)
 
     @classmethod
@@ -216,7 +216,7 @@ class ModelRunner:
         from specdec.errors import CheckpointError
 
         args = ModelArgs.from_hf(hf_config)
-        device, dtype = torch.device(config.device), config.torch_dtype
+        device, dtype = config.torch_device, config.torch_dtype
         limit = getattr(hf_config, "max_position_embeddings", None) or config.max_seq_len
         if config.max_seq_len > limit:
             raise CheckpointError(
@@ -269,7 +269,7 @@ class ModelRunner:
         model: Any = AutoModelForCausalLM.from_pretrained(
             str(ckpt.path), local_files_only=True, dtype=config.torch_dtype
         )
-        model = model.to(torch.device(config.device)).eval()
+        model = model.to(config.torch_device).eval()
         backend = HFBackend(model, config.max_slots)
         cache = SlotCache(
             0,
@@ -278,7 +278,7 @@ class ModelRunner:
             1,
             1,
             config.torch_dtype,
-            torch.device(config.device),
+            config.torch_device,
         )
         return cls(config, backend, cache, _with_vocab(info, backend.vocab_size), ckpt.tokenizer)
 
