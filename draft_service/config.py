@@ -30,6 +30,10 @@ class DraftConfig:
     support_size: int = 32
     max_num_draft_tokens: int = 16
     max_requests: int = 256  # n-gram only; a model holds runner.max_slots
+    # draft-ahead (draft_service.ahead): guesses per accepted count (0: off), and how many of
+    # the runner's KV slots are kept for the hypotheses (requests get the others)
+    draft_ahead: int = 0
+    draft_ahead_slots: int = 0
     server: ServerConfig = field(default_factory=ServerConfig)
 
     def __post_init__(self) -> None:
@@ -50,3 +54,13 @@ class DraftConfig:
             )
         if self.max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {self.max_requests}.")
+        if not 0 <= self.draft_ahead <= 16:
+            raise ValueError(f"draft_ahead must be in [0, 16], got {self.draft_ahead}.")
+        if self.draft_ahead and self.proposer != "model":
+            raise ValueError("draft_ahead needs proposer 'model' (prompt lookup costs nothing).")
+        slots = self.runner.max_slots if self.runner is not None else 0
+        if self.draft_ahead and not 1 <= self.draft_ahead_slots < slots:
+            raise ValueError(
+                f"draft_ahead_slots must be in [1, runner.max_slots - 1 = {slots - 1}] when "
+                f"draft_ahead is on, got {self.draft_ahead_slots}."
+            )

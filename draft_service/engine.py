@@ -16,6 +16,7 @@ from itertools import chain
 
 import torch
 
+from draft_service import ahead
 from draft_service.config import DraftConfig
 from draft_service.ngram import propose_ngram
 from draft_service.sampling import sample_draft
@@ -88,6 +89,9 @@ class _Request:
     sampling: SamplingParams
     next_step: int
     kv: list[int] = field(default_factory=list)  # tokens in the runner's KV cache
+    drafts: list[int] = field(default_factory=list)  # the last proposal's, for draft-ahead
+    chains: dict[tuple[int, ...], ahead.Chain] = field(default_factory=dict)  # by verdict
+    chains_step: int = -1  # the step the chains are drafts for
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -106,6 +110,7 @@ class DraftEngine:
         self._greedy_head = make_greedy_head(self.vocab_size)
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
+        self.ahead_hits = self.ahead_misses = 0  # asks that found a chain drafted ahead, or not
         if runner is not None:  # the `last` head input of one-token steps: row 0
             self._zeros = torch.zeros(
                 runner.config.max_slots, dtype=torch.long, device=runner.config.device
@@ -116,12 +121,14 @@ class DraftEngine:
         with self._lock:
             if adm.request_id in self._requests:
                 raise InvalidInputError(f"request_id {adm.request_id!r} is already admitted.")
+            if ahead.BRANCH_MARK in adm.request_id:
+                raise InvalidInputError("request_id must not contain the character U+001F.")
             tokens = list(adm.prompt_token_ids)
             req = _Request(tokens, adm.sampling, adm.first_step)
-            if self.runner is None:
-                if len(self._requests) >= self.info.max_requests:
-                    raise CacheFullError(f"{self.info.max_requests} requests are held already.")
-            else:
+            capped = self.runner is None or self.config.draft_ahead  # else the cache says
+            if capped and len(self._requests) >= self.info.max_requests:
+                raise CacheFullError(f"{self.info.max_requests} requests are held already.")
+            if self.runner is not None:
                 self._prefill(adm.request_id, tokens[:-1])
                 req.kv = tokens[:-1]
             self._requests[adm.request_id] = req
@@ -141,7 +148,7 @@ class DraftEngine:
         with self._lock:
             held = [rid for rid in dict.fromkeys(request_ids) if rid in self._requests]
             for rid in held:
-                del self._requests[rid]
+                self._drop_ahead(self._requests.pop(rid))
                 if self.runner is not None:
                     self.runner.release(rid)
         return len(held)
@@ -172,6 +179,7 @@ class DraftEngine:
                     ok.append(a)
                 else:
                     errors.append((a.request_id, err))
+            hits = {a.request_id: c for a in ok if (c := self._take_chain(a)) is not None}
             saved = [self._save(a.request_id) for a in ok]
             try:
                 for a in ok:
@@ -180,11 +188,13 @@ class DraftEngine:
                     req.next_step = a.step + 1
                 if self.runner is None:
                     return self._draft_ngram(ok), errors, StepTimes()
-                block, times = self._draft_model(ok)
+                block, times = self._draft_model(ok, hits)
                 return block, errors, times
             except BaseException:
                 for a, state in zip(ok, saved, strict=True):
                     self._restore(a.request_id, state)
+                for c in hits.values():
+                    self._release_branch(c.branch_id)
                 raise
 
     def _save(self, request_id: str) -> tuple[int, int, list[int]]:
@@ -224,19 +234,43 @@ class DraftEngine:
                              self.config.ngram) for a in asks]  # fmt: skip
         return self._block(asks, ids, [Q_NONE] * len(asks))
 
-    def _draft_model(self, asks: list[ProposeEntry]) -> tuple[DraftBlock, StepTimes]:
-        active = [a for a in asks if a.num_draft_tokens > 0]
+    def _draft_model(
+        self, asks: list[ProposeEntry], hits: dict[str, ahead.Chain]
+    ) -> tuple[DraftBlock, StepTimes]:
+        """Drafts for the asks: a hit's chain (its slot becomes the request's), the others
+        drafted now in one pass."""
+        assert self.runner is not None
+        active = [a for a in asks if a.num_draft_tokens > 0 and a.request_id not in hits]
         drafts: dict[str, list[int]] = {}
-        q: DraftQ = None
-        sampled: set[str] = set()
+        q_rows: dict[str, tuple[torch.Tensor, ...]] = {}
         times = StepTimes()
         if active:
-            assert self.runner is not None
             with on_device(self.runner.device):  # gRPC threads start on cuda:0
-                drafts, q, sampled, times = self._run_model(active)
+                ids = [a.request_id for a in active]
+                reqs = [self._requests[i] for i in ids]
+                ks = [a.num_draft_tokens for a in active]
+                drafted, q, sampled, times = self._run_model(ids, reqs, ks)
+            chosen = [i for i, s in zip(ids, sampled, strict=True) if s]
+            k_of = dict(zip(ids, ks, strict=True))
+            drafts = dict(zip(ids, drafted, strict=True))
+            start, tensors = 0, _q_tensors(q) or ()
+            for rid in chosen:
+                q_rows[rid] = tuple(t[start : start + k_of[rid]] for t in tensors)
+                start += k_of[rid]
+        for a in asks:
+            chain = hits.get(a.request_id)
+            if chain is not None:
+                self._apply_chain(a.request_id, chain)
+                drafts[a.request_id] = chain.tokens[: a.num_draft_tokens]
+                if chain.q is not None:
+                    q_rows[a.request_id] = tuple(t[: a.num_draft_tokens] for t in chain.q)
+        for a in asks:
+            self._requests[a.request_id].drafts = drafts.get(a.request_id, [])
         form = Q_SPARSE if self.config.q_form == "sparse" else Q_DENSE
-        forms = [form if a.request_id in sampled else Q_NONE for a in asks]
-        block = self._block(asks, [drafts.get(a.request_id, []) for a in asks], forms, q)
+        forms = [form if a.request_id in q_rows else Q_NONE for a in asks]
+        rows = [q_rows[a.request_id] for a in asks if a.request_id in q_rows]
+        block = self._block(asks, [drafts.get(a.request_id, []) for a in asks], forms,
+                            _q_from_rows(rows))  # fmt: skip
         return block, times
 
     def _block(
@@ -250,32 +284,30 @@ class DraftEngine:
         )  # fmt: skip
 
     def _run_model(
-        self, asks: list[ProposeEntry]
-    ) -> tuple[dict[str, list[int]], DraftQ, set[str], StepTimes]:
+        self, ids: list[str], reqs: list[_Request], ks: list[int]
+    ) -> tuple[list[list[int]], DraftQ, list[bool], StepTimes]:
         """k_i tokens per request: one catch-up step over the tokens the KV lacks (padded to
         the longest, a CUDA graph where one fits), then k - 1 one-token steps, each fed the
         previous step's tokens on the device. Sampling and q rows are written inside the
         graphs; one host synchronisation reads the drafts and the q rows the block sends.
         Returns the tokens by request, the q rows of the sampled (not greedy) requests in
-        order, their ids, and the device time."""
+        order, which requests were sampled, and the device time."""
         runner = self.runner
         assert runner is not None
-        reqs = [self._requests[a.request_id] for a in asks]
-        ids, ks = [a.request_id for a in asks], [a.num_draft_tokens for a in asks]
         eager, graphs = runner.eager_steps, runner.graph_steps
         clock = StepClock(runner.device)
         clock.mark()
-        tails = self._catch_up_tails(asks, reqs)
+        tails = self._catch_up_tails(ids, reqs)
         # temperature, top_k, top_p, seed, position, and each tail's last real position
         *inputs, last = self._sampling_inputs(reqs, [len(t) - 1 for t in tails])
         sampled = [not r.sampling.greedy for r in reqs]
         head = self._head if any(sampled) else self._greedy_head
         _, out = runner.ragged_step(ids, tails, head, (last, *inputs))
-        steps = [_kept(list(range(len(asks))), out)]
+        steps = [_kept(list(range(len(ids))), out)]
         for j in range(1, max(ks)):
             rows = [b for b in steps[-1].rows if ks[b] > j]
             prev = steps[-1].select(rows, runner.upload)
-            sel = runner.upload(torch.tensor(rows)) if len(rows) < len(asks) else None
+            sel = runner.upload(torch.tensor(rows)) if len(rows) < len(ids) else None
             step_in = [t if sel is None else t[sel] for t in inputs]
             step_in[4] = step_in[4] + j
             zero = self._zeros[: len(rows)]
@@ -290,10 +322,9 @@ class DraftEngine:
         times = StepTimes(
             clock.seconds(0, 1), 0.0, runner.eager_steps == eager and runner.graph_steps > graphs
         )
-        chosen = {a.request_id for a, s in zip(asks, sampled, strict=True) if s}
-        return dict(zip(ids, drafted, strict=True)), q, chosen, times
+        return drafted, q, sampled, times
 
-    def _catch_up_tails(self, asks: list[ProposeEntry], reqs: list[_Request]) -> list[list[int]]:
+    def _catch_up_tails(self, ids: list[str], reqs: list[_Request]) -> list[list[int]]:
         """Rolls each request's KV back to the prefix it shares with the committed tokens and
         returns the tokens it lacks. A tail longer than a graph step takes (the request drafted
         nothing for a while) is prefilled eagerly up to its last token first."""
@@ -301,18 +332,134 @@ class DraftEngine:
         assert runner is not None
         limit = runner.config.cuda_graph_max_tokens
         tails, long = [], []
-        for a, req in zip(asks, reqs, strict=True):
+        for rid, req in zip(ids, reqs, strict=True):
             keep = min(_common_prefix(req.kv, req.tokens), len(req.tokens) - 1)
-            runner.truncate(a.request_id, keep)
+            runner.truncate(rid, keep)
             req.kv = req.kv[:keep]
             tail = req.tokens[keep:]
             if len(tail) > limit:
-                long.append(ForwardItem(a.request_id, tail[:-1], 0))
+                long.append(ForwardItem(rid, tail[:-1], 0))
                 tail = tail[-1:]
             tails.append(tail)
         if long:
             runner.forward(long)
         return tails
+
+    # Draft-ahead (draft_service.ahead)
+
+    def draft_ahead(self, request_ids: Sequence[str]) -> int:
+        """Drafts the likely next steps of the requests just proposed for (each request's own
+        k, config.draft_ahead guesses per accepted count); returns how many chains it drafted.
+        Called between a proposal and the next ask, while the target verifies."""
+        runner = self.runner
+        if not self.config.draft_ahead or runner is None or not runner.can_fork:
+            return 0
+        with self._lock, on_device(runner.device):
+            ready = [(rid, self._requests[rid]) for rid in dict.fromkeys(request_ids)
+                     if rid in self._requests and self._requests[rid].drafts]  # fmt: skip
+            ready = [(rid, r) for rid, r in ready if self._room_ahead(r)]
+            if not ready:
+                return 0
+            try:
+                return self._draft_chains(ready)
+            except CacheFullError:
+                for _, req in ready:
+                    self._drop_ahead(req)
+                return 0
+
+    def _room_ahead(self, req: _Request) -> bool:
+        assert self.runner is not None
+        k = len(req.drafts)
+        return len(req.tokens) + 2 * k + 1 <= self.runner.config.max_seq_len
+
+    def _draft_chains(self, ready: list[tuple[str, _Request]]) -> int:
+        runner = self.runner
+        assert runner is not None
+        top = self._guesses(ready)
+        ids: list[str] = []
+        branches: list[_Request] = []
+        ks: list[int] = []
+        owners: list[tuple[_Request, tuple[int, ...]]] = []
+        for (rid, req), guesses in zip(ready, top, strict=True):
+            n, k = len(req.tokens), len(req.drafts)
+            req.chains_step = req.next_step
+            for h in ahead.hypotheses(guesses, req.drafts, self.config.draft_ahead):
+                if runner.free_slots <= self.info.max_requests - len(self._requests):
+                    break  # the rest are kept for admissions
+                bid = ahead.branch_id(rid, h)
+                verdict = h.verdict(req.drafts)
+                runner.add_request(bid)
+                runner.fork(rid, bid, n + h.accepted)
+                prefix = req.tokens + req.drafts[: h.accepted]
+                branch = _Request([*prefix, h.token], req.sampling, req.next_step + 1, prefix)
+                ids.append(bid)
+                branches.append(branch)
+                ks.append(k)
+                owners.append((req, verdict))
+        if not ids:
+            return 0
+        drafted, q, sampled, _ = self._run_model(ids, branches, ks)
+        rows = iter(ahead.split_q(_q_tensors(q), sum(sampled), ks[0]))
+        for bid, branch, tokens, s, (req, verdict) in zip(
+            ids, branches, drafted, sampled, owners, strict=True
+        ):
+            req.chains[verdict] = ahead.Chain(bid, tokens, next(rows) if s else None, branch.kv)
+        return len(ids)
+
+    def _guesses(self, ready: list[tuple[str, _Request]]) -> list[list[list[int]]]:
+        """The draft's best F + 1 ids at each of the k + 1 positions a verdict can add a token
+        at, from one forward of [last committed token, d_1 .. d_k] per request."""
+        runner = self.runner
+        assert runner is not None
+        items = []
+        for rid, req in ready:
+            n = len(req.tokens)
+            keep = min(_common_prefix(req.kv, req.tokens), n - 1)
+            runner.truncate(rid, keep)
+            items.append(ForwardItem(rid, [*req.tokens[keep:], *req.drafts], len(req.drafts) + 1))
+            req.kv = req.tokens + req.drafts
+        logits = runner.forward(items)[:, : self.vocab_size]
+        top = logits.topk(min(self.config.draft_ahead + 1, self.vocab_size), dim=-1).indices
+        rows = top.tolist()
+        out, start = [], 0
+        for _, req in ready:
+            out.append(rows[start : start + len(req.drafts) + 1])
+            start += len(req.drafts) + 1
+        return out
+
+    def _take_chain(self, a: ProposeEntry) -> ahead.Chain | None:
+        """The chain drafted ahead for this ask's verdict, if any; every other is dropped."""
+        req = self._requests[a.request_id]
+        if not req.chains:
+            return None
+        chain = None
+        if req.chains_step == a.step and a.num_draft_tokens > 0:
+            chain = req.chains.pop(tuple(a.new_token_ids), None)
+            if chain is not None and len(chain.tokens) < a.num_draft_tokens:
+                self._release_branch(chain.branch_id)
+                chain = None
+        self._drop_ahead(req)
+        if chain is None:
+            self.ahead_misses += 1
+        else:
+            self.ahead_hits += 1
+        return chain
+
+    def _apply_chain(self, request_id: str, chain: ahead.Chain) -> None:
+        """The chain's slot becomes the request's; the request's old slot goes."""
+        assert self.runner is not None
+        self.runner.swap(request_id, chain.branch_id)
+        self._release_branch(chain.branch_id)
+        self._requests[request_id].kv = chain.kv
+
+    def _drop_ahead(self, req: _Request) -> None:
+        for c in req.chains.values():
+            self._release_branch(c.branch_id)
+        req.chains.clear()
+
+    def _release_branch(self, branch_id: str) -> None:
+        assert self.runner is not None
+        self.runner.release(branch_id)
 
     def _sampling_inputs(self, reqs: list[_Request], last: list[int]) -> list[torch.Tensor]:
         """temperature, top_k, top_p, seed, the first draft's position and `last`, each [B],
@@ -395,3 +542,20 @@ def _read_drafts(
     if len(host) == 2:
         return drafted, DenseQ(host[1])
     return drafted, SparseQ(host[2], host[1])
+
+
+def _q_tensors(q: DraftQ) -> tuple[torch.Tensor, ...] | None:
+    """q's tensors row-aligned: (probs,) dense, (probs, token_ids) sparse."""
+    if q is None:
+        return None
+    if isinstance(q, DenseQ):
+        return (q.probs,)
+    return (q.probs, q.token_ids)
+
+
+def _q_from_rows(rows: list[tuple[torch.Tensor, ...]]) -> DraftQ:
+    """The block's q from each sampled entry's rows (in block order)."""
+    if not rows:
+        return None
+    parts = [torch.cat(list(column)) for column in zip(*rows, strict=True)]
+    return DenseQ(parts[0]) if len(parts) == 1 else SparseQ(parts[1], parts[0])

@@ -31,7 +31,8 @@ def model_info(config: DraftConfig, runner: ModelRunner | None) -> ModelInfo:
             architecture=i.architecture, vocab_size=runner.vocab_size,
             tokenizer_vocab_size=i.tokenizer_vocab_size or runner.vocab_size,
             tokenizer_hash=i.tokenizer_hash, max_seq_len=runner.config.max_seq_len,
-            max_requests=runner.config.max_slots, dtype=i.dtype, **limits,
+            max_requests=runner.config.max_slots - config.draft_ahead_slots, dtype=i.dtype,
+            **limits,
         )  # fmt: skip
     from transformers import AutoTokenizer
 

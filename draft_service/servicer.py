@@ -44,3 +44,5 @@ class DraftServicer(LifecycleServicer, draft_pb2_grpc.DraftServiceServicer):
             response = draft_pb2.ProposeResponse(block=proposals.to_pb(), errors=errors)
             response.timing.CopyFrom(step_timing(times, time.perf_counter() - start))
             yield response
+            # the target verifies this block meanwhile: draft its likely successors
+            self.engine.draft_ahead(proposals.request_ids)

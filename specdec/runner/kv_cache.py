@@ -89,6 +89,24 @@ class SlotCache:
             )
         self._length[slot] = length
 
+    def fork(self, source: str, branch: str, length: int) -> None:
+        """`branch` (already added) holds `source`'s first `length` positions: a draft-ahead
+        hypothesis continues the request's sequence in a slot of its own."""
+        src, dst = self.slot(source), self.slot(branch)
+        if not 0 <= length <= self._length[src]:
+            raise ValueError(
+                f"fork length must be in [0, {self._length[src]}] (the cached length of "
+                f"{source!r}), got {length}."
+            )
+        for layer in self.layers:
+            layer[dst, :, :, :length].copy_(layer[src, :, :, :length])
+        self._length[dst] = length
+
+    def swap(self, a: str, b: str) -> None:
+        """`a` and `b` exchange slots (a hypothesis that came true becomes the request)."""
+        slot_a, slot_b = self.slot(a), self.slot(b)
+        self._slot[a], self._slot[b] = slot_b, slot_a
+
     def check_room(self, request_id: str, new_tokens: int) -> None:
         have = self.length(request_id)
         if have + new_tokens > self.max_seq_len:

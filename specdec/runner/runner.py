@@ -296,6 +296,29 @@ class ModelRunner:
         """Rolls back to `length` tokens (0 <= length <= cached_length), e.g. after a rejection."""
         self._cache.truncate(request_id, length)
 
+    @property
+    def free_slots(self) -> int:
+        return self._cache.num_free
+
+    @property
+    def can_fork(self) -> bool:
+        """Whether `fork` and `swap` work: the fast path's KV lives in the slot cache (the
+        transformers fallback keeps its own)."""
+        return isinstance(self._backend, FastBackend)
+
+    @_on_own_device
+    def fork(self, source: str, branch: str, length: int) -> None:
+        """`branch` (added, any length) takes `source`'s first `length` cached positions."""
+        if not self.can_fork:
+            raise NotImplementedError("fork needs the fast path (the transformers fallback).")
+        self._cache.fork(source, branch, length)
+
+    def swap(self, a: str, b: str) -> None:
+        """Requests `a` and `b` exchange their caches."""
+        if not self.can_fork:
+            raise NotImplementedError("swap needs the fast path (the transformers fallback).")
+        self._cache.swap(a, b)
+
     @_on_own_device
     @torch.inference_mode()
     def forward(self, items: Sequence[ForwardItem]) -> torch.Tensor:

@@ -1,0 +1,90 @@
+"""Draft-ahead: while the target verifies step s, the draft drafts step s + 1 for the verdicts
+it thinks likely, so that a verdict it guessed finds its drafts ready.
+
+After proposing d_1..d_k on the committed sequence S (length n), the verdict of step s commits
+S + d_1..d_j + t for some accepted count j in [0, k] and added token t (the recovered token
+when j < k, the bonus token when j = k). For each j and each of the draft's own top-F tokens t
+at that position (never d_{j+1}: a rejection does not add the token it rejected), a
+*hypothesis* drafts k tokens on S + d_1..d_j + t in a KV slot of its own, forked from the
+request's at length n + j. Example, k = 2, F = 1, drafts (7, 9): hypotheses (j=0: t=g0),
+(j=1: 7, g1), (j=2: 7, 9, g2), where g_j is the draft's best token at that position other
+than d_{j+1}.
+
+The next ask carries the verdict's tokens as new_token_ids. If they equal a hypothesis's
+(d_1..d_j, t) and the ask is for step s + 1, that hypothesis's drafts and q are the answer and
+its slot becomes the request's (a hit: no forward on the critical path); otherwise the draft
+drafts as without draft-ahead (a miss). Every other hypothesis is dropped.
+
+Exactness: draws are keyed by (seed, absolute position, stream), never by batch row, so a
+hypothesis drafted on exactly the prefix the verdict committed draws with the keys a lock-step
+draft would use on that prefix, and its q is the distribution it sampled from. A hit is used only
+when the committed prefix equals the hypothesis's (the key is the whole verdict), so the target
+receives drafts and q that a lock-step draft could have sent: the output distribution stays the
+target's. The guesses only decide how often that happens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BRANCH_MARK = "\x1f"  # in no admitted request id: the draft engine refuses ids holding it
+
+
+@dataclass(slots=True)
+class Chain:
+    """A hypothesis's drafts, ready to be the answer to the next ask."""
+
+    branch_id: str  # its KV slot's id in the runner
+    tokens: list[int]  # [k] drafted tokens
+    q: tuple[torch.Tensor, ...] | None  # (probs [k, K'|V], ids [k, K']?) on the host; None: greedy
+    kv: list[int]  # the tokens its KV slot holds
+
+
+@dataclass(slots=True)
+class Hypothesis:
+    """One guessed verdict of the last step: j drafts accepted, then `token` added."""
+
+    accepted: int
+    token: int
+
+    def verdict(self, drafts: list[int]) -> tuple[int, ...]:
+        """The new_token_ids the next ask carries if this hypothesis comes true."""
+        return (*drafts[: self.accepted], self.token)
+
+
+def branch_id(request_id: str, h: Hypothesis) -> str:
+    return f"{request_id}{BRANCH_MARK}{h.accepted}:{h.token}"
+
+
+def hypotheses(
+    top: list[list[int]],  # [k + 1][F + 1]: the draft's best ids at positions n .. n + k
+    drafts: list[int],  # [k]
+    fanout: int,
+) -> list[Hypothesis]:
+    """The hypotheses worth drafting, best first: every accepted count's first guess, then every
+    count's second, and so on (a slot shortage drops the last ones).
+
+    >>> [(h.accepted, h.token) for h in hypotheses([[7, 3], [9, 4], [5, 2]], [7, 9], 1)]
+    [(0, 3), (1, 4), (2, 5)]
+    """
+    per_count = []
+    for j, ids in enumerate(top):
+        rejected = drafts[j] if j < len(drafts) else None
+        per_count.append([t for t in ids if t != rejected][:fanout])
+    return [
+        Hypothesis(j, guesses[rank])
+        for rank in range(fanout)
+        for j, guesses in enumerate(per_count)
+        if rank < len(guesses)
+    ]
+
+
+def split_q(
+    q: tuple[torch.Tensor, ...] | None, count: int, k: int
+) -> list[tuple[torch.Tensor, ...] | None]:
+    """Rows of `count` chains of k drafts each, request-major as the draft reads them."""
+    if q is None:
+        return [None] * count
+    return [tuple(t[i * k : (i + 1) * k] for t in q) for i in range(count)]

@@ -1,0 +1,112 @@
+"""Draft-ahead (draft_service.ahead) over real gRPC on loopback, tiny local models.
+
+A chain drafted ahead is used only when its verdict came true, and then it is what a lock-step
+draft would have sent: seeded sampled output is token for token the same with draft-ahead on and
+off (dense and sparse q, top-k / top-p, and a poor draft), so its distribution is the
+lock-step one, which test_pipeline checks by chi-square; greedy output equals target-only greedy.
+The hits must be real: a test that never hit would prove nothing.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from draft_service import ahead
+from draft_service.config import DraftConfig
+from specdec.runner import ModelRunner
+from specdec.sampling_params import SamplingParams
+from tests.draft_service.models import (
+    TOKENIZER_VOCAB,
+    build_checkpoints,
+    greedy_reference,
+    model_draft,
+    services,
+)
+
+SLOTS, AHEAD_SLOTS = 64, 48
+
+
+def with_ahead(draft: DraftConfig, fanout: int) -> DraftConfig:
+    assert draft.runner is not None
+    runner = replace(draft.runner, max_slots=SLOTS)
+    slots = AHEAD_SLOTS if fanout else 0
+    return replace(draft, runner=runner, draft_ahead=fanout, draft_ahead_slots=slots)
+
+
+def _prompts(n: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    return [
+        torch.randint(2, TOKENIZER_VOCAB, (4 + i % 3,), generator=gen).tolist() for i in range(n)
+    ]
+
+
+def _run(
+    target_dir: Path, draft: DraftConfig, params: list[SamplingParams], k: int, n: int
+) -> tuple[list[list[int]], int, int]:
+    """Each request's tokens, and the draft's draft-ahead hits and misses."""
+    prompts = _prompts(len(params))
+    with services(target_dir, draft, sampler_impl="torch") as svc:
+        pipe = svc.pipeline()
+        ids = [f"r{i}" for i in range(len(params))]
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            pipe.admit(rid, prompt, p)
+        pipe.generate(dict.fromkeys(ids, k), n)
+        out = [pipe.requests[r].generated[:n] for r in ids]
+        pipe.close()
+        return out, svc.draft_engine.ahead_hits, svc.draft_engine.ahead_misses
+
+
+def test_hypotheses_skip_the_rejected_draft_and_rank_guesses() -> None:
+    top = [[7, 3, 8], [9, 4, 1], [5, 2, 6]]  # the draft's best ids at positions n, n+1, n+2
+    got = [(h.accepted, h.token) for h in ahead.hypotheses(top, [7, 9], 2)]
+    assert got == [(0, 3), (1, 4), (2, 5), (0, 8), (1, 1), (2, 2)]
+    assert ahead.Hypothesis(1, 4).verdict([7, 9]) == (7, 4)
+    assert ahead.Hypothesis(2, 5).verdict([7, 9]) == (7, 9, 5)
+
+
+def test_greedy_equals_target_only_with_hits(
+    checkpoints: tuple[Path, Path], reference: ModelRunner
+) -> None:
+    target_dir, draft_dir = checkpoints
+    params = [SamplingParams(temperature=0.0)] * 3
+    out, hits, misses = _run(target_dir, with_ahead(model_draft(draft_dir), 2), params, 3, 20)
+    for prompt, got in zip(_prompts(3), out, strict=True):
+        assert got == greedy_reference(reference, prompt, len(got))
+    assert hits > 0 and misses > 0, (hits, misses)
+
+
+@pytest.mark.parametrize(
+    ("q_form", "top_k", "top_p", "noise"),
+    [("sparse", 0, 1.0, 0.05), ("dense", 6, 0.9, 0.05), ("sparse", 0, 1.0, 0.35)],
+    ids=["sparse", "dense-topk-topp", "poor-draft"],
+)
+def test_seeded_output_is_the_same_with_draft_ahead_on_and_off(
+    tmp_path: Path, q_form: str, top_k: int, top_p: float, noise: float
+) -> None:
+    target_dir, draft_dir = build_checkpoints(tmp_path, noise=noise)
+    params = [SamplingParams(0.3, top_k, top_p, seed=100 + i) for i in range(4)]
+    draft = model_draft(draft_dir, q_form, support=8)
+    off, _, _ = _run(target_dir, with_ahead(draft, 0), params, 3, 16)
+    on, hits, misses = _run(target_dir, with_ahead(draft, 3), params, 3, 16)
+    assert on == off
+    assert hits > 0 and misses > 0, (hits, misses)
+
+
+def test_branches_are_freed(checkpoints: tuple[Path, Path]) -> None:
+    """Every hypothesis slot goes back: at release, and at each ask, hit or miss."""
+    target_dir, draft_dir = checkpoints
+    with services(target_dir, with_ahead(model_draft(draft_dir), 2)) as svc:
+        runner = svc.draft_engine.runner
+        assert runner is not None
+        free = runner.free_slots
+        pipe = svc.pipeline()
+        pipe.admit("a", _prompts(1)[0], SamplingParams(temperature=0.0))
+        pipe.generate({"a": 3}, 12)
+        assert runner.free_slots < free - 1, "chains were drafted ahead"
+        pipe.release(["a"])
+        pipe.close()
+        assert runner.free_slots == free
