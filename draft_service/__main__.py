@@ -33,6 +33,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--support-size", type=int, default=d("support_size"))
     parser.add_argument("--max-num-draft-tokens", type=int, default=d("max_num_draft_tokens"))
     parser.add_argument("--max-requests", type=int, default=d("max_requests"), help="n-gram only")
+    parser.add_argument("--draft-ahead", type=int, default=d("draft_ahead"), metavar="F",
+                        help="guesses per accepted count drafted ahead (0: off)")  # fmt: skip
+    parser.add_argument("--draft-ahead-slots", type=int, default=d("draft_ahead_slots"),
+                        help="of --max-slots, the KV slots kept for draft-ahead")  # fmt: skip
     return parser
 
 
@@ -46,6 +50,8 @@ def draft_config(args: argparse.Namespace) -> DraftConfig:
         support_size=args.support_size,
         max_num_draft_tokens=args.max_num_draft_tokens,
         max_requests=args.max_requests,
+        draft_ahead=args.draft_ahead,
+        draft_ahead_slots=args.draft_ahead_slots,
         server=server_config(args),
     )
 

@@ -59,6 +59,9 @@ def _services_args(parser: argparse.ArgumentParser) -> None:
                    default=d("sampler_impl"))  # fmt: skip
     g.add_argument("--cuda-graph-batch-sizes", type=int, nargs="*",
                    default=list(d("cuda_graph_batch_sizes")))  # fmt: skip
+    g.add_argument("--draft-ahead", type=int, default=d("draft_ahead"), metavar="F",
+                   help="draft-ahead: while the target verifies, the draft drafts the next "
+                        "step for its F best guesses of each verdict (0: off)")  # fmt: skip
     b = parser.add_argument_group(
         "benchmarking only", "The served output is NOT distributed as the target's."
     )
@@ -179,6 +182,10 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             max_num_draft_tokens=args.max_num_draft_tokens, q_form=args.q_form,
             support_size=args.support_size, sampler_impl=args.sampler_impl,
             cuda_graph_batch_sizes=tuple(args.cuda_graph_batch_sizes),
+            draft_ahead=args.draft_ahead,
+            # hypotheses for up to 8 requests at the served k
+            draft_ahead_slots=args.draft_ahead * (args.num_draft_tokens + 1)
+            * min(args.max_requests, 8),
             synthetic_acceptance_length=args.synthetic_acceptance_length,
             synthetic_num_draft_tokens=None if args.synthetic_acceptance_length is None
             else args.num_draft_tokens,

@@ -78,6 +78,10 @@ class ServiceConfig:
     support_size: int = 32
     sampler_impl: Literal["auto", "triton", "torch"] = "auto"
     cuda_graph_batch_sizes: tuple[int, ...] = ()
+    # draft-ahead (draft_service.ahead): the draft's guesses per accepted count, 0 = off, and
+    # the extra KV slots its runner holds for the hypotheses
+    draft_ahead: int = 0
+    draft_ahead_slots: int = 0
     # BENCHMARKING ONLY: the target's acceptance test replaced by a synthetic mean acceptance
     # length L for k = synthetic_num_draft_tokens (target_service.synthetic); the output is
     # then NOT distributed as the target's. Both None (the default) or both set.
@@ -97,6 +101,10 @@ class ServiceConfig:
         _check_model_dir("target", self.target)
         if self.draft is not None:
             _check_model_dir("draft", self.draft)
+        if not 0 <= self.draft_ahead <= 16:
+            raise ValueError(f"draft_ahead must be in [0, 16], got {self.draft_ahead}.")
+        if self.draft_ahead and (self.draft is None or self.draft_ahead_slots < 1):
+            raise ValueError("draft_ahead needs a draft model and draft_ahead_slots >= 1.")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}.")
         if self.dtype not in DTYPES:

@@ -22,7 +22,7 @@ def actor_device(config: ServiceConfig) -> str:
     return "cuda" if ray.get_gpu_ids() else "cpu"
 
 
-def _runner(config: ServiceConfig, model: str, device: str) -> Any:
+def _runner(config: ServiceConfig, model: str, device: str, extra_slots: int = 0) -> Any:
     from specdec.runner import RunnerConfig
     from specdec.serving.cli import MAX_DEFAULT_SEQ_LEN, checkpoint_seq_len
 
@@ -34,7 +34,7 @@ def _runner(config: ServiceConfig, model: str, device: str) -> Any:
         model_path=model,
         device=device,
         dtype=config.dtype,
-        max_slots=config.max_requests,
+        max_slots=config.max_requests + extra_slots,
         max_seq_len=max_seq_len,
         cuda_graph_batch_sizes=config.cuda_graph_batch_sizes if device != "cpu" else (),
     )
@@ -75,10 +75,12 @@ def start_service(role: str, config: ServiceConfig) -> tuple[Any, ModelInfo]:
         assert config.draft is not None
         d_srv, d_engine = start_draft(
             DraftConfig(
-                runner=_runner(config, config.draft, device),
+                runner=_runner(config, config.draft, device, config.draft_ahead_slots),
                 q_form=config.q_form,
                 support_size=config.support_size,
                 max_num_draft_tokens=config.max_num_draft_tokens,
+                draft_ahead=config.draft_ahead,
+                draft_ahead_slots=config.draft_ahead_slots,
                 server=server,
             )
         )

@@ -102,3 +102,14 @@ def test_serve_then_generate_then_sigterm(server: tuple[subprocess.Popen[str], s
     assert len(result["token_ids"]) == 6, result
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(timeout=60) == 0
+
+
+def test_draft_ahead_sizes_the_draft_slots(checkpoints: tuple[Path, Path]) -> None:
+    target, draft = checkpoints
+    base = ["serve", "--target", str(target), "--draft", str(draft), "--max-requests", "16"]
+    services = serve_config(parse_args([*base, "-k", "3", "--draft-ahead", "2"])).services
+    assert (services.draft_ahead, services.draft_ahead_slots) == (2, 2 * (3 + 1) * 8)
+    off = serve_config(parse_args(base)).services
+    assert (off.draft_ahead, off.draft_ahead_slots) == (0, 0)
+    with pytest.raises(ValueError, match="draft_ahead needs a draft model"):
+        serve_config(parse_args(["serve", "--target", str(target), "--draft-ahead", "1"]))

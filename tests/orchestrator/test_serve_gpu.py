@@ -133,7 +133,11 @@ def _gpu_used_mib() -> int:
     return int(out.split()[0])
 
 
-@pytest.mark.parametrize("device_flags", [[], ["--device", "cuda"]], ids=["auto", "cuda"])
+@pytest.mark.parametrize(
+    "device_flags",
+    [[], ["--device", "cuda"], ["--draft-ahead", "2"]],
+    ids=["auto", "cuda", "draft-ahead"],
+)
 def test_specdec_serve_on_one_gpu(
     checkpoints: tuple[Path, Path], tmp_path: Path, device_flags: list[str]
 ) -> None:
