@@ -125,12 +125,13 @@ def _metric(url: str, name: str, proposer: str) -> float:
 
 
 def _gpu_used_mib() -> int:
-    """Memory in use on GPU 0 (nvidia-smi: a container may not list other processes' pids)."""
+    """Memory in use on all GPUs (nvidia-smi: a container may not list other processes'
+    pids; with two GPUs Ray puts the draft and the target on different ones)."""
     out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"],
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
-    return int(out.split()[0])
+    return sum(int(line) for line in out.split())
 
 
 @pytest.mark.parametrize(
