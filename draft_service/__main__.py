@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="guesses per accepted count drafted ahead (0: off)")  # fmt: skip
     parser.add_argument("--draft-ahead-slots", type=int, default=d("draft_ahead_slots"),
                         help="of --max-slots, the KV slots kept for draft-ahead")  # fmt: skip
+    parser.add_argument("--synthetic-hit-rate", type=float, default=d("synthetic_hit_rate"),
+                        help="BENCHMARKING ONLY: the share of asks that find a chain drafted "
+                             "ahead, whatever the verdict")  # fmt: skip
     return parser
 
 
@@ -52,6 +55,7 @@ def draft_config(args: argparse.Namespace) -> DraftConfig:
         max_requests=args.max_requests,
         draft_ahead=args.draft_ahead,
         draft_ahead_slots=args.draft_ahead_slots,
+        synthetic_hit_rate=args.synthetic_hit_rate,
         server=server_config(args),
     )
 

@@ -25,7 +25,8 @@ target's. The guesses only decide how often that happens.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+from dataclasses import dataclass, field
 
 import torch
 
@@ -88,3 +89,51 @@ def split_q(
     if q is None:
         return [None] * count
     return [tuple(t[i * k : (i + 1) * k] for t in q) for i in range(count)]
+
+
+@dataclass(slots=True)
+class AcceptedCounts:
+    """How often each accepted count j has come true: hypotheses of counts that (almost) never
+    happen are not drafted, so the draft's batch holds the likely ones (with a synthetic
+    acceptance length of 3, only j = 2)."""
+
+    counts: dict[int, int] = field(default_factory=dict)
+    total: int = 0
+    min_seen: int = 64  # verdicts before any count is left out
+    min_share: float = 0.02  # a count seen less often than this is left out
+
+    def add(self, accepted: int) -> None:
+        self.counts[accepted] = self.counts.get(accepted, 0) + 1
+        self.total += 1
+
+    def likely(self, found: list[Hypothesis]) -> list[Hypothesis]:
+        """`found` without the unlikely counts, the likelier counts first within each rank."""
+        if self.total < self.min_seen:
+            return found
+        share = {j: c / self.total for j, c in self.counts.items()}
+        kept = [h for h in found if share.get(h.accepted, 0.0) >= self.min_share]
+        rank: dict[int, int] = {}
+        keyed = []
+        for h in kept:
+            r = rank.get(h.accepted, 0)
+            rank[h.accepted] = r + 1
+            keyed.append(((r, -share[h.accepted]), h))
+        return [h for _, h in sorted(keyed, key=lambda x: x[0])]
+
+
+def synthetic_hit(
+    chains: dict[tuple[int, ...], Chain],
+    verdict: tuple[int, ...],
+    rate: float,
+    request_id: str,
+    step: int,
+) -> tuple[int, ...]:
+    """BENCHMARKING ONLY: the key of a chain with the verdict's accepted count, with probability
+    `rate` (a hash of request and step, so reruns agree), else the verdict itself. The drafts
+    then do not follow the committed tokens; only a synthetic acceptance test, which ignores
+    them, may be served so."""
+    digest = hashlib.blake2b(f"{request_id}:{step}".encode(), digest_size=8).digest()
+    if int.from_bytes(digest, "little") / 2**64 >= rate:
+        return verdict
+    same_count = [key for key in chains if len(key) == len(verdict)]
+    return same_count[0] if same_count else verdict

@@ -34,6 +34,10 @@ class DraftConfig:
     # the runner's KV slots are kept for the hypotheses (requests get the others)
     draft_ahead: int = 0
     draft_ahead_slots: int = 0
+    # BENCHMARKING ONLY (with the target's synthetic acceptance, whose verdicts ignore the
+    # drafts): an ask finds its chain drafted ahead with this probability whatever its verdict
+    # token, so a benchmark on random weights sets the hit rate. None: real hits only.
+    synthetic_hit_rate: float | None = None
     server: ServerConfig = field(default_factory=ServerConfig)
 
     def __post_init__(self) -> None:
@@ -58,6 +62,11 @@ class DraftConfig:
             raise ValueError(f"draft_ahead must be in [0, 16], got {self.draft_ahead}.")
         if self.draft_ahead and self.proposer != "model":
             raise ValueError("draft_ahead needs proposer 'model' (prompt lookup costs nothing).")
+        rate = self.synthetic_hit_rate
+        if rate is not None and not (self.draft_ahead and 0.0 <= rate <= 1.0):
+            raise ValueError(
+                f"synthetic_hit_rate must be in [0, 1] and needs draft_ahead, got {rate}."
+            )
         slots = self.runner.max_slots if self.runner is not None else 0
         if self.draft_ahead and not 1 <= self.draft_ahead_slots < slots:
             raise ValueError(

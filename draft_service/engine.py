@@ -111,6 +111,7 @@ class DraftEngine:
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
         self.ahead_hits = self.ahead_misses = 0  # asks that found a chain drafted ahead, or not
+        self._accepted = ahead.AcceptedCounts()  # the verdicts' accepted counts seen so far
         if runner is not None:  # the `last` head input of one-token steps: row 0
             self._zeros = torch.zeros(
                 runner.config.max_slots, dtype=torch.long, device=runner.config.device
@@ -383,7 +384,8 @@ class DraftEngine:
         for (rid, req), guesses in zip(ready, top, strict=True):
             n, k = len(req.tokens), len(req.drafts)
             req.chains_step = req.next_step
-            for h in ahead.hypotheses(guesses, req.drafts, self.config.draft_ahead):
+            found = ahead.hypotheses(guesses, req.drafts, self.config.draft_ahead)
+            for h in self._accepted.likely(found):
                 if runner.free_slots <= self.info.max_requests - len(self._requests):
                     break  # the rest are kept for admissions
                 bid = ahead.branch_id(rid, h)
@@ -434,7 +436,12 @@ class DraftEngine:
             return None
         chain = None
         if req.chains_step == a.step and a.num_draft_tokens > 0:
-            chain = req.chains.pop(tuple(a.new_token_ids), None)
+            verdict = tuple(a.new_token_ids)
+            self._accepted.add(len(verdict) - 1)
+            rate = self.config.synthetic_hit_rate
+            if rate is not None:  # BENCHMARKING ONLY: a chain of the same accepted count
+                verdict = ahead.synthetic_hit(req.chains, verdict, rate, a.request_id, a.step)
+            chain = req.chains.pop(verdict, None)
             if chain is not None and len(chain.tokens) < a.num_draft_tokens:
                 self._release_branch(chain.branch_id)
                 chain = None

@@ -69,6 +69,10 @@ def _services_args(parser: argparse.ArgumentParser) -> None:
                    default=d("synthetic_acceptance_length"),
                    help="BENCHMARKING ONLY: the target accepts drafts at mean acceptance "
                         "length L in [1, k + 1] for k = --num-draft-tokens")  # fmt: skip
+    b.add_argument("--synthetic-hit-rate", type=float, metavar="H",
+                   default=d("synthetic_hit_rate"),
+                   help="BENCHMARKING ONLY, with --draft-ahead: the draft finds a chain drafted "
+                        "ahead for this share of its asks, whatever the verdict")  # fmt: skip
 
 
 def _placement_args(parser: argparse.ArgumentParser) -> None:
@@ -183,6 +187,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             support_size=args.support_size, sampler_impl=args.sampler_impl,
             cuda_graph_batch_sizes=tuple(args.cuda_graph_batch_sizes),
             draft_ahead=args.draft_ahead,
+            synthetic_hit_rate=args.synthetic_hit_rate,
             # hypotheses for up to 8 requests at the served k
             draft_ahead_slots=args.draft_ahead * (args.num_draft_tokens + 1)
             * min(args.max_requests, 8),

@@ -87,6 +87,9 @@ class ServiceConfig:
     # then NOT distributed as the target's. Both None (the default) or both set.
     synthetic_acceptance_length: float | None = None
     synthetic_num_draft_tokens: int | None = None
+    # BENCHMARKING ONLY, with draft_ahead: the draft's hit rate set instead of guessed
+    # (draft_service.ahead.synthetic_hit)
+    synthetic_hit_rate: float | None = None
     # TLS of every service's server, and the CA (and the name in its certificate) that the
     # orchestrator -> target and target -> draft channels check. Paths, not PEM bytes: each
     # actor reads them on its own node (so they must exist there too, e.g. a Secret mounted at
@@ -105,6 +108,11 @@ class ServiceConfig:
             raise ValueError(f"draft_ahead must be in [0, 16], got {self.draft_ahead}.")
         if self.draft_ahead and (self.draft is None or self.draft_ahead_slots < 1):
             raise ValueError("draft_ahead needs a draft model and draft_ahead_slots >= 1.")
+        rate = self.synthetic_hit_rate
+        if rate is not None and not (self.draft_ahead and 0.0 <= rate <= 1.0):
+            raise ValueError(
+                f"synthetic_hit_rate must be in [0, 1] and needs draft_ahead, got {rate}."
+            )
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}.")
         if self.dtype not in DTYPES:

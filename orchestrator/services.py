@@ -81,6 +81,7 @@ def start_service(role: str, config: ServiceConfig) -> tuple[Any, ModelInfo]:
                 max_num_draft_tokens=config.max_num_draft_tokens,
                 draft_ahead=config.draft_ahead,
                 draft_ahead_slots=config.draft_ahead_slots,
+                synthetic_hit_rate=config.synthetic_hit_rate,
                 server=server,
             )
         )

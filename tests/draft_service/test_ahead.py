@@ -110,3 +110,39 @@ def test_branches_are_freed(checkpoints: tuple[Path, Path]) -> None:
         pipe.release(["a"])
         pipe.close()
         assert runner.free_slots == free
+
+
+def test_unlikely_accepted_counts_are_not_drafted() -> None:
+    found = ahead.hypotheses([[7, 3, 8], [9, 4, 1], [5, 2, 6]], [7, 9], 2)
+    counts = ahead.AcceptedCounts(min_seen=10)
+    for _ in range(9):
+        counts.add(1)
+    assert counts.likely(found) == found, "too few verdicts seen to leave any count out"
+    counts.add(1)
+    got = [(h.accepted, h.token) for h in counts.likely(found)]
+    assert got == [(1, 4), (1, 1)], "only j = 1 ever came true"
+    counts.add(2)  # 1 of 11: kept, after the likelier count within each rank
+    got = [(h.accepted, h.token) for h in counts.likely(found)]
+    assert got == [(1, 4), (2, 5), (1, 1), (2, 2)]
+
+
+def test_synthetic_hit_rate_picks_a_chain_of_the_verdicts_accepted_count() -> None:
+    chains = {(3,): None, (7, 4): None, (7, 1): None, (7, 9, 5): None}
+    keys = [ahead.synthetic_hit(chains, (7, 8), 1.0, "r", s) for s in range(50)]  # type: ignore[arg-type]
+    assert keys == [(7, 4)] * 50
+    assert all(ahead.synthetic_hit(chains, (7, 8), 0.0, "r", s) == (7, 8) for s in range(50))  # type: ignore[arg-type]
+    hits = sum(ahead.synthetic_hit(chains, (7, 8), 0.3, "r", s) != (7, 8) for s in range(2000))  # type: ignore[arg-type]
+    assert 500 < hits < 700, hits
+
+
+def test_synthetic_hit_rate_through_the_services(
+    checkpoints: tuple[Path, Path], reference: ModelRunner
+) -> None:
+    """BENCHMARKING ONLY mode: every ask with chains hits at rate 1. The drafts then need not
+    follow the committed tokens, but they are still verified: greedy output is unchanged."""
+    target_dir, draft_dir = checkpoints
+    draft = replace(with_ahead(model_draft(draft_dir), 1), synthetic_hit_rate=1.0)
+    out, hits, misses = _run(target_dir, draft, [SamplingParams(temperature=0.0)] * 2, 3, 16)
+    for prompt, got in zip(_prompts(2), out, strict=True):
+        assert got == greedy_reference(reference, prompt, 16)
+    assert hits > 0 and misses == 0, (hits, misses)
