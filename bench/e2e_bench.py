@@ -1,9 +1,10 @@
-"""The whole served system, measured: draft and target services in their own processes, driven
-over gRPC by `orchestrator.pipeline.Pipeline`, against the same run's in-process graph times.
+"""The whole served system, measured: `specdec serve` driven by its client, and the draft and
+target services in their own processes driven over gRPC by `orchestrator.pipeline.Pipeline`,
+against the same run's in-process graph times.
 
     PYTHONPATH=. python bench/e2e_bench.py --out bench/results      # GPU: 8B target, 1B draft
-    PYTHONPATH=. python bench/e2e_bench.py --out bench/results --serve   # and through serve
-    PYTHONPATH=. python bench/e2e_bench.py --smoke --out /tmp/e2e    # CPU, tiny models, ~1 min
+    PYTHONPATH=. python bench/e2e_bench.py --out bench/results --no-serve  # without specdec serve
+    PYTHONPATH=. python bench/e2e_bench.py --smoke --out /tmp/e2e    # CPU, tiny models, ~2 min
     PYTHONPATH=. python bench/e2e_bench.py --report bench/results/e2e_NVIDIA_H200.json
 
 Steps, each phase in its own process where it holds device memory:
@@ -14,7 +15,7 @@ Steps, each phase in its own process where it holds device memory:
    never called) and the greedy check (target-only and lock-step speculation with real
    acceptance must commit the same tokens); then a target per synthetic acceptance length L
    (BENCHMARKING ONLY: its output is not the target's distribution): lock-step rows;
-4. with --serve, the same checkpoints and service settings through `specdec serve` (a child
+4. (unless --no-serve) the same checkpoints and service settings through `specdec serve` (a child
    process with its own local Ray cluster; needs `ray` importable) and `specdec.client`: B
    concurrent streams, target-only and speculation per --serve-lengths, the client's time
    per output token and step against the hub's step time from /metrics and the Pipeline
@@ -344,8 +345,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--start-timeout-s", type=float, default=900.0)
     p.add_argument(
         "--serve",
-        action="store_true",
-        help="also measure through `specdec serve` and specdec.client (needs ray importable)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="measure through `specdec serve` and specdec.client too (the default; needs ray "
+        "importable); --no-serve: only the Pipeline rows and the in-process times",
     )
     p.add_argument(
         "--serve-lengths",
@@ -394,7 +397,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         if not all(1 <= length <= k + 1 for length in args.serve_lengths) or k < 1:
             p.error(f"--serve-lengths must be in [1, {k + 1}], got {args.serve_lengths}.")
         if importlib.util.find_spec("ray") is None:
-            p.error("--serve runs `specdec serve`, which needs ray importable (PYTHONPATH).")
+            p.error(
+                "the serve rows run `specdec serve`, which needs ray importable (PYTHONPATH); "
+                "--no-serve measures without them."
+            )
     return args
 
 

@@ -345,8 +345,26 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def speedups(result: dict[str, Any]) -> dict[str, dict[int, float]]:
+    """Tokens/s of each speculation row over target-only at the same batch, through the same
+    path: "Pipeline <config>" for the direct driver's rows, "served <config>" for `specdec
+    serve`'s. A row without its batch's target-only row is left out."""
+    paths = [("Pipeline", result["rows"])]
+    if result.get("serve"):
+        paths.append(("served", result["serve"]["rows"]))
+    out: dict[str, dict[int, float]] = {}
+    for path, rows in paths:
+        base = {r["batch"]: r["tokens_per_s"] for r in rows if r["config"] == TARGET_ONLY}
+        for r in rows:
+            if r["config"] != TARGET_ONLY and r["batch"] in base:
+                ratio = r["tokens_per_s"] / base[r["batch"]]
+                out.setdefault(f"{path} {r['config']}", {})[r["batch"]] = ratio
+    return out
+
+
 def plot(result: dict[str, Any], path: Path) -> bool:
-    """Step time and tokens/s per batch; False where matplotlib is missing."""
+    """Step time per batch, and speed-up over target-only per batch (a ratio axis: tokens/s on
+    a linear axis hides batch 1); False where matplotlib is missing."""
     try:
         import matplotlib
 
@@ -356,12 +374,13 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         return False
     batches = result["settings"]["batches"]
     configs = list(dict.fromkeys(r["config"] for r in result["rows"]))
-    fig, (ax_step, ax_tps) = plt.subplots(1, 2, figsize=(11, 4.2))
+    color = {config: f"C{i}" for i, config in enumerate(configs)}  # one per config, both panels
+    fig, (ax_step, ax_gain) = plt.subplots(1, 2, figsize=(11, 4.2))
     for config in configs:
         rows = [r for r in result["rows"] if r["config"] == config]
         xs = [r["batch"] for r in rows]
-        ax_step.plot(xs, [r["step_ms_median"] for r in rows], "o-", label=config)
-        ax_tps.plot(xs, [r["tokens_per_s"] for r in rows], "o-", label=config)
+        ys = [r["step_ms_median"] for r in rows]
+        ax_step.plot(xs, ys, "s--", color=color[config], label=f"Pipeline {config}")
     for key, label in (("decode", "in-process decode"), ("lockstep", "in-process k T_d + T_v")):
         ax_step.plot(
             batches,
@@ -369,7 +388,17 @@ def plot(result: dict[str, Any], path: Path) -> bool:
             "k--" if key == "decode" else "k:",
             label=label,
         )
-    for ax, ylabel in ((ax_step, "step time, ms (median)"), (ax_tps, "committed tokens/s")):
+    for name, ratios in speedups(result).items():
+        xs = sorted(ratios)
+        ys = [ratios[b] for b in xs]
+        style = "o-" if name.startswith("served") else "s--"
+        ax_gain.plot(xs, ys, style, color=color.get(name.split()[1]), label=name)
+        for x, y in zip(xs, ys, strict=True):
+            ax_gain.annotate(f"{y:.2f}x", (x, y), textcoords="offset points", xytext=(4, 4),
+                             fontsize=7)  # fmt: skip
+    ax_gain.axhline(1.0, color="k", lw=0.8, label="target-only")
+    axes = ((ax_step, "step time, ms (median)"), (ax_gain, "tokens/s over target-only"))
+    for ax, ylabel in axes:
         ax.set_xscale("log", base=2)
         ax.set_xticks(batches, [str(b) for b in batches])
         ax.set_xlabel("batch")

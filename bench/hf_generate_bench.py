@@ -1,4 +1,4 @@
-"""Issue 3's baseline in one run: transformers' eager `generate` per token vs the runner's
+"""The runner's baseline in one run: transformers' eager `generate` per token vs the runner's
 graph-replayed decode step, same random bf16 weights, batch 1, 512-token prompt (GPU).
 
 Per token = (time of generate with 1 + N new tokens - time with 1 new token) / N, so the prompt's

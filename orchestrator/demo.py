@@ -157,13 +157,14 @@ def describe(pair: Any, budget: Any) -> str:
     t, d = pair.training["target"], pair.training["draft"]
     shape = {name: getattr(budget, name) for name in ("target", "draft")}
     return (
-        f"models in {pair.root} (trained here on the standard library's sources):\n"
+        f"models in {pair.root} (trained on this machine on the standard library's sources, "
+        f"in {pair.training['total_seconds']:.0f} s):\n"
         f"  target: Llama, {shape['target'].layers} layers x {shape['target'].hidden}, "
-        f"{t['parameters'] / 1e6:.2f} M parameters, {t['steps']} steps, "
+        f"{t['parameters'] / 1e6:.2f} M parameters, {t['steps']} steps in {t['seconds']:.0f} s, "
         f"loss {t['final_loss']:.2f}\n"
         f"  draft:  Llama, {shape['draft'].layers} layer(s) x {shape['draft'].hidden}, "
         f"{d['parameters'] / 1e6:.2f} M parameters, distilled from the target, "
-        f"{d['steps']} steps\n"
+        f"{d['steps']} steps in {d['seconds']:.0f} s\n"
     )
 
 

@@ -92,26 +92,22 @@ def train_phase(
     loss_of: Callable[[torch.Tensor], torch.Tensor],
     batches: Callable[[], torch.Tensor],
     budget: DemoBudget,
-    limits: tuple[int, float],
+    max_steps: int,
     desc: str,
     progress: bool,
 ) -> PhaseStats:
-    """AdamW with warm-up and cosine decay over progress = max(step share, time share)."""
+    """`max_steps` of AdamW with warm-up and cosine decay; the time they took is recorded."""
     import torch
     from tqdm import tqdm
 
-    max_steps, max_seconds = limits
     opt = torch.optim.AdamW(model.parameters(), lr=budget.lr, betas=(0.9, 0.95), weight_decay=0.1)
     model.train()
     losses: list[float] = []
     start, step, tokens = time.perf_counter(), 0, 0
-    bar = tqdm(total=100, desc=desc, disable=not progress, unit="%", mininterval=0.5)
-    while True:
-        done = max(step / max_steps, (time.perf_counter() - start) / max_seconds)
-        if done >= 1.0:
-            break
+    bar = tqdm(total=max_steps, desc=desc, disable=not progress, unit="step", mininterval=0.5)
+    while step < max_steps:
         for group in opt.param_groups:
-            group["lr"] = budget.lr * _schedule(done)
+            group["lr"] = budget.lr * _schedule(step / max_steps)
         batch = batches()  # [batch, seq_len + 1]
         loss = loss_of(batch)
         opt.zero_grad(set_to_none=True)
@@ -121,11 +117,10 @@ def train_phase(
         step, tokens = step + 1, tokens + batch[:, 1:].numel()
         losses.append(float(loss.detach()))
         elapsed = time.perf_counter() - start
-        bar.n = min(100, round(100 * done))
+        bar.update()
         bar.set_postfix(
             loss=f"{sum(losses[-20:]) / len(losses[-20:]):.3f}", tok_s=f"{tokens / elapsed:.0f}"
         )
-    bar.n = 100
     bar.close()
     model.eval()
     seconds = time.perf_counter() - start
@@ -199,7 +194,7 @@ def train_pair(
     target = llama(budget.target, budget, eos)
     phase = train_phase(
         target, lm_loss(target), batch_sampler(data, budget, budget.seed), budget,
-        (budget.target_steps, budget.target_seconds), "target", progress,
+        budget.target_steps, "target", progress,
     )  # fmt: skip
     stats["target"] = asdict(phase) | {"parameters": target.num_parameters()}
     # random init: starting from the target's embeddings, head and first layer measured worse
@@ -207,7 +202,7 @@ def train_pair(
     draft = llama(budget.draft, budget, eos)
     phase = train_phase(
         draft, distill_loss(draft, target), batch_sampler(data, budget, budget.seed + 1), budget,
-        (budget.draft_steps, budget.draft_seconds), "draft (distilled)", progress,
+        budget.draft_steps, "draft (distilled)", progress,
     )  # fmt: skip
     stats["draft"] = asdict(phase) | {"parameters": draft.num_parameters()}
     from transformers.utils import logging as hf_logging

@@ -1,4 +1,4 @@
-"""bench/e2e_bench.py --smoke --serve runs the whole flow on the CPU (checkpoints, service
+"""bench/e2e_bench.py --smoke runs the whole flow on the CPU (checkpoints, service
 processes, gRPC, timing split, greedy check, then `specdec serve` on a real local Ray cluster
 driven by specdec.client, report), and --report regenerates the report from its JSON.
 The smoke run takes over a minute here, so those tests are marked slow."""
@@ -28,7 +28,7 @@ def _bench(*args: str) -> subprocess.CompletedProcess[str]:
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     out = tmp_path_factory.mktemp("e2e")
-    done = _bench("--smoke", "--serve", "--out", str(out), "--cache", str(out / "models"))
+    done = _bench("--smoke", "--out", str(out), "--cache", str(out / "models"))  # serve: default
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return out, json.loads((out / "e2e_cpu.json").read_text())
 
@@ -126,3 +126,33 @@ def test_goals_compare_against_the_bounds() -> None:
     assert goals["lockstep_L3"]["limit"] == pytest.approx(11.35) and goals["lockstep_L3"]["met"]
     assert goals["tokens/s"]["value"] == pytest.approx(1.35) and not goals["tokens/s"]["met"]
     assert args.batches == [1, 4] and args.steps == 6
+
+
+def test_serve_rows_are_the_default() -> None:
+    assert parse(["--smoke"]).serve and parse(["--smoke", "--serve"]).serve
+    assert not parse(["--smoke", "--no-serve"]).serve
+
+
+def test_the_plot_shows_speed_up_over_target_only_per_batch_and_path(tmp_path: Path) -> None:
+    def rows(tps: dict[int, tuple[float, float]]) -> list[dict[str, Any]]:
+        return [{"config": config, "batch": b, "tokens_per_s": pair[i], "step_ms_median": 1.0}
+                for b, pair in tps.items()
+                for i, config in enumerate(("target_only", "lockstep_L3"))]  # fmt: skip
+
+    result = {
+        "settings": {"num_draft_tokens": 4, "batches": [1, 8]},
+        "environment": {"gpu": "test"},
+        "inprocess_ms": {
+            "target": {"1,1": 4.0, "5,1": 5.0, "1,8": 4.0, "5,8": 5.0},
+            "draft": {"1,1": 1.0, "1,8": 1.0},
+        },
+        "rows": rows({1: (200.0, 300.0), 8: (1000.0, 1100.0)}),
+        "serve": {"rows": rows({1: (250.0, 500.0)})},
+    }
+    gains = e2e_report.speedups(result)
+    assert gains == {
+        "Pipeline lockstep_L3": {1: pytest.approx(1.5), 8: pytest.approx(1.1)},
+        "served lockstep_L3": {1: pytest.approx(2.0)},
+    }
+    assert e2e_report.plot(result, tmp_path / "e2e.png")
+    assert (tmp_path / "e2e.png").read_bytes().startswith(b"\x89PNG")

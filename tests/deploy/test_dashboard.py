@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import copy
 import json
-import shutil
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
+
+from tests import needs
+from tests.needs import NPM_HINT
 
 # the deploy tooling comes with the dev extras; a GPU machine running `pytest -m gpu` has only
 # the runtime dependencies
@@ -54,8 +56,7 @@ def test_the_panels_the_dashboard_promises() -> None:
 
 @pytest.fixture(scope="module")
 def grafana_schemas() -> dict[str, dict[str, Any]]:
-    if shutil.which("npm") is None:
-        pytest.skip("npm is absent: it installs @grafana/schema and ts-json-schema-generator")
+    needs.program("npm", "it installs @grafana/schema and ts-json-schema-generator: " + NPM_HINT)
     return schema.schemas()
 
 

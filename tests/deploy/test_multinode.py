@@ -12,7 +12,8 @@ draft's port listens in B's network stack and the target's in A's, and the place
 on B's under the PACK strategy. Greedy output equals transformers' greedy decoding of the target
 checkpoint on one machine (test_serve's oracle), with draft tokens proposed across the link.
 
-Needs root and iproute2 (`ip netns`); skipped, saying which, without them.
+Needs root and iproute2 (`ip netns`); skipped, saying which, without them (a failure where
+SPECDEC_REQUIRE_TOOLS=1, as in CI: see tests/needs.py).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 
 import pytest
 
+from tests import needs
 from tests.draft_service.models import build_checkpoints
 from tests.orchestrator.test_serve import PROMPTS, oracle
 
@@ -134,9 +136,8 @@ class Network:
 @pytest.fixture(scope="module")
 def network() -> Iterator[Network]:
     if os.geteuid() != 0:
-        pytest.skip("needs root to create network namespaces (`ip netns add`)")
-    if shutil.which("ip") is None:
-        pytest.skip("needs iproute2's `ip` (apt-get install -y iproute2)")
+        needs.missing("root", "it creates network namespaces (`ip netns add`): run as root")
+    needs.program("ip", "iproute2's `ip`: `sudo apt-get install iproute2`")
     tag = os.getpid()
     net = Network(f"specdec-mn{tag}-a", f"specdec-mn{tag}-b", f"sdmn{tag}")
     try:
@@ -144,7 +145,7 @@ def network() -> Iterator[Network]:
             net.create()
         except subprocess.CalledProcessError as e:
             if "Operation not permitted" in e.stderr or "Permission denied" in e.stderr:
-                pytest.skip(f"network namespaces are not possible here: {e.stderr.strip()}")
+                needs.missing("network namespaces", f"not possible here: {e.stderr.strip()}")
             raise
         yield net
     finally:

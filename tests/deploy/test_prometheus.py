@@ -43,6 +43,8 @@ import yaml
 
 from deploy.grafana import render
 from deploy.grafana.schema import npm_install
+from tests import needs
+from tests.needs import NPM_HINT
 
 pytestmark = pytest.mark.slow  # a real Prometheus and a live serve: about a minute
 
@@ -56,14 +58,15 @@ ALERT_FIRING_EDITS = {
     "SpecdecAcceptanceCollapsed": ("< 0.3", "< 2"),
     "SpecdecSpeculationOff": ("== 0", ">= 0"),
 }
-INSTALL_HINT = "apt-get install prometheus (Debian's package ships prometheus and promtool)"
+INSTALL_HINT = {
+    name: "Debian's prometheus package ships prometheus and promtool: `sudo apt-get install "
+    "prometheus` (scripts/test.sh installs it when run as root)"
+    for name in ("prometheus", "promtool")
+} | {"node": "Node.js: `sudo apt-get install nodejs npm`"}
 
 
 def tool(name: str) -> str:
-    path = shutil.which(name)
-    if path is None:
-        pytest.fail(f"`{name}` is needed: {INSTALL_HINT}; scripts/test.sh installs it.")
-    return path
+    return needs.program(name, INSTALL_HINT[name])
 
 
 def promtool(*args: str, cwd: Path = PROM) -> subprocess.CompletedProcess[str]:
@@ -133,8 +136,7 @@ for (const obj of JSON.parse(readFileSync(0, "utf8"))) {{
 
 
 def test_monitor_validates_against_the_operator_types() -> None:
-    if shutil.which("npm") is None:
-        pytest.skip("npm is absent: it installs @kubernetes-models/prometheus-operator")
+    needs.program("npm", "it installs @kubernetes-models/prometheus-operator: " + NPM_HINT)
     folder = npm_install("@kubernetes-models/prometheus-operator@6.0.0")
     objs = list(monitor_objects().values())
     broken = copy.deepcopy(objs)

@@ -1,6 +1,7 @@
 """`specdec demo --quick` end to end: trains the CI pair, serves it through Ray, queries it."""
 
 import io
+import re
 from pathlib import Path
 
 import pytest
@@ -40,6 +41,9 @@ def test_quick_demo_prints_the_metrics_and_they_match_the_responses(tmp_path: Pa
     for prompt in demo.QUICK_PROMPTS:
         assert text.count(prompt) == 2
     assert "target: Llama, 2 layers x 64" in text and "distilled from the target" in text
+    # how long training took, and that it ran every step of the recipe
+    assert re.search(r"in \d+ s\):\n", text)
+    assert re.search(r"150 steps in \d+ s, loss", text) and re.search(r"100 steps in \d+ s\n", text)
 
 
 def test_bad_arguments_exit_2_naming_the_flag(

@@ -8,7 +8,6 @@ and target -> draft channels reach them only by checking the overridden server n
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +17,7 @@ import pytest
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.cli import main, parse_args, serve_config
+from orchestrator.cli import parse_args, serve_config
 from orchestrator.server import Orchestrator
 from specdec.client import Client, SpecdecClientError
 from specdec.serving.client import make_channel
@@ -127,30 +126,3 @@ def test_service_ports_refuse_plaintext_and_answer_health_over_tls(
     with make_channel(address, tls_root_cert=ca) as unnamed, pytest.raises(grpc.RpcError) as info:
         _health(unnamed)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
-
-
-def test_bad_tls_flags_fail_at_start_up(
-    checkpoints: tuple[Path, Path], pki: Pki, tmp_path: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    target, _ = checkpoints
-    (cert, key), ca = pki.service, str(pki.ca)
-    not_pem = tmp_path / "not.pem"
-    not_pem.write_text("hello\n")
-    cases = {
-        "--tls-cert and --tls-key go together": ["--tls-cert", str(cert)],
-        "--service-tls-cert and --service-tls-key go together": ["--service-tls-key", str(key)],
-        "--tls-key '/nonexistent/tls.key' cannot be read: No such file": [
-            "--tls-cert", str(cert), "--tls-key", "/nonexistent/tls.key"],
-        "--service-tls-cert .* is not a PEM file": [
-            "--service-tls-cert", str(not_pem), "--service-tls-key", str(key),
-            "--service-tls-root-cert", ca],
-        "--service-tls-cert needs --service-tls-root-cert": [
-            "--service-tls-cert", str(cert), "--service-tls-key", str(key)],
-        "--service-tls-root-cert needs --service-tls-cert": ["--service-tls-root-cert", ca],
-        "--service-tls-server-name must be .* given with --service-tls-root-cert": [
-            "--service-tls-server-name", SERVICE_NAME],
-    }  # fmt: skip
-    for message, flags in cases.items():
-        assert main(["serve", "--target", str(target), "--metrics-port", "-1", *flags]) == 2
-        err = capsys.readouterr().err
-        assert err.startswith("specdec serve: ") and re.search(message, err), (message, err)

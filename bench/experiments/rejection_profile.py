@@ -3,7 +3,7 @@ headline case, and the streaming-read ceiling of a pass like the stats kernel's:
 reduction over the same [rows, V] float32 logits, with plain loads (software-pipelined by
 `tl.range` at 1-4 stages) and with Hopper TMA descriptor loads.
 
-Usage: python bench/rejection_profile.py --out DIR
+Usage: python bench/experiments/rejection_profile.py --out DIR
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.rejection_bench import copy_bandwidth, graph_time, make_inputs, out_dir
 from specdec.gdc import pdl_enabled

@@ -4,7 +4,7 @@ launches, against `gemv.linear` with the rule of its day ('current'). The probe 
 `skinny_shape`'s split for the 1B's down projection (its committed results came from a
 standalone prototype of the split kernel; the probe now drives the production kernel).
 
-Usage: PYTHONPATH=. python bench/gemv_split_k_probe.py DIR
+Usage: PYTHONPATH=. python bench/experiments/gemv_split_k_probe.py DIR
 """
 
 import functools
@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from triton.testing import do_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from specdec.runner.gemv import SkinnyShape, linear, skinny_linear, split_counters
 
 dev = torch.device("cuda")

@@ -4,7 +4,7 @@ Llama-3.1-8B), CUDA graphs captured under each rule, four interleaved rounds of 
 batch 1 and 8, decode and verify-5. Also reports how far apart their logits are (split sums add
 in another order) and whether the argmax agrees.
 
-Usage: PYTHONPATH=. python bench/runner_split_ab.py --out DIR   (GPU)
+Usage: PYTHONPATH=. python bench/experiments/runner_split_ab.py --out DIR   (GPU)
 """
 
 import gc
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench import runner_bench as rb
 from bench.rejection_bench import out_dir

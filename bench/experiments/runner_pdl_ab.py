@@ -6,7 +6,7 @@ Also checks that both give the same logits bit for bit.
 With --wide: the 1B only, at batch 32 x 5 tokens and 64 x 1 and x 5, where the runner turns PDL
 off above gdc.PDL_MAX_TOKENS tokens per step (so "on" there shows what that rule leaves).
 
-Usage: PYTHONPATH=. python bench/runner_pdl_ab.py --out DIR [--wide]   (GPU)
+Usage: PYTHONPATH=. python bench/experiments/runner_pdl_ab.py --out DIR [--wide]   (GPU)
 """
 
 import argparse
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.runner_bench import (
     MODELS,

@@ -2,7 +2,7 @@
 engines in one process drive lock-step propose → verify on the 8B/1B checkpoints of the system
 benchmark, and each call is timed on the host and traced by torch.profiler.
 
-    PYTHONPATH=. python bench/step_profile.py --out DIR [--batch 1] [--k 4]
+    PYTHONPATH=. python bench/experiments/step_profile.py --out DIR [--batch 1] [--k 4]
 
 Prints per call: host wall time, device time (StepTimes), and the profiler's top CUDA kernels
 and CPU ops of one propose and one verify; writes chrome traces into DIR.

@@ -3,7 +3,7 @@ replaced by cheap stand-ins, so each part's cost shows as the difference. The va
 copies of target_service/kernels.py with one or more source lines replaced (their outputs are
 wrong on purpose; only their timing is read). Also reports registers and spills.
 
-Usage: python bench/rejection_ablation.py --out DIR
+Usage: python bench/experiments/rejection_ablation.py --out DIR
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from types import ModuleType
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from bench.rejection_bench import make_inputs, out_dir
 from target_service import kernels
