@@ -36,10 +36,10 @@ def run_one(pair: object, fanout: int, temperature: float, k: int, tokens: int) 
     slots = len(prompts)
     ahead_slots = fanout * (k + 1) * slots
     draft = DraftConfig(
-        runner=RunnerConfig(str(pair.draft), max_slots=slots + ahead_slots, max_seq_len=512),  # type: ignore[attr-defined]
+        runner=RunnerConfig(str(pair.draft), max_slots=slots + ahead_slots, max_seq_len=128),  # type: ignore[attr-defined]
         draft_ahead=fanout, draft_ahead_slots=ahead_slots,
     )  # fmt: skip
-    target = TargetConfig(RunnerConfig(str(pair.target), max_slots=slots, max_seq_len=512),  # type: ignore[attr-defined]
+    target = TargetConfig(RunnerConfig(str(pair.target), max_slots=slots, max_seq_len=128),  # type: ignore[attr-defined]
                           sampler_impl="torch")  # fmt: skip
     with local_pair(draft, target) as svc:
         pipe = svc.pipeline()
@@ -65,7 +65,7 @@ def run_one(pair: object, fanout: int, temperature: float, k: int, tokens: int) 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("bench/results"))
-    p.add_argument("--tokens", type=int, default=96)
+    p.add_argument("--tokens", type=int, default=64)
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--fanouts", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])

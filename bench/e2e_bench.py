@@ -132,6 +132,8 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
     if args.serve:  # every service, Pipeline rows included, gets room for the serve rows
         out |= {
             "serve_lengths": args.serve_lengths,
+            "serve_hit_rates": args.serve_hit_rates,
+            "draft_ahead": args.draft_ahead,
             "serve_steps": args.serve_steps,
             "ttft_prompt_len": args.ttft_prompt_len,
             "ttft_repeats": args.ttft_repeats,
@@ -357,6 +359,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         default=[3.0],
         help="synthetic lengths of the serve rows (one specdec serve start each)",
     )
+    p.add_argument(
+        "--serve-hit-rates",
+        type=float,
+        nargs="*",
+        help="draft-ahead rows per serve length, one specdec serve start each: --draft-ahead "
+        "at a synthetic hit rate h (BENCHMARKING ONLY); default 0.5 0.8 1 (--smoke: 1); "
+        "empty: lock-step only",
+    )
+    p.add_argument("--draft-ahead", type=int, default=2, help="F of the draft-ahead rows")
     p.add_argument("--serve-steps", type=int, help="timed steps per serve row (window)")
     p.add_argument("--ttft-prompt-len", type=int, help="prompt tokens of the TTFT requests")
     p.add_argument("--ttft-repeats", type=int, help="timed TTFT requests per config")
@@ -373,6 +384,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         serve_steps=32,  # a longer window: the busy CPU delivers responses in bursts
         ttft_prompt_len=64,
         ttft_repeats=2,
+        serve_hit_rates=[1.0],
     )
     full = dict(
         batches=[1, 8, 32],
@@ -385,6 +397,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         serve_steps=64,
         ttft_prompt_len=512,
         ttft_repeats=5,
+        serve_hit_rates=[0.5, 0.8, 1.0],
     )
     for name, value in (smoke if args.smoke else full).items():
         if getattr(args, name) is None:

@@ -62,7 +62,13 @@ class Serve:
         return self.service.address
 
 
-def serve_args(s: dict[str, Any], length: float | None, port: int, metrics_port: int) -> list[str]:
+def serve_args(
+    s: dict[str, Any],
+    length: float | None,
+    port: int,
+    metrics_port: int,
+    hit_rate: float | None = None,
+) -> list[str]:
     """`specdec serve` flags with the Pipeline rows' service settings."""
     cpu = s["target_device"] == "cpu"
     flags = {
@@ -86,6 +92,8 @@ def serve_args(s: dict[str, Any], length: float | None, port: int, metrics_port:
         out += ["--cuda-graph-batch-sizes", *map(str, s["graph_sizes"])]
     if length is not None:  # BENCHMARKING ONLY
         out += ["--synthetic-acceptance-length", str(length)]
+    if hit_rate is not None:  # draft-ahead, its hit rate set: BENCHMARKING ONLY
+        out += ["--draft-ahead", str(s["draft_ahead"]), "--synthetic-hit-rate", str(hit_rate)]
     return out
 
 
@@ -125,14 +133,16 @@ def serving(
     log_dir: Path,
     timeout_s: float,
     stopped: Callable[[str], None] = lambda how: None,
+    hit_rate: float | None = None,
 ) -> Iterator[Serve]:
     """`specdec serve` started, SERVING (grpc.health.v1), and stopped on every way out
-    (`stopped` is told how)."""
+    (`stopped` is told how); with `hit_rate`, draft-ahead at that synthetic hit rate."""
     port, metrics_port = free_port(), free_port()
     name = f"serve_{'plain' if length is None else f'L{length:g}'}"
+    name += "" if hit_rate is None else f"_ahead_h{hit_rate:g}"
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
-    cmd = [sys.executable, "-m", "specdec", *serve_args(s, length, port, metrics_port)]
+    cmd = [sys.executable, "-m", "specdec", *serve_args(s, length, port, metrics_port, hit_rate)]
     with log.open("wb") as f:
         f.write((" ".join(cmd) + "\n").encode())
         f.flush()
@@ -481,9 +491,19 @@ def section(
                     phase(f"serve TTFT {config}")
                     out["ttft"].append(measure_ttft(serve, config, proposer, k, s, timeout_s))
                     tick(1)
+        for h in s.get("serve_hit_rates", []):
+            config = f"ahead_h{h:g}_L{length:g}"
+            phase(f"starting specdec serve ({config})")
+            with serving(s, length, log_dir, timeout_s, out["stops"].append, h) as serve:
+                for b in s["batches"]:
+                    phase(f"serve {config} batch {b}")
+                    spec = RowSpec(config, "draft", k, length, b)
+                    out["rows"].append(measure_row(serve, spec, s, max_tokens, timeout_s))
+                    tick(s["serve_steps"])
 
 
 def progress_units(s: dict[str, Any]) -> int:
     """Progress ticks of `section`."""
-    rows = len(s["batches"]) * (1 + len(s["serve_lengths"]))
+    per_length = 1 + len(s.get("serve_hit_rates", []))
+    rows = len(s["batches"]) * (1 + len(s["serve_lengths"]) * per_length)
     return rows * s["serve_steps"] + 2

@@ -86,6 +86,9 @@ def test_serve_args_match_the_pipeline_services(checkpoints: tuple[Path, Path]) 
     cpu = serve_config(parse_args(serve_args(s | {"target_device": "cpu"}, None, 1, 2)))
     assert cpu.services.sampler_impl == "torch" and cpu.services.cuda_graph_batch_sizes == ()
     assert cpu.services.synthetic_acceptance_length is None
+    assert (services.draft_ahead, services.synthetic_hit_rate) == (0, None)
+    ahead = serve_config(parse_args(serve_args(s | {"draft_ahead": 2}, 3.0, 1, 2, 0.8)))
+    assert (ahead.services.draft_ahead, ahead.services.synthetic_hit_rate) == (2, 0.8)
 
 
 def test_sequences_fit_the_serve_rows_and_ttft() -> None:
