@@ -111,6 +111,7 @@ class DraftEngine:
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
         self.ahead_hits = self.ahead_misses = 0  # asks that found a chain drafted ahead, or not
+        self.last_ahead = (0, 0)  # the last block's (hits, misses)
         self._accepted = ahead.AcceptedCounts()  # the verdicts' accepted counts seen so far
         if runner is not None:  # the `last` head input of one-token steps: row 0
             self._zeros = torch.zeros(
@@ -180,7 +181,9 @@ class DraftEngine:
                     ok.append(a)
                 else:
                     errors.append((a.request_id, err))
+            before = (self.ahead_hits, self.ahead_misses)
             hits = {a.request_id: c for a in ok if (c := self._take_chain(a)) is not None}
+            self.last_ahead = (self.ahead_hits - before[0], self.ahead_misses - before[1])
             saved = [self._save(a.request_id) for a in ok]
             try:
                 for a in ok:

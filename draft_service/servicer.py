@@ -41,7 +41,11 @@ class DraftServicer(LifecycleServicer, draft_pb2_grpc.DraftServiceServicer):
                     errors.append(_propose_error(pb.request_id, err))
             proposals, failed, times = self.engine.propose_timed(asks)
             errors += [_propose_error(rid, err) for rid, err in failed]
-            response = draft_pb2.ProposeResponse(block=proposals.to_pb(), errors=errors)
+            hits, misses = self.engine.last_ahead
+            response = draft_pb2.ProposeResponse(
+                block=proposals.to_pb(), errors=errors,
+                draft_ahead_hits=hits, draft_ahead_misses=misses,
+            )  # fmt: skip
             response.timing.CopyFrom(step_timing(times, time.perf_counter() - start))
             yield response
             # the target verifies this block meanwhile: draft its likely successors

@@ -30,7 +30,10 @@ used the draft service only), specdec:step_transport_seconds (the Propose round 
 draft's service time; same steps), specdec:step_verify_seconds (target forward),
 specdec:step_sampler_seconds (rejection sampler), specdec:step_seconds (the whole step);
 counter specdec:steps_total, specdec:eager_steps_total (steps with a forward that ran eagerly:
-no captured CUDA graph fitted; every step on a CPU); gauge specdec:draft_up.
+no captured CUDA graph fitted; every step on a CPU); gauge specdec:draft_up. Draft-ahead:
+counters specdec:draft_ahead_hits_total (draft asks answered from drafts made ahead for their
+verdict, no forward) and specdec:draft_ahead_misses_total (asks that had drafts made ahead but
+none for their verdict); hit rate = hits / (hits + misses).
 
 Every metric lives in the Metrics object's own CollectorRegistry, never the global one.
 """
@@ -152,6 +155,12 @@ class Metrics:
             "step on a CPU.",
         ).labels(self.model_pair)
         self._draft_up = self._gauge("draft_up", "1 while the draft service is up.")
+        self._ahead_hits = self._counter(
+            "draft_ahead_hits", "Draft asks answered from drafts made ahead for their verdict."
+        ).labels(self.model_pair)
+        self._ahead_misses = self._counter(
+            "draft_ahead_misses", "Draft asks with drafts made ahead, none for their verdict."
+        ).labels(self.model_pair)
 
     def on_step(self, report: StepReport, proposer_of: Callable[[str], str | None]) -> None:
         """Counts one hub step's drafts and timings; `proposer_of` maps a request to its proposer
@@ -170,9 +179,11 @@ class Metrics:
             for pos in range(event.num_accepted):
                 self._accepted_per_pos.labels(*labels, str(pos)).inc()
         self._steps.inc()
-        if report.draft_s > 0:
+        if report.draft_s > 0 or report.draft_ahead_hits:  # the draft service served the step
             self._step_draft.observe(report.draft_s)
             self._step_transport.observe(report.transport_s)
+        self._ahead_hits.inc(report.draft_ahead_hits)
+        self._ahead_misses.inc(report.draft_ahead_misses)
         self._step_verify.observe(report.verify_s)
         self._step_sampler.observe(report.sampler_s)
         self._step.observe(report.step_s)

@@ -120,11 +120,14 @@ class StepReport:
     step_s: float  # the hub's wall time of the whole step
     draft_up: bool
     graphed: bool = False  # every forward of the step replayed a captured CUDA graph
+    draft_ahead_hits: int = 0  # the draft's asks answered from drafts made ahead
+    draft_ahead_misses: int = 0  # asks with drafts made ahead, none for their verdict
 
     @classmethod
     def from_pb(cls, pb: target_pb2.ServeStep) -> StepReport:
         return cls(step_events(pb.verdicts), pb.draft_s, pb.transport_s, pb.verify_s,
-                   pb.sampler_s, pb.step_s, pb.draft_up, pb.graphed)  # fmt: skip
+                   pb.sampler_s, pb.step_s, pb.draft_up, pb.graphed, pb.draft_ahead_hits,
+                   pb.draft_ahead_misses)  # fmt: skip
 
 
 def step_events(pb: target_pb2.VerifyResponse) -> tuple[StepEvent, ...]:

@@ -70,6 +70,8 @@ class _Group:
     draft_s: float = 0.0
     transport_s: float = 0.0
     draft_graphed: bool = True  # the draft's forwards replayed graphs (or it drafted nothing)
+    ahead_hits: int = 0  # the draft's asks answered from drafts made ahead, and those missed
+    ahead_misses: int = 0
 
 
 class _Refused(Exception):
@@ -294,6 +296,7 @@ class Hub:
             verdicts=verdicts.to_pb(), draft_s=group.draft_s, transport_s=group.transport_s,
             verify_s=verify_s, sampler_s=sampler_s, step_s=time.perf_counter() - start,
             draft_up=self._draft.up, graphed=graphed,
+            draft_ahead_hits=group.ahead_hits, draft_ahead_misses=group.ahead_misses,
         )  # fmt: skip
         self._emit(step=step)
         self._record(verdicts)
@@ -326,6 +329,8 @@ class Hub:
             group.draft_s = response.timing.forward_s
             group.transport_s = max(0.0, round_trip - response.timing.service_s)
             group.draft_graphed = response.timing.graphed or response.timing.forward_s == 0
+            group.ahead_hits = response.draft_ahead_hits
+            group.ahead_misses = response.draft_ahead_misses
         self._append_local(group.block, [r for r in group.requests if r.request_id not in served])
 
     def _ask(self, r: HubRequest) -> draft_pb2.ProposeEntry:

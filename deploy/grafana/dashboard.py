@@ -171,6 +171,21 @@ STEPS = (
         "s",
         tuple(mean_per_step(part) for part in ("draft_", "transport_", "verify_", "sampler_", "")),
     ),
+    PanelSpec(
+        "Draft-ahead hit rate",
+        "Draft asks answered from drafts made ahead for their verdict (no forward while the "
+        "target waits) / asks that had drafts made ahead; 0 while draft-ahead is off or idle.",
+        "percentunit",
+        (
+            (
+                f"{rate('specdec:draft_ahead_hits_total')} / clamp_min("
+                f"{rate('specdec:draft_ahead_hits_total')} + "
+                f"{rate('specdec:draft_ahead_misses_total')}, 1e-9)",
+                "{{model_pair}}",
+            ),
+        ),
+        max=1,
+    ),
 )
 ROWS = (("Speculative decoding", SPECULATION), ("Requests", REQUESTS), ("Steps", STEPS))
 

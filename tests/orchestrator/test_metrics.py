@@ -116,6 +116,21 @@ def test_step_histograms_count_and_sum(served) -> None:
     assert _value(s, "specdec:step_verify_seconds_bucket", le="0.003") == 1
 
 
+def test_draft_ahead_counters(served) -> None:
+    """A step answered from drafts made ahead (no forward: draft 0 s) still used the draft
+    service: its transport counts, and so do its hits and misses."""
+    metrics, port = served
+    ahead = Report((StepEvent("a", 2, (1, 2), 3, 1),), 0.0, 0.0004, 0.003, 0.0001, 0.004,
+                   True, True, draft_ahead_hits=3, draft_ahead_misses=1)  # fmt: skip
+    for report in [*REPORTS, ahead]:
+        metrics.on_step(report, PROPOSERS.get)
+    s = _scrape(port)
+    assert _value(s, "specdec:draft_ahead_hits_total") == 3
+    assert _value(s, "specdec:draft_ahead_misses_total") == 1
+    assert _value(s, "specdec:step_transport_seconds_count") == 2
+    assert _value(s, "specdec:step_transport_seconds_sum") == pytest.approx(0.0009)
+
+
 def _final(prompt: int, completion: int, ttft: float, e2e: float, reason: int):
     timing = generate_pb2.Timing(
         time_to_first_token_s=ttft, e2e_s=e2e, queue_s=ttft / 4, admission_s=ttft / 2,

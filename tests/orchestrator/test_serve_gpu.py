@@ -114,7 +114,7 @@ def _greedy(client: Client, proposer: str) -> list[list[int]]:
     return outputs
 
 
-def _metric(url: str, name: str, proposer: str) -> float:
+def _metric(url: str, name: str, proposer: str | None) -> float:
     text = urlopen(url, timeout=10).read().decode()
     return sum(
         s.value
@@ -162,6 +162,9 @@ def test_specdec_serve_on_one_gpu(
             served.metrics_url, "specdec:spec_decode_num_accepted_tokens_total", "draft"
         )
         assert drafted > 0 and 0 < accepted <= drafted, (drafted, accepted)
+        if "--draft-ahead" in device_flags:  # greedy on a draft close to the target: it guesses
+            hits = _metric(served.metrics_url, "specdec:draft_ahead_hits_total", None)
+            assert hits > 0, "no ask was answered from drafts made ahead"
         generated = subprocess.run(
             [*specdec_command(), "generate", "w5 w6 w7 w8", "--address", served.address,
              "--max-tokens", "8", "--temperature", "0", "--ignore-eos"],
