@@ -3,12 +3,16 @@ it thinks likely, so that a verdict it guessed finds its drafts ready.
 
 After proposing d_1..d_k on the committed sequence S (length n), the verdict of step s commits
 S + d_1..d_j + t for some accepted count j in [0, k] and added token t (the recovered token
-when j < k, the bonus token when j = k). For each j and each of the draft's own top-F tokens t
-at that position (never d_{j+1}: a rejection does not add the token it rejected), a
+when j < k, the bonus token when j = k). For each j and each of the draft's own top-F
+tokens t at that position (never d_{j+1}: a rejection does not add the token it rejected), a
 *hypothesis* drafts k tokens on S + d_1..d_j + t in a KV slot of its own, forked from the
-request's at length n + j. Example, k = 2, F = 1, drafts (7, 9): hypotheses (j=0: t=g0),
-(j=1: 7, g1), (j=2: 7, 9, g2), where g_j is the draft's best token at that position other
-than d_{j+1}.
+request's at length n + j. The guesses for j < k come out of the proposal's own draft forwards
+(the same captured graphs, `engine.with_guesses`); the all-accepted verdict's (j = k) take one
+more draft forward, of d_k, made only while that verdict comes true often enough. Example,
+k = 2, F = 1, drafts (7, 9): hypotheses (j=0: t=g0), (j=1: 7, g1), (j=2: 7, 9, g2), where g_j
+is the draft's best token at that position other than d_{j+1}. Only the accepted counts that
+come true are drafted (`AcceptedCounts`), and one pass drafts at most as many hypotheses as the
+largest captured graph holds.
 
 The next ask carries the verdict's tokens as new_token_ids. If they equal a hypothesis's
 (d_1..d_j, t) and the ask is for step s + 1, that hypothesis's drafts and q are the answer and
@@ -41,6 +45,7 @@ class Chain:
     tokens: list[int]  # [k] drafted tokens
     q: tuple[torch.Tensor, ...] | None  # (probs [k, K'|V], ids [k, K']?) on the host; None: greedy
     kv: list[int]  # the tokens its KV slot holds
+    guesses: list[list[int]]  # [k][F + 1]: its own guesses, for the step after it
 
 
 @dataclass(slots=True)
@@ -60,7 +65,7 @@ def branch_id(request_id: str, h: Hypothesis) -> str:
 
 
 def hypotheses(
-    top: list[list[int]],  # [k + 1][F + 1]: the draft's best ids at positions n .. n + k
+    top: list[list[int]],  # [m][F + 1]: the draft's best ids at positions n .. n + m - 1
     drafts: list[int],  # [k]
     fanout: int,
 ) -> list[Hypothesis]:
@@ -105,6 +110,12 @@ class AcceptedCounts:
     def add(self, accepted: int) -> None:
         self.counts[accepted] = self.counts.get(accepted, 0) + 1
         self.total += 1
+
+    def wants(self, accepted: int) -> bool:
+        """Whether hypotheses with this accepted count are worth drafting."""
+        if self.total < self.min_seen:
+            return True
+        return self.counts.get(accepted, 0) / self.total >= self.min_share
 
     def likely(self, found: list[Hypothesis]) -> list[Hypothesis]:
         """`found` without the unlikely counts, the likelier counts first within each rank."""

@@ -83,6 +83,21 @@ def make_greedy_head(vocab_size: int) -> Head:
     return head
 
 
+def with_guesses(head: Head, vocab_size: int, count: int) -> Head:
+    """`head`'s outputs plus each row's `count` most likely ids [B, count] int32: draft-ahead's
+    guesses of the token a verdict adds at that position, made inside the same graph."""
+
+    def guessing(
+        logits: torch.Tensor, last: torch.Tensor, *rest: torch.Tensor
+    ) -> tuple[torch.Tensor, ...]:
+        index = last[:, None, None].expand(-1, 1, logits.shape[2])
+        rows = logits.gather(1, index).squeeze(1)[:, :vocab_size]  # [B, V]
+        top = rows.topk(count, dim=-1).indices.to(torch.int32)
+        return (*head(logits, last, *rest), top)
+
+    return guessing
+
+
 @dataclass(slots=True)
 class _Request:
     tokens: list[int]  # prompt + committed tokens
@@ -90,6 +105,7 @@ class _Request:
     next_step: int
     kv: list[int] = field(default_factory=list)  # tokens in the runner's KV cache
     drafts: list[int] = field(default_factory=list)  # the last proposal's, for draft-ahead
+    guesses: list[list[int]] = field(default_factory=list)  # [k][F + 1] ids at each draft
     chains: dict[tuple[int, ...], ahead.Chain] = field(default_factory=dict)  # by verdict
     chains_step: int = -1  # the step the chains are drafts for
 
@@ -108,6 +124,12 @@ class DraftEngine:
         support = config.support_size if config.q_form == "sparse" else None
         self._head = make_head(self.vocab_size, support)
         self._greedy_head = make_greedy_head(self.vocab_size)
+        # made once: the runner captures a graph per (shape, head)
+        guesses = min(config.draft_ahead + 1, self.vocab_size)
+        self._guessing_heads = (
+            with_guesses(self._head, self.vocab_size, guesses),
+            with_guesses(self._greedy_head, self.vocab_size, guesses),
+        )
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
         self.ahead_hits = self.ahead_misses = 0  # asks that found a chain drafted ahead, or not
@@ -253,7 +275,10 @@ class DraftEngine:
                 ids = [a.request_id for a in active]
                 reqs = [self._requests[i] for i in ids]
                 ks = [a.num_draft_tokens for a in active]
-                drafted, q, sampled, times = self._run_model(ids, reqs, ks)
+                guess = bool(self.config.draft_ahead and self.runner.can_fork)
+                drafted, q, sampled, guesses, times = self._drafts(ids, reqs, ks, guess)
+                for req, g in zip(reqs, guesses, strict=True):
+                    req.guesses = g
             chosen = [i for i, s in zip(ids, sampled, strict=True) if s]
             k_of = dict(zip(ids, ks, strict=True))
             drafts = dict(zip(ids, drafted, strict=True))
@@ -265,6 +290,7 @@ class DraftEngine:
             chain = hits.get(a.request_id)
             if chain is not None:
                 self._apply_chain(a.request_id, chain)
+                self._requests[a.request_id].guesses = chain.guesses[: a.num_draft_tokens]
                 drafts[a.request_id] = chain.tokens[: a.num_draft_tokens]
                 if chain.q is not None:
                     q_rows[a.request_id] = tuple(t[: a.num_draft_tokens] for t in chain.q)
@@ -290,12 +316,20 @@ class DraftEngine:
     def _run_model(
         self, ids: list[str], reqs: list[_Request], ks: list[int]
     ) -> tuple[list[list[int]], DraftQ, list[bool], StepTimes]:
+        """`_drafts` without guesses."""
+        drafted, q, sampled, _, times = self._drafts(ids, reqs, ks, guess=False)
+        return drafted, q, sampled, times
+
+    def _drafts(
+        self, ids: list[str], reqs: list[_Request], ks: list[int], guess: bool
+    ) -> tuple[list[list[int]], DraftQ, list[bool], list[list[list[int]]], StepTimes]:
         """k_i tokens per request: one catch-up step over the tokens the KV lacks (padded to
         the longest, a CUDA graph where one fits), then k - 1 one-token steps, each fed the
         previous step's tokens on the device. Sampling and q rows are written inside the
         graphs; one host synchronisation reads the drafts and the q rows the block sends.
         Returns the tokens by request, the q rows of the sampled (not greedy) requests in
-        order, which requests were sampled, and the device time."""
+        order, which requests were sampled, with `guess` each draft position's guesses
+        (draft-ahead's, `with_guesses`), and the device time."""
         runner = self.runner
         assert runner is not None
         eager, graphs = runner.eager_steps, runner.graph_steps
@@ -305,9 +339,10 @@ class DraftEngine:
         # temperature, top_k, top_p, seed, position, and each tail's last real position
         *inputs, last = self._sampling_inputs(reqs, [len(t) - 1 for t in tails])
         sampled = [not r.sampling.greedy for r in reqs]
-        head = self._head if any(sampled) else self._greedy_head
+        heads = self._guessing_heads if guess else (self._head, self._greedy_head)
+        head = heads[0] if any(sampled) else heads[1]
         _, out = runner.ragged_step(ids, tails, head, (last, *inputs))
-        steps = [_kept(list(range(len(ids))), out)]
+        steps = [_kept(list(range(len(ids))), out, guess)]
         for j in range(1, max(ks)):
             rows = [b for b in steps[-1].rows if ks[b] > j]
             prev = steps[-1].select(rows, runner.upload)
@@ -318,15 +353,15 @@ class DraftEngine:
             outs = runner.graph_step([ids[b] for b in rows], prev[:, None], head,
                                      (zero, *step_in))  # fmt: skip
             assert isinstance(outs, tuple)
-            steps.append(_kept(rows, outs))
+            steps.append(_kept(rows, outs, guess))
         clock.mark()
-        drafted, q = _read_drafts(steps, ks, sampled, runner)  # the step's one sync
+        drafted, q, guesses = _read_drafts(steps, ks, sampled, runner)  # the step's one sync
         for b, req in enumerate(reqs):
             req.kv = req.tokens + drafted[b][: ks[b] - 1]
         times = StepTimes(
             clock.seconds(0, 1), 0.0, runner.eager_steps == eager and runner.graph_steps > graphs
         )
-        return drafted, q, sampled, times
+        return drafted, q, sampled, guesses, times
 
     def _catch_up_tails(self, ids: list[str], reqs: list[_Request]) -> list[list[int]]:
         """Rolls each request's KV back to the prefix it shares with the committed tokens and
@@ -360,7 +395,7 @@ class DraftEngine:
             return 0
         with self._lock, on_device(runner.device):
             ready = [(rid, self._requests[rid]) for rid in dict.fromkeys(request_ids)
-                     if rid in self._requests and self._requests[rid].drafts]  # fmt: skip
+                     if rid in self._requests and self._requests[rid].guesses]  # fmt: skip
             ready = [(rid, r) for rid, r in ready if self._room_ahead(r)]
             if not ready:
                 return 0
@@ -373,64 +408,74 @@ class DraftEngine:
 
     def _room_ahead(self, req: _Request) -> bool:
         assert self.runner is not None
-        k = len(req.drafts)
-        return len(req.tokens) + 2 * k + 1 <= self.runner.config.max_seq_len
+        return len(req.tokens) + 2 * len(req.drafts) <= self.runner.config.max_seq_len
+
+    def _ahead_budget(self) -> int:
+        """How many hypotheses one pass drafts: the free slots beyond those kept for admissions,
+        and no more than the largest captured graph (an eager pass would cost more than the
+        verify it hides behind)."""
+        runner = self.runner
+        assert runner is not None
+        budget = runner.free_slots - (self.info.max_requests - len(self._requests))
+        sizes = runner.config.cuda_graph_batch_sizes
+        if sizes and runner.device.type == "cuda":
+            budget = min(budget, max(sizes))
+        return max(budget, 0)
 
     def _draft_chains(self, ready: list[tuple[str, _Request]]) -> int:
         runner = self.runner
         assert runner is not None
-        top = self._guesses(ready)
-        ids: list[str] = []
-        branches: list[_Request] = []
-        ks: list[int] = []
-        owners: list[tuple[_Request, tuple[int, ...]]] = []
-        for (rid, req), guesses in zip(ready, top, strict=True):
-            n, k = len(req.tokens), len(req.drafts)
+        self._bonus_guesses(ready)
+        ranked = []  # (rank, request) order: every request's first guess before any second
+        for i, (_, req) in enumerate(ready):
             req.chains_step = req.next_step
-            found = ahead.hypotheses(guesses, req.drafts, self.config.draft_ahead)
-            for h in self._accepted.likely(found):
-                if runner.free_slots <= self.info.max_requests - len(self._requests):
-                    break  # the rest are kept for admissions
-                bid = ahead.branch_id(rid, h)
-                verdict = h.verdict(req.drafts)
-                runner.add_request(bid)
-                runner.fork(rid, bid, n + h.accepted)
-                prefix = req.tokens + req.drafts[: h.accepted]
-                branch = _Request([*prefix, h.token], req.sampling, req.next_step + 1, prefix)
-                ids.append(bid)
-                branches.append(branch)
-                ks.append(k)
-                owners.append((req, verdict))
-        if not ids:
+            found = ahead.hypotheses(req.guesses, req.drafts, self.config.draft_ahead)
+            ranked += [(rank, i, h) for rank, h in enumerate(self._accepted.likely(found))]
+        ranked.sort(key=lambda x: (x[0], x[1]))
+        chosen = ranked[: self._ahead_budget()]
+        if not chosen:
             return 0
-        drafted, q, sampled, _ = self._run_model(ids, branches, ks)
-        rows = iter(ahead.split_q(_q_tensors(q), sum(sampled), ks[0]))
-        for bid, branch, tokens, s, (req, verdict) in zip(
-            ids, branches, drafted, sampled, owners, strict=True
-        ):
-            req.chains[verdict] = ahead.Chain(bid, tokens, next(rows) if s else None, branch.kv)
+        ids, branches, forks = [], [], []
+        for _, i, h in chosen:
+            rid, req = ready[i]
+            bid = ahead.branch_id(rid, h)
+            runner.add_request(bid)
+            prefix = req.tokens + req.drafts[: h.accepted]
+            ids.append(bid)
+            branches.append(_Request([*prefix, h.token], req.sampling, req.next_step + 1, prefix))
+            forks.append((rid, bid, len(prefix)))
+        runner.fork(forks)
+        ks = [len(ready[i][1].drafts) for _, i, _ in chosen]
+        drafted, q, sampled, guesses, _ = self._drafts(ids, branches, ks, guess=True)
+        tensors, start = _q_tensors(q) or (), 0
+        for n, (_, i, h) in enumerate(chosen):
+            req = ready[i][1]
+            rows = None
+            if sampled[n]:
+                rows = tuple(t[start : start + ks[n]] for t in tensors)
+                start += ks[n]
+            chain = ahead.Chain(ids[n], drafted[n], rows, branches[n].kv, guesses[n])
+            req.chains[h.verdict(req.drafts)] = chain
         return len(ids)
 
-    def _guesses(self, ready: list[tuple[str, _Request]]) -> list[list[list[int]]]:
-        """The draft's best F + 1 ids at each of the k + 1 positions a verdict can add a token
-        at, from one forward of [last committed token, d_1 .. d_k] per request."""
+    def _bonus_guesses(self, ready: list[tuple[str, _Request]]) -> None:
+        """Guesses for the all-accepted verdict's bonus token: one more draft forward, of d_k,
+        for the requests whose k accepted drafts come true often enough."""
         runner = self.runner
         assert runner is not None
-        items = []
-        for rid, req in ready:
-            n = len(req.tokens)
-            keep = min(_common_prefix(req.kv, req.tokens), n - 1)
-            runner.truncate(rid, keep)
-            items.append(ForwardItem(rid, [*req.tokens[keep:], *req.drafts], len(req.drafts) + 1))
+        k_of = {rid: len(r.drafts) for rid, r in ready}
+        wanted = [(rid, r) for rid, r in ready
+                  if len(r.guesses) == k_of[rid] and self._accepted.wants(k_of[rid])]  # fmt: skip
+        if not wanted:
+            return
+        ids = [rid for rid, _ in wanted]
+        last = runner.upload(torch.tensor([[r.drafts[-1]] for _, r in wanted], dtype=torch.long))
+        out = runner.graph_step(ids, last, self._guessing_heads[1], (self._zeros[: len(ids)],))
+        assert isinstance(out, tuple)
+        top = runner.to_host(out[-1])[0].tolist()
+        for (_, req), row in zip(wanted, top, strict=True):
             req.kv = req.tokens + req.drafts
-        logits = runner.forward(items)[:, : self.vocab_size]
-        top = logits.topk(min(self.config.draft_ahead + 1, self.vocab_size), dim=-1).indices
-        rows = top.tolist()
-        out, start = [], 0
-        for _, req in ready:
-            out.append(rows[start : start + len(req.drafts) + 1])
-            start += len(req.drafts) + 1
-        return out
+            req.guesses = [*req.guesses, row]
 
     def _take_chain(self, a: ProposeEntry) -> ahead.Chain | None:
         """The chain drafted ahead for this ask's verdict, if any; every other is dropped."""
@@ -502,6 +547,7 @@ class _Step:
     tokens: torch.Tensor  # [R] int32
     probs: torch.Tensor | None  # [R, K' | V] float32; None from the greedy head
     support: torch.Tensor | None  # [R, K'] int32; None for dense q and the greedy head
+    guesses: torch.Tensor | None = None  # [R, F + 1] int32: draft-ahead's (with_guesses)
 
     def select(
         self, rows: list[int], upload: Callable[[torch.Tensor], torch.Tensor]
@@ -513,17 +559,20 @@ class _Step:
         return self.tokens[upload(torch.tensor([where[b] for b in rows]))]
 
 
-def _kept(rows: list[int], out: tuple[torch.Tensor, ...]) -> _Step:
+def _kept(rows: list[int], out: tuple[torch.Tensor, ...], guess: bool = False) -> _Step:
+    guesses = out[-1].clone() if guess else None
+    out = out[:-1] if guess else out
     probs = out[1].clone() if len(out) > 1 else None
     support = out[2].clone() if len(out) > 2 else None
-    return _Step(rows, out[0].clone(), probs, support)
+    return _Step(rows, out[0].clone(), probs, support, guesses)
 
 
 def _read_drafts(
     steps: list[_Step], ks: list[int], sampled: list[bool], runner: ModelRunner
-) -> tuple[list[list[int]], DraftQ]:
-    """Every request's drafted tokens, and the q rows of the sampled requests, request-major
-    (request b's k_b rows together, as a DraftBlock holds them), read with one host sync.
+) -> tuple[list[list[int]], DraftQ, list[list[list[int]]]]:
+    """Every request's drafted tokens, the q rows of the sampled requests, request-major
+    (request b's k_b rows together, as a DraftBlock holds them), and each request's guesses
+    per draft position where the steps made them (else []), read with one host sync.
 
     Example, ks [2, 1], both sampled: the steps hold rows [b0 j0, b1 j0] and [b0 j1], i.e.
     rows 0, 1, 2 concatenated; the block's rows are [b0 j0, b0 j1, b1 j0] = rows [0, 2, 1].
@@ -537,6 +586,9 @@ def _read_drafts(
     index = where[drafted_mask & torch.tensor(sampled)[:, None]].tolist()  # request-major
     tokens = torch.cat([s.tokens for s in steps])
     wanted: list[torch.Tensor] = [tokens]
+    guessed = steps[0].guesses is not None
+    if guessed:
+        wanted.append(torch.cat([s.guesses for s in steps if s.guesses is not None]))
     if index:
         rows = runner.upload(torch.tensor(index, dtype=torch.long))
         wanted.append(torch.cat([s.probs for s in steps if s.probs is not None])
@@ -547,11 +599,15 @@ def _read_drafts(
     host = runner.to_host(*wanted)
     table = host[0][where.clamp(min=0)].tolist()  # [B, steps]: request b's token of step j
     drafted = [row[:k] for row, k in zip(table, ks, strict=True)]
+    guesses: list[list[list[int]]] = [[] for _ in ks]
+    if guessed:
+        per_step = host.pop(1)[where.clamp(min=0)].tolist()  # [B, steps, F + 1]
+        guesses = [row[:k] for row, k in zip(per_step, ks, strict=True)]
     if not index:
-        return drafted, None
+        return drafted, None, guesses
     if len(host) == 2:
-        return drafted, DenseQ(host[1])
-    return drafted, SparseQ(host[2], host[1])
+        return drafted, DenseQ(host[1]), guesses
+    return drafted, SparseQ(host[2], host[1]), guesses
 
 
 def _q_tensors(q: DraftQ) -> tuple[torch.Tensor, ...] | None:

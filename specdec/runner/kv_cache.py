@@ -89,18 +89,27 @@ class SlotCache:
             )
         self._length[slot] = length
 
-    def fork(self, source: str, branch: str, length: int) -> None:
-        """`branch` (already added) holds `source`'s first `length` positions: a draft-ahead
-        hypothesis continues the request's sequence in a slot of its own."""
-        src, dst = self.slot(source), self.slot(branch)
-        if not 0 <= length <= self._length[src]:
-            raise ValueError(
-                f"fork length must be in [0, {self._length[src]}] (the cached length of "
-                f"{source!r}), got {length}."
-            )
-        for layer in self.layers:
-            layer[dst, :, :, :length].copy_(layer[src, :, :, :length])
-        self._length[dst] = length
+    def fork(self, branches: list[tuple[str, str, int]]) -> None:
+        """Each (source, branch, length): `branch` (already added) holds `source`'s first
+        `length` positions, so that a draft-ahead hypothesis continues the request's sequence in
+        a slot of its own. One copy per layer for all of them."""
+        if not branches:
+            return
+        for source, _, length in branches:
+            have = self.length(source)
+            if not 0 <= length <= have:
+                raise ValueError(
+                    f"fork length must be in [0, {have}] (the cached length of {source!r}), "
+                    f"got {length}."
+                )
+        device = self.layers[0].device
+        src = torch.tensor([self.slot(s) for s, _, _ in branches], device=device)
+        dst = torch.tensor([self.slot(b) for _, b, _ in branches], device=device)
+        longest = max(length for _, _, length in branches)
+        for layer in self.layers:  # past a branch's own length its rows are never read
+            layer[dst, :, :, :longest] = layer[src, :, :, :longest]
+        for _, branch, length in branches:
+            self._length[self.slot(branch)] = length
 
     def swap(self, a: str, b: str) -> None:
         """`a` and `b` exchange slots (a hypothesis that came true becomes the request)."""

@@ -307,11 +307,12 @@ class ModelRunner:
         return isinstance(self._backend, FastBackend)
 
     @_on_own_device
-    def fork(self, source: str, branch: str, length: int) -> None:
-        """`branch` (added, any length) takes `source`'s first `length` cached positions."""
+    def fork(self, branches: list[tuple[str, str, int]]) -> None:
+        """Each (source, branch, length): `branch` (added) takes `source`'s first `length`
+        cached positions."""
         if not self.can_fork:
             raise NotImplementedError("fork needs the fast path (the transformers fallback).")
-        self._cache.fork(source, branch, length)
+        self._cache.fork(branches)
 
     def swap(self, a: str, b: str) -> None:
         """Requests `a` and `b` exchange their caches."""
