@@ -42,15 +42,15 @@ def _steps(ks: list[int], sparse: bool) -> list[_Step]:
 
 def test_drafts_and_q_rows_are_request_major_and_skip_greedy_requests() -> None:
     ks, sampled, runner = [2, 1, 3], [True, False, True], _HostRunner()
-    drafted, dense = _read_drafts(_steps(ks, False), ks, sampled, runner)  # type: ignore[arg-type]
+    drafted, dense, _ = _read_drafts(_steps(ks, False), ks, sampled, runner)  # type: ignore[arg-type]
     assert drafted == [[0, 1], [10], [20, 21, 22]]
     assert isinstance(dense, DenseQ)
     assert dense.probs[:, 0].tolist() == [0, 1, 20, 21, 22]
-    _, sparse = _read_drafts(_steps(ks, True), ks, sampled, runner)  # type: ignore[arg-type]
+    _, sparse, _ = _read_drafts(_steps(ks, True), ks, sampled, runner)  # type: ignore[arg-type]
     assert isinstance(sparse, SparseQ) and sparse.token_ids.dtype == torch.int32
     assert sparse.token_ids[:, 0].tolist() == [100, 101, 120, 121, 122]
     assert torch.equal(sparse.probs, dense.probs)
-    _, none = _read_drafts(_steps(ks, True), ks, [False] * 3, runner)  # type: ignore[arg-type]
+    _, none, _ = _read_drafts(_steps(ks, True), ks, [False] * 3, runner)  # type: ignore[arg-type]
     assert none is None
 
 
