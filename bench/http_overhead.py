@@ -7,7 +7,7 @@ The tiny test checkpoints (tests/draft_service/models.py) on CPU: one verify ste
 the API's share of each token is as visible as it gets. Greedy requests, `ignore_eos`,
 proposer off (one token per step, so one streamed event per token), one request at a time; each
 prompt goes through gRPC (`specdec.client.Client.generate`) and HTTP (the `openai` client,
-`stream=True`) alternately, after one warm-up request each. Per request, time per streamed
+`stream=True`) in turn, after one warm-up request each. Per request, time per streamed
 token = (t_last - t_first) / (tokens - 1) as the client sees it; the table gives the median
 and p99 over requests, and the inter-token gaps' median and p99 over all tokens.
 """
@@ -107,10 +107,11 @@ def measure(orchestrator: Orchestrator, prompts: list[list[int]], n: int, repeat
         runs: dict[str, list[list[float]]] = {name: [] for name in apis}
         for stream in apis.values():
             timed(stream, prompts[0], n)  # warm-up
-        for _ in range(repeats):
+        for r in range(repeats):
+            order = list(apis.items())[:: -1 if r % 2 else 1]  # neither API always goes first
             for prompt in prompts:
                 texts = set()
-                for name, stream in apis.items():
+                for name, stream in order:
                     text, times = timed(stream, prompt, n)
                     runs[name].append(times)
                     texts.add(text)
@@ -129,6 +130,7 @@ def main() -> int:
     parser.add_argument("--repeats", type=int, default=3, help="passes over the prompts")
     args = parser.parse_args()
     prompts = [[5 + i, 6 + i, 7 + i, 8 + 2 * i] for i in range(8)]
+    load_before = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         target, draft = build_checkpoints(Path(tmp))
         config = ServeConfig(
@@ -147,8 +149,9 @@ def main() -> int:
         f"# HTTP API overhead per streamed token\n\n`bench/http_overhead.py` at commit "
         f"{_commit()} on a {_machine()}: the tiny test checkpoints on CPU, greedy, proposer off "
         f"(one token per step and event), {len(prompts)} prompts x {args.repeats} passes, "
-        f"{args.max_tokens} tokens each, one request at a time, both APIs on the same server.\n\n"
-        f"{table}\n"
+        f"{args.max_tokens} tokens each, one request at a time, both APIs on the same server "
+        f"(alternating which goes first). Load average (1 min) {load_before:.1f} before, "
+        f"{os.getloadavg()[0]:.1f} after: the machine is shared.\n\n{table}\n"
     )
     print(report)
     if args.out is not None:

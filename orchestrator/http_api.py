@@ -20,7 +20,7 @@ import logging
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from functools import wraps
 from typing import Any
 
@@ -45,7 +45,7 @@ from orchestrator.openai_protocol import (
     completion_prompt,
     generate_request,
 )
-from orchestrator.requests import END, RequestFailed, response_of
+from orchestrator.requests import END, Job, RequestFailed, response_of
 from specdec.errors import UnavailableError
 from specdec.pb.specdec.v1 import generate_pb2
 
@@ -150,24 +150,28 @@ class HttpApi:
             events = self._events(pb, responder, usage)
             await anext(events)  # accepted (refusals raise here, before the headers go)
             return StreamingResponse(events, media_type="text/event-stream")
+        with self._running(pb) as (job, outbox):
+            async for _ in outbox.responses():
+                pass
+            return JSONResponse(responder.whole(job.record.complete_response()))
+
+    @contextlib.contextmanager
+    def _running(self, pb: generate_pb2.GenerateRequest) -> Iterator[tuple[Job, AsyncOutbox]]:
+        """The request's job while the call holds a slot; however the call ends, the job does."""
         with self.frontend.slot():
             outbox = AsyncOutbox()
             job = self.frontend.submit(pb, None, outbox)
             try:
-                async for _ in outbox.responses():
-                    pass
+                yield job, outbox
             finally:
                 self.frontend.end(job)
-            return JSONResponse(responder.whole(job.record.complete_response()))
 
     async def _events(
         self, pb: generate_pb2.GenerateRequest, responder: Responder, usage: bool
     ) -> AsyncIterator[str]:
-        """ "" once the request is accepted, then its server-sent events."""
-        with self.frontend.slot():
-            outbox = AsyncOutbox()
-            job = self.frontend.submit(pb, None, outbox)
-            yield ""
+        """An empty string once the request is accepted, then its server-sent events."""
+        with self._running(pb) as (_, outbox):
+            yield ""  # closed here (the response never started): the job ends too
             try:
                 first = True
                 async for response in outbox.responses():
@@ -177,8 +181,6 @@ class HttpApi:
                     yield _sse(responder.usage_chunk(response))
             except RequestFailed as e:
                 yield _sse(error_body(e)[1])
-            finally:
-                self.frontend.end(job)
         yield _sse("[DONE]")
 
     async def models(self, request: Request) -> Response:

@@ -20,15 +20,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from specdec.client import PROPOSERS  # the gRPC client's names: one spelling
 from specdec.pb.specdec.v1 import generate_pb2
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
-PROPOSERS = {
-    "default": generate_pb2.PROPOSER_DEFAULT,
-    "draft": generate_pb2.PROPOSER_DRAFT,
-    "ngram": generate_pb2.PROPOSER_NGRAM,
-    "off": generate_pb2.PROPOSER_OFF,
-}
 PROPOSER_NAMES = {value: name for name, value in PROPOSERS.items()}
 FINISH_REASONS = {
     generate_pb2.FINISH_REASON_LENGTH: "length",
