@@ -110,11 +110,15 @@ class Frontend:
             record, sampling = parse_request(request, b.served, b.tokenizer)
             job = Job(record, sampling, deadline, b.metrics, outbox)
             b.scheduler.submit(job)
-        except Exception as e:  # refused before it ran: still an error by status code
-            if b.metrics is not None:
-                b.metrics.on_error(status_for(e)[0])
+        except Exception as e:
+            self.refused(e)
             raise
         return job
+
+    def refused(self, error: Exception) -> None:
+        """Counts a request refused before it ran, by status code (once serving)."""
+        if self.backend is not None and self.backend.metrics is not None:
+            self.backend.metrics.on_error(status_for(error)[0])
 
     def end(self, job: Job) -> None:
         """The call ended: the job stops if it still runs (a no-op once it finished)."""

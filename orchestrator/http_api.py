@@ -129,22 +129,34 @@ class HttpApi:
         return ids
 
     async def completions(self, request: Request) -> Response:
-        body: CompletionRequest = await _body(request, CompletionRequest)
-        b = self.frontend.ready()
-        check_model(body.model, b.served.name)
-        return await self._generate(body, completion_prompt(body), Responder(False, b.served.name))
+        return await self._generate(request, chat=False)
 
     async def chat_completions(self, request: Request) -> Response:
-        body: ChatRequest = await _body(request, ChatRequest)
+        return await self._generate(request, chat=True)
+
+    async def _parse(
+        self, request: Request, chat: bool
+    ) -> tuple[CompletionRequest | ChatRequest, generate_pb2.GenerateRequest, Responder]:
+        """The body, its GenerateRequest and the responder of a (chat) completion request."""
+        body = await _body(request, ChatRequest if chat else CompletionRequest)
         b = self.frontend.ready()
         check_model(body.model, b.served.name)
-        prompt = self._chat_prompt(b, chat_messages(body.messages), body.add_generation_prompt)
-        return await self._generate(body, prompt, Responder(True, b.served.name))
-
-    async def _generate(
-        self, body: CompletionRequest | ChatRequest, prompt: str | list[int], responder: Responder
-    ) -> Response:
+        if isinstance(body, ChatRequest):
+            messages = chat_messages(body.messages)
+            prompt: str | list[int] = self._chat_prompt(b, messages, body.add_generation_prompt)
+        else:
+            prompt = completion_prompt(body)
+        responder = Responder(chat, b.served.name)
         pb = generate_request(body, prompt)
+        pb.request_id = responder.id  # one id in the response, the scheduler and the services
+        return body, pb, responder
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        try:
+            body, pb, responder = await self._parse(request, chat)
+        except Exception as e:  # refused before it reached the scheduler: counted all the same
+            self.frontend.refused(e)
+            raise
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             events = self._events(pb, responder, usage)

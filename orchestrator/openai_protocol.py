@@ -21,6 +21,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.client import PROPOSERS  # the gRPC client's names: one spelling
+from specdec.errors import SpecdecError
 from specdec.pb.specdec.v1 import generate_pb2
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
@@ -35,8 +36,10 @@ FINISH_REASONS = {
 UINT32 = 2**32 - 1
 
 
-class ModelNotFoundError(LookupError):
+class ModelNotFoundError(SpecdecError):
     """The request names a model this server does not serve (HTTP 404)."""
+
+    grpc_code = "NOT_FOUND"
 
 
 class _Body(BaseModel):

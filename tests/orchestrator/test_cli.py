@@ -49,6 +49,14 @@ def test_flags_override_the_config_file(checkpoints: tuple[Path, Path], tmp_path
     assert config.scheduler.proposer == "off" and config.metrics_port is None
 
 
+def test_http_port_is_off_unless_given(checkpoints: tuple[Path, Path]) -> None:
+    serve = ["serve", "--target", str(checkpoints[0])]
+    assert serve_config(parse_args(serve)).http_port is None
+    assert serve_config(parse_args([*serve, "--http-port", "0"])).http_port == 0
+    with pytest.raises(ValueError, match=r"http_port must be in \[0, 65535\], got 70000"):
+        serve_config(parse_args([*serve, "--http-port", "70000"]))
+
+
 def test_refusals_name_the_problem(checkpoints: tuple[Path, Path], tmp_path: Path) -> None:
     target, _ = checkpoints
     hint = re.escape("huggingface-cli download meta-llama/Llama-3.1-8B --local-dir DIR")

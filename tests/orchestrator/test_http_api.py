@@ -17,6 +17,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,7 @@ import openai
 import pytest
 
 from orchestrator.config import PlacementConfig, SchedulerConfig, ServeConfig, ServiceConfig
+from orchestrator.frontend import Frontend
 from orchestrator.http_api import HttpApi, HttpServer
 from orchestrator.ports import PortError, bind
 from orchestrator.server import Orchestrator
@@ -159,7 +161,7 @@ def test_streamed_completion_is_the_whole_one_in_pieces(stack: HttpStack) -> Non
     assert finishes[-1] == "length" and set(finishes[:-1]) == {None}
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
     assert chunks[-1].usage.completion_tokens == 30
-    assert len({c.id for c in chunks}) == 1
+    assert len({c.id for c in chunks}) == 1 and chunks[0].id.startswith("cmpl-")
 
 
 def test_chat_goes_through_the_chat_template(stack: HttpStack) -> None:
@@ -260,7 +262,16 @@ def test_bad_input_is_a_400_naming_the_field(
     assert error["type"] == "invalid_request_error" and error["param"] == param
 
 
+def errors_since(stack: HttpStack, before: dict[Any, float]) -> dict[str, float]:
+    """request_errors_total's increase since `before`, by code."""
+    deltas = {dict(labels)["code"]: value - before.get((name, labels), 0.0)
+              for (name, labels), value in stack.metrics().items()
+              if name == "specdec:request_errors_total"}  # fmt: skip
+    return {code: n for code, n in deltas.items() if n}
+
+
 def test_error_statuses_through_the_openai_client(stack: HttpStack) -> None:
+    before = stack.metrics()
     with pytest.raises(openai.NotFoundError) as missing:
         stack.client.completions.create(model="gpt-4", prompt="w5", max_tokens=2)
     assert missing.value.status_code == 404
@@ -273,20 +284,37 @@ def test_error_statuses_through_the_openai_client(stack: HttpStack) -> None:
         stack.client.chat.completions.create(model=stack.name, messages=MESSAGES, logprobs=True)
     bad_json = call(stack.base_url + "/completions", b"{")
     assert bad_json.status_code == 400 and "must be a JSON object" in bad_json.text
+    assert errors_since(stack, before) == {"NOT_FOUND": 1, "INVALID_ARGUMENT": 2}, "as gRPC's"
+
+
+@contextmanager
+def served(api: HttpApi) -> Iterator[str]:
+    """`api` on a port of its own; yields its base URL."""
+    server = HttpServer(api.app, bind("127.0.0.1", 0, "--http-port"), grace_s=1.0)
+    server.start()
+    try:
+        yield f"http://127.0.0.1:{server.port}"
+    finally:
+        server.join(5.0)
 
 
 def test_without_a_chat_template_chat_is_a_clear_400(stack: HttpStack) -> None:
     api = HttpApi(stack.orchestrator.frontend, chat_template=None)  # the served backend
-    server = HttpServer(api.app, bind("127.0.0.1", 0, "--http-port"), grace_s=1.0)
-    server.start()
-    try:
-        url = f"http://127.0.0.1:{server.port}/v1/chat/completions"
-        response = call(url, json.dumps({"messages": MESSAGES}).encode())
-    finally:
-        server.join(5.0)
+    with served(api) as url:
+        response = call(url + "/v1/chat/completions", json.dumps({"messages": MESSAGES}).encode())
     assert response.status_code == 400
     assert "tokenizer has no chat template" in response.json()["error"]["message"]
     assert response.json()["error"]["param"] == "messages"
+
+
+def test_not_ready_is_a_503() -> None:
+    with served(HttpApi(Frontend(4), chat_template=None)) as url:  # services not up yet
+        health = call(url + "/health")
+        refused = call(url + "/v1/completions", json.dumps({"prompt": "w5"}).encode())
+    assert health.status_code == 503 and refused.status_code == 503
+    error = refused.json()["error"]
+    assert error["type"] == "service_unavailable_error" and error["code"] == "unavailable"
+    assert "The services are still starting" in error["message"]
 
 
 def test_models_health_tokenize_detokenize(stack: HttpStack) -> None:
@@ -329,10 +357,7 @@ def test_closing_a_stream_cancels_its_request(stack: HttpStack) -> None:
     sched = stack.orchestrator.scheduler
     assert sched is not None
     eventually(lambda: sched.snapshot()[:2] == (0, 0), timeout_s=30)
-    errors = "specdec:request_errors_total"
-    cancelled = [v - before.get(k, 0.0) for k, v in stack.metrics().items()
-                 if k[0] == errors and ("code", "CANCELLED") in k[1]]  # fmt: skip
-    assert sum(cancelled) == 1
+    assert errors_since(stack, before) == {"CANCELLED": 1}
 
 
 def test_full_queue_is_a_429(stack: HttpStack) -> None:
