@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import logging
 import socket
 import threading
 import time
@@ -27,6 +26,7 @@ from typing import Any
 import uvicorn
 from pydantic import BaseModel
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -49,7 +49,6 @@ from orchestrator.requests import END, Job, RequestFailed, response_of
 from specdec.errors import UnavailableError
 from specdec.pb.specdec.v1 import generate_pb2
 
-log = logging.getLogger(__name__)
 Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -96,6 +95,15 @@ def _openai_errors(handler: Handler) -> Handler:
     return wrapped
 
 
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such path, wrong method) in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    message = f"{request.method} {request.url.path}: {exc.detail}."
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    body = {"message": message, "type": kind, "param": None, "code": None}
+    return JSONResponse({"error": body}, status_code=exc.status_code, headers=exc.headers)
+
+
 class HttpApi:
     """The Starlette app over a `Frontend`; the chat template comes from the target's
     tokenizer (None: chat completions are refused with 400)."""
@@ -112,7 +120,8 @@ class HttpApi:
             ("/health", self.health, "GET"),
         ]
         self.app = Starlette(
-            routes=[Route(path, _openai_errors(fn), methods=[m]) for path, fn, m in routes]
+            routes=[Route(path, _openai_errors(fn), methods=[m]) for path, fn, m in routes],
+            exception_handlers={HTTPException: _http_error},
         )
 
     def _chat_prompt(self, b: Backend, messages: list[Any], generation_prompt: bool) -> list[int]:

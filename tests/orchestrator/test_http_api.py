@@ -327,6 +327,9 @@ def test_models_health_tokenize_detokenize(stack: HttpStack) -> None:
     assert post(stack, "/detokenize", {"tokens": [5, 6, 249]}).json() == {"prompt": "w5 w6 w249"}
     bad = post(stack, "/detokenize", {"tokens": [5, 250]})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+    nowhere = call(stack.base_url + "/embeddings", b"{}")
+    assert nowhere.status_code == 404
+    assert nowhere.json()["error"]["message"] == "POST /v1/embeddings: Not Found."
 
 
 def test_curl_streams_server_sent_events(stack: HttpStack) -> None:
