@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -34,6 +34,7 @@ FINISH_REASONS = {
     generate_pb2.FINISH_REASON_CANCELLED: "abort",  # vLLM's name for a request it stopped
 }
 UINT32 = 2**32 - 1
+Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]  # the proto's field; ranges: parse_request
 
 
 class ModelNotFoundError(SpecdecError):
@@ -65,7 +66,7 @@ class _Sampling(_Body):
     top_k: int | None = Field(None, ge=-1, le=UINT32)  # -1 or 0: off (vLLM takes -1)
     seed: int | None = Field(None, ge=0, le=2**64 - 1)
     stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    stop_token_ids: list[Int32] | None = None
     n: int = 1
     stream: bool = False
     stream_options: StreamOptions | None = None

@@ -240,6 +240,8 @@ BAD_REQUESTS = [
     ({"max_tokens": "many"}, "The field max_tokens is invalid", "max_tokens"),
     ({"top_p": 0}, "top_p must be in (0, 1]", "top_p"),
     ({"stop_token_ids": [400]}, "stop_token_ids[0] must be in [0, 250)", "stop_token_ids"),
+    ({"stop_token_ids": [2**40]}, "The field stop_token_ids[0] is invalid",
+     "stop_token_ids[0]"),
     ({"prompt": ["w5", "w6"]}, "a batch of 2 prompts is not supported", "prompt"),
     ({"prompt": [5, 900]}, "prompt token_ids[1] must be in [0, 250)", "prompt"),
     ({"bogus": 1}, "The field bogus is not supported by this server", "bogus"),
