@@ -1,6 +1,6 @@
 """The `specdec` command: `serve` (the orchestrator), `generate` (a client), `demo`.
 
-    specdec serve --target DIR --draft DIR [--num-draft-tokens 4] [--pairs 1] [--port 50050]
+    specdec serve --target DIR --draft DIR [-k 4] [--pairs 1] [--port 50050] [--http-port 8000]
     specdec serve --target DIR --proposer ngram
     specdec serve --config serve.toml          # keys are the flags' names
     specdec generate "def fibonacci(" --address localhost:50050
@@ -13,6 +13,7 @@ command line wins over the same key in --config.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import json
 import logging
 import sys
@@ -38,6 +39,23 @@ from specdec.defaults import default_of
 PROG = "specdec"
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows each flag's default, except where there is none to show (None, off switches)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or action.default == []:
+            return action.help
+        return super()._get_help_string(action)
+
+
+def version() -> str:
+    """The installed package's version (its metadata), or "unknown" when run from a tree."""
+    try:
+        return importlib.metadata.version("specdec")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def _services_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("models and services (each pair)")
     d = partial(default_of, ServiceConfig)
@@ -45,20 +63,28 @@ def _services_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--draft", help="draft checkpoint directory (omit for ngram / off only)")
     g.add_argument("--device", choices=DEVICES, default=d("device"),
                    help="auto: CUDA where Ray gives the service a GPU, else CPU")  # fmt: skip
-    g.add_argument("--dtype", choices=DTYPES, default=d("dtype"))
+    g.add_argument("--dtype", choices=DTYPES, default=d("dtype"),
+                   help="weights' and activations' dtype; auto: the checkpoint's torch_dtype on "
+                        "a GPU, float32 on the CPU")  # fmt: skip
     g.add_argument("--max-requests", type=int, default=d("max_requests"),
                    help="requests each pair holds at once (KV slots per service)")  # fmt: skip
     g.add_argument("--max-seq-len", type=int, default=d("max_seq_len"),
                    help="tokens per request (default: the checkpoint's limit, capped)")  # fmt: skip
     g.add_argument("--max-num-draft-tokens", type=int, default=d("max_num_draft_tokens"),
                    help="largest k a request may ask for")  # fmt: skip
-    g.add_argument("--q-form", choices=["sparse", "dense"], default=d("q_form"))
+    g.add_argument("--q-form", choices=["sparse", "dense"], default=d("q_form"),
+                   help="draft probabilities sent as the draft's top tokens (sparse, exact for "
+                        "what it sampled from) or over the whole vocabulary (dense)")  # fmt: skip
     g.add_argument("--support-size", type=int, default=d("support_size"),
                    help="sparse q: the draft's top tokens sent per draft position")  # fmt: skip
     g.add_argument("--sampler-impl", choices=["auto", "triton", "torch"],
-                   default=d("sampler_impl"))  # fmt: skip
-    g.add_argument("--cuda-graph-batch-sizes", type=int, nargs="*",
-                   default=list(d("cuda_graph_batch_sizes")))  # fmt: skip
+                   default=d("sampler_impl"),
+                   help="the target's rejection sampler: Triton kernels or their pure-torch "
+                        "reference (auto: Triton on a GPU)")  # fmt: skip
+    g.add_argument("--cuda-graph-batch-sizes", type=int, nargs="*", metavar="N",
+                   default=list(d("cuda_graph_batch_sizes")),
+                   help="batch sizes whose decode and verify steps are captured as CUDA "
+                        "graphs (GPU only)")  # fmt: skip
     g.add_argument("--draft-ahead", type=int, default=d("draft_ahead"), metavar="F",
                    help="draft-ahead: while the target verifies, the draft drafts the next "
                         "step for its F best guesses of each verdict (0: off)")  # fmt: skip
@@ -83,8 +109,10 @@ def _placement_args(parser: argparse.ArgumentParser) -> None:
                    help="Ray cluster to join (default: RAY_ADDRESS, else a local one)")  # fmt: skip
     g.add_argument("--num-cpus", type=int, default=d("num_cpus"), help="local cluster only")
     g.add_argument("--num-gpus", type=int, default=d("num_gpus"), help="local cluster only")
-    g.add_argument("--start-timeout-s", type=float, default=d("start_timeout_s"))
-    g.add_argument("--restart-timeout-s", type=float, default=d("restart_timeout_s"))
+    g.add_argument("--start-timeout-s", type=float, default=d("start_timeout_s"),
+                   help="seconds the services may take to load and warm up")  # fmt: skip
+    g.add_argument("--restart-timeout-s", type=float, default=d("restart_timeout_s"),
+                   help="seconds a crashed service may take to come back")  # fmt: skip
     g.add_argument("--draft-resources", metavar="JSON", default=d("draft_resources"),
                    help='custom Ray resources every draft bundle asks for, e.g. '
                         '{"draft_gpu": 1}: drafts go to the nodes that offer them')  # fmt: skip
@@ -99,20 +127,28 @@ def _scheduler_args(parser: argparse.ArgumentParser) -> None:
                    help="requests that may wait while every pair is full")  # fmt: skip
     g.add_argument("--proposer", choices=PROPOSERS, default=None,
                    help="default proposer (default: draft with --draft, else ngram)")  # fmt: skip
-    g.add_argument("-k", "--k", "--num-draft-tokens", dest="num_draft_tokens", type=int,
+    g.add_argument("-k", "--num-draft-tokens", dest="num_draft_tokens", type=int,
                    default=d("num_draft_tokens"), help="default draft tokens per step")  # fmt: skip
 
 
 def _server_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("client API server")
     d = partial(default_of, ServeConfig)
-    g.add_argument("--host", default=d("host"))
-    g.add_argument("--port", type=int, default=d("port"))
+    g.add_argument("--host", default=d("host"), help="address every client port listens on")
+    g.add_argument("--port", type=int, default=d("port"),
+                   help="gRPC port of specdec.v1.GenerateService; 0 picks a free one")  # fmt: skip
+    g.add_argument("--http-port", type=int, default=d("http_port"),
+                   help="OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+                        "...); 0 picks a free port; off without it")  # fmt: skip
     g.add_argument("--metrics-port", type=int, default=d("metrics_port"),
-                   help="Prometheus /metrics over HTTP; -1 turns it off")  # fmt: skip
-    g.add_argument("--grace-s", type=float, default=d("grace_s"))
-    g.add_argument("--drain-s", type=float, default=d("drain_s"))
-    g.add_argument("--max-workers", type=int, default=d("max_workers"))
+                   help="Prometheus /metrics over HTTP; 0 picks a free port, -1 turns it "
+                        "off")  # fmt: skip
+    g.add_argument("--grace-s", type=float, default=d("grace_s"),
+                   help="seconds running requests get to finish on SIGTERM")  # fmt: skip
+    g.add_argument("--drain-s", type=float, default=d("drain_s"),
+                   help="seconds health reports NOT_SERVING before the ports close")  # fmt: skip
+    g.add_argument("--max-workers", type=int, default=d("max_workers"),
+                   help="gRPC server threads (each streaming call holds one)")  # fmt: skip
     g.add_argument("--max-concurrent-calls", type=int, default=d("max_concurrent_calls"),
                    help="Generate/Complete calls held at once, queued ones included; more are "
                         "refused with RESOURCE_EXHAUSTED (at most --max-workers - 16)")  # fmt: skip
@@ -127,11 +163,11 @@ def _tls_args(parser: argparse.ArgumentParser) -> None:
     pem = partial(g.add_argument, type=Path, metavar="FILE")
     pem("--tls-cert", default=d("tls_cert"),
         help="certificate chain of the client port (with --tls-key)")  # fmt: skip
-    pem("--tls-key", default=d("tls_key"))
+    pem("--tls-key", default=d("tls_key"), help="private key of --tls-cert")
     pem("--service-tls-cert", default=ds("tls_cert"),
         help="certificate chain of the draft and target services' servers, every pair (with "
              "--service-tls-key and --service-tls-root-cert)")  # fmt: skip
-    pem("--service-tls-key", default=ds("tls_key"))
+    pem("--service-tls-key", default=ds("tls_key"), help="private key of --service-tls-cert")
     pem("--service-tls-root-cert", default=ds("tls_root_cert"),
         help="CA that the orchestrator -> target and target -> draft channels trust")  # fmt: skip
     g.add_argument("--service-tls-server-name", metavar="NAME", default=ds("tls_server_name"),
@@ -142,7 +178,8 @@ def _tls_args(parser: argparse.ArgumentParser) -> None:
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path,
                         help="TOML or JSON file whose keys are these flags' names")  # fmt: skip
-    parser.add_argument("--log-level", default="INFO")
+    parser.add_argument("--log-level", default="INFO",
+                        help="DEBUG, INFO, WARNING or ERROR")  # fmt: skip
     for add in (_services_args, _placement_args, _scheduler_args, _server_args, _tls_args):
         add(parser)
 
@@ -208,7 +245,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         scheduler=SchedulerConfig(
             max_queue=args.max_queue, proposer=proposer, num_draft_tokens=args.num_draft_tokens
         ),
-        host=args.host, port=args.port,
+        host=args.host, port=args.port, http_port=args.http_port,
         metrics_port=None if args.metrics_port is not None and args.metrics_port < 0
         else args.metrics_port,
         grace_s=args.grace_s, drain_s=args.drain_s, max_workers=args.max_workers,
@@ -233,6 +270,9 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"{PROG} serve: {e}", file=sys.stderr)
         return 2
     print(f"{PROG}: serving {config.model_name} on {config.host}:{port}", flush=True)
+    if orchestrator.http_port is not None:
+        url = f"http://{config.host}:{orchestrator.http_port}/v1"
+        print(f"{PROG}: OpenAI-compatible HTTP API on {url}", flush=True)
     orchestrator.serve_until_signal()
     return 0
 
@@ -255,10 +295,13 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         prog=PROG,
         description="Exact speculative decoding: draft and target services on separate GPUs.",
     )
+    parser.add_argument("--version", action="version", version=f"%(prog)s {version()}",
+                        help="print the version and exit")  # fmt: skip
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     commands = {}
     for name, help_text, add, run in _commands():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text,
+                           formatter_class=HelpFormatter)  # fmt: skip
         add(p)
         p.set_defaults(func=run)
         commands[name] = p

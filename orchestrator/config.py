@@ -7,6 +7,7 @@ their processes. Every command-line default is read from these dataclasses (`def
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,7 @@ from typing import Literal
 Proposer = Literal["draft", "ngram", "off"]
 PROPOSERS: tuple[str, ...] = ("draft", "ngram", "off")
 DEVICES = ("auto", "cpu", "cuda")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_NUM_DRAFT_TOKENS = 64  # the services' own ceiling
 SPARE_WORKERS = 16  # server threads kept from Generate/Complete for health checks and refusals
 
@@ -64,13 +65,14 @@ class ServiceConfig:
 
     `draft` None runs no draft service: requests use n-gram prompt lookup (inside the target)
     or no speculation. `max_seq_len` None takes the checkpoint's own limit (the services cap
-    it). `device` "auto" is CUDA when Ray gave the actor a GPU, else CPU.
+    it). `device` "auto" is CUDA when Ray gave the actor a GPU, else CPU; `dtype` "auto" is
+    the checkpoint's own on a GPU and float32 on the CPU (`resolve_dtype`).
     """
 
     target: str
     draft: str | None = None
     device: str = "auto"
-    dtype: str = "float32"
+    dtype: str = "auto"
     max_requests: int = 32
     max_seq_len: int | None = None
     max_num_draft_tokens: int = 16
@@ -185,6 +187,20 @@ class ServiceConfig:
             )
 
 
+def resolve_dtype(dtype: str, model_dir: str, device: str) -> str:
+    """`dtype` with "auto" resolved where the device is known: float32 on the CPU (its bfloat16
+    and float16 matmuls are slow), on a GPU the checkpoint's `torch_dtype` (`dtype` in newer
+    config.json files) when it is one of DTYPES, else float32."""
+    if dtype != "auto":
+        return dtype
+    if device == "cpu":
+        return "float32"
+    path = Path(model_dir) / "config.json"
+    config = json.loads(path.read_text()) if path.is_file() else {}
+    saved = config.get("torch_dtype", config.get("dtype"))
+    return saved if saved in DTYPES[1:] else "float32"
+
+
 def _check_resources(name: str, resources: object) -> None:
     """Custom Ray resources: a mapping of names to positive amounts, CPU and GPU left out (the
     placement sets those itself)."""
@@ -266,7 +282,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True, slots=True)
 class ServeConfig:
-    """Everything `specdec serve` needs; `port` / `metrics_port` 0 pick free ports."""
+    """Everything `specdec serve` needs; `port` / `metrics_port` / `http_port` 0 pick free
+    ports."""
 
     services: ServiceConfig
     placement: PlacementConfig = field(default_factory=PlacementConfig)
@@ -274,6 +291,7 @@ class ServeConfig:
     host: str = "0.0.0.0"
     port: int = 50050
     metrics_port: int | None = 9464
+    http_port: int | None = None  # the OpenAI-compatible HTTP API; None: off
     grace_s: float = 10.0
     drain_s: float = 0.0
     max_workers: int = 256  # each streaming call holds a server thread while it runs
@@ -286,6 +304,8 @@ class ServeConfig:
             raise ValueError(f"port must be in [0, 65535], got {self.port}.")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"metrics_port must be in [0, 65535], got {self.metrics_port}.")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"http_port must be in [0, 65535], got {self.http_port}.")
         if self.grace_s < 0 or self.drain_s < 0:
             raise ValueError("grace_s and drain_s must be >= 0 seconds.")
         if self.max_workers < 1:

@@ -39,8 +39,9 @@ Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]  # (name, labels) 
 def add_demo_args(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--quick", action="store_true", help="a tiny pair trained in seconds, two prompts (CI)")
-    add("-k", "--num-draft-tokens", dest="num_draft_tokens", type=int, default=4)
-    add("--max-tokens", type=int, default=None, help="per completion (default 96, --quick 24)")
+    add("-k", "--num-draft-tokens", dest="num_draft_tokens", type=int, default=4,
+        help="draft tokens per step")  # fmt: skip
+    add("--max-tokens", type=int, default=None, help="per completion (default: 96, --quick 24)")
     add("--cache-dir", type=Path, default=None, help="default: ~/.cache/specdec")
     add("--no-progress", action="store_true", help="no training progress bars")
     add("--serve", action="store_true", help="keep serving after the demo, until Ctrl-C")

@@ -21,7 +21,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--address",
         default=os.environ.get(ADDRESS_ENV, DEFAULT_ADDRESS),
-        help=f"server host:port (default: ${ADDRESS_ENV} or {DEFAULT_ADDRESS})",
+        help=f"server host:port (${ADDRESS_ENV} sets the default)",
     )
     parser.add_argument(
         "--prompt-ids", action="store_true", help="the prompt is token ids: '1,2,3' or '1 2 3'"
@@ -34,7 +34,8 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--proposer", choices=("draft", "ngram", "off"), help="where drafts come from"
     )
-    parser.add_argument("--k", type=int, dest="num_draft_tokens", help="draft tokens per step")
+    parser.add_argument("-k", "--num-draft-tokens", type=int, dest="num_draft_tokens",
+                        help="draft tokens per step (default: the server's)")  # fmt: skip
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     parser.add_argument(
         "--stop-token-id", type=int, action="append", default=[], help="stop token id (repeatable)"

@@ -265,6 +265,8 @@ class Placement:
     def stop(self, grace_s: float) -> None:
         """Stops every service (grace for in-flight calls), then frees actors and groups."""
         actors, self._actors = self._actors, []
+        if not actors and not self._groups:
+            return  # nothing placed (ray.get would start a cluster just to return)
         try:
             ray.get([a.stop.remote(grace_s) for a in actors], timeout=grace_s + 10.0)
         except Exception as e:  # a dead or never started actor has nothing left to stop

@@ -141,14 +141,30 @@ def parse_request(
     return record, sampling
 
 
-class _Failed:
-    __slots__ = ("code", "message")
+class RequestFailed(Exception):
+    """A request that failed after it was accepted: the status its call ends with."""
 
     def __init__(self, code: grpc.StatusCode, message: str):
+        super().__init__(message)
         self.code, self.message = code, message
 
 
-_END = object()
+END = object()  # the last item of a job's outbox
+
+
+class Outbox(Protocol):
+    """Where a job's responses go, from the scheduler's thread, in order: GenerateResponses,
+    then a RequestFailed or nothing, then END."""
+
+    def put(self, item: object) -> None: ...
+
+
+def response_of(item: object) -> generate_pb2.GenerateResponse:
+    """An outbox item other than END as a response; raises the RequestFailed it holds."""
+    if isinstance(item, RequestFailed):
+        raise item
+    assert isinstance(item, generate_pb2.GenerateResponse)
+    return item
 
 
 class JobMetrics(Protocol):
@@ -163,7 +179,8 @@ class JobMetrics(Protocol):
 
 class Job:
     """One request inside the scheduler: the scheduler's thread applies its verdicts to the
-    record and queues the responses; the servicer's thread reads them (`responses`)."""
+    record and puts the responses in its outbox; a client API's thread or event loop reads
+    them (`responses` blocks on the default queue)."""
 
     def __init__(
         self,
@@ -171,13 +188,14 @@ class Job:
         sampling: SamplingParams,
         deadline: float | None,
         metrics: JobMetrics | None = None,
+        outbox: Outbox | None = None,
     ):
         self.record = record
         self.sampling = sampling
         self.deadline = deadline
         self._metrics = metrics
         self._first_seen = False
-        self._outbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._outbox: Outbox = queue.SimpleQueue() if outbox is None else outbox
 
     @property
     def request_id(self) -> str:
@@ -227,8 +245,8 @@ class Job:
         return delta.finished
 
     def on_error(self, code: grpc.StatusCode, message: str) -> None:
-        self._outbox.put(_Failed(code, message))
-        self._outbox.put(_END)
+        self._outbox.put(RequestFailed(code, message))
+        self._outbox.put(END)
         if self._metrics is not None:
             self._metrics.on_error(code)
 
@@ -240,20 +258,19 @@ class Job:
     def _publish(self, response: generate_pb2.GenerateResponse, finished: bool) -> None:
         self._outbox.put(response)
         if finished:
-            self._outbox.put(_END)
+            self._outbox.put(END)
             if self._metrics is not None:
                 self._metrics.on_finish(response)
 
     def responses(self, context: grpc.ServicerContext) -> Iterator[generate_pb2.GenerateResponse]:
-        """The request's responses in order; a failure aborts the call with its status."""
-        while True:
-            item = self._outbox.get()
-            if item is _END:
-                return
-            if isinstance(item, _Failed):
-                context.abort(item.code, item.message)
-            assert isinstance(item, generate_pb2.GenerateResponse)
-            yield item
+        """The request's responses in order (blocking on the default outbox); a failure aborts
+        the call with its status."""
+        assert isinstance(self._outbox, queue.SimpleQueue), "a job with its own outbox"
+        while (item := self._outbox.get()) is not END:
+            try:
+                yield response_of(item)
+            except RequestFailed as e:
+                context.abort(e.code, e.message)
 
 
 def deadline_of(context: grpc.ServicerContext) -> float | None:

@@ -18,14 +18,17 @@ from typing import Any
 import grpc
 import ray
 
+from orchestrator.chat import ChatTemplate
 from orchestrator.config import ServeConfig
 from orchestrator.detokenizer import TextTokenizer, eos_token_ids
+from orchestrator.frontend import Backend, Frontend
 from orchestrator.metrics import Metrics, start_metrics_server
 from orchestrator.pair import PairClient
 from orchestrator.placement import PairPlacement, Placement, connect
+from orchestrator.ports import bind, port_error, probe
 from orchestrator.requests import Served, served_model_pb
 from orchestrator.scheduler import Scheduler
-from orchestrator.servicer import SERVICE_NAME, Backend, GenerateServicer, add_to_server
+from orchestrator.servicer import SERVICE_NAME, GenerateServicer, add_to_server
 from specdec.pb import common_pb2, draft_pb2_grpc
 from specdec.pb.specdec.v1 import generate_pb2
 from specdec.serving.client import make_channel
@@ -51,6 +54,9 @@ class ApiServerConfig(ServerConfig):
             *ServerConfig.channel_options(self),
             ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
             ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
+            # grpc sets SO_REUSEPORT by default: a second server on the same port would bind
+            # too and take half of the new connections
+            ("grpc.so_reuseport", 0),
         ]
 
 
@@ -106,7 +112,10 @@ class Orchestrator:
         self.metrics = Metrics(config.model_name)
         self.metrics_port: int | None = None
         self._metrics_server: Any = None
-        self.servicer = GenerateServicer(config.max_concurrent_calls)
+        self.http_port: int | None = None
+        self._http: Any = None  # an http_api.HttpServer with --http-port
+        self.frontend = Frontend(config.max_concurrent_calls)
+        self.servicer = GenerateServicer(self.frontend)
         self.server = Server(
             ApiServerConfig(
                 host=config.host,
@@ -132,23 +141,46 @@ class Orchestrator:
         return self.server.port
 
     def start(self) -> int:
-        """Binds, places and connects every pair, then SERVING; returns the port."""
-        port = self.server.start()
-        log.info("GenerateService on port %d (NOT_SERVING until the services are warm)", port)
-        if self.config.metrics_port is not None:
-            self._metrics_server, self.metrics_port = start_metrics_server(
-                self.config.metrics_port, self.config.host, self.metrics.registry
-            )
-            log.info("metrics on http://%s:%d/metrics", self.config.host, self.metrics_port)
+        """Binds every port, places and connects every pair, then SERVING; returns the gRPC
+        port. A port that cannot be bound raises PortError before Ray is touched; any failure
+        stops what had started."""
         try:
+            port = self._bind()
             self._owns_ray = connect(self.config.placement, self.placement.services_per_pair)
             pairs = self.placement.start()
             self._connect(pairs)
         except BaseException:
             self.stop(0.0)
             raise
-        self.server.set_serving(True)
+        self._set_serving(True)
         log.info("serving %d pair(s) of %s", len(pairs), self.config.model_name)
+        return port
+
+    def _bind(self) -> int:
+        """The client API's, the metrics' and the HTTP API's ports, listening."""
+        host = self.config.host
+        try:
+            port = self.server.start()
+        except (RuntimeError, OSError):
+            raise probe(host, self.config.port, "--port") from None
+        log.info("GenerateService on port %d (NOT_SERVING until the services are warm)", port)
+        if self.config.metrics_port is not None:
+            try:
+                self._metrics_server, self.metrics_port = start_metrics_server(
+                    self.config.metrics_port, host, self.metrics.registry
+                )
+            except OSError as e:
+                raise port_error(host, self.config.metrics_port, "--metrics-port", e) from None
+            log.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
+        if self.config.http_port is not None:
+            from orchestrator.http_api import HttpApi, HttpServer
+
+            sock = bind(host, self.config.http_port, "--http-port")
+            api = HttpApi(self.frontend, ChatTemplate.from_dir(self.config.services.target))
+            self._http = HttpServer(api.app, sock, self.config.grace_s)
+            self.http_port = self._http.port
+            self._http.start()
+            log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", host, self.http_port)
         return port
 
     def _connect(self, pairs: list[PairPlacement]) -> None:
@@ -168,7 +200,7 @@ class Orchestrator:
             self.clients.append(self._client(sched, p))
             sched.attach(p.index, self.clients[-1])
         sched.start()
-        self.servicer.backend = Backend(
+        self.frontend.backend = Backend(
             sched, served, tokenizer, lambda: self.model_info(served), self.metrics
         )
 
@@ -206,6 +238,7 @@ class Orchestrator:
     def _set_serving(self, serving: bool) -> None:
         if not self._stopped.is_set():  # shutdown owns health from then on
             self.server.set_serving(serving)
+            self.frontend.serving = serving
 
     def _recover(self, index: int) -> str:
         address, _ = self.placement.wait_draft(self.placement.pairs[index])
@@ -237,7 +270,10 @@ class Orchestrator:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self.frontend.serving = False
         grace = self.config.grace_s if grace_s is None else grace_s
+        if self._http is not None:  # takes no new connections; running requests go on
+            self._http.begin_stop()
         sched = self.scheduler
         timer = None
         if sched is not None:  # end what still runs just before the grace period ends
@@ -248,6 +284,8 @@ class Orchestrator:
             timer.cancel()
         if sched is not None:
             sched.stop()
+        if self._http is not None:
+            self._http.join(grace + 1.0)
         for client in self.clients:
             client.close()
         self.placement.stop(min(grace, 5.0))

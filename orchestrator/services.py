@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from orchestrator.config import ServiceConfig
+from orchestrator.config import ServiceConfig, resolve_dtype
 from specdec.serving.messages import ModelInfo
 
 log = logging.getLogger(__name__)
@@ -33,7 +33,7 @@ def _runner(config: ServiceConfig, model: str, device: str, extra_slots: int = 0
     return RunnerConfig(
         model_path=model,
         device=device,
-        dtype=config.dtype,
+        dtype=resolve_dtype(config.dtype, model, device),
         max_slots=config.max_requests + extra_slots,
         max_seq_len=max_seq_len,
         cuda_graph_batch_sizes=config.cuda_graph_batch_sizes if device != "cpu" else (),

@@ -25,6 +25,11 @@ if ((${#missing[@]})); then
             "that need them skip, each saying what it needs" >&2
     fi
 fi
+# tests/orchestrator/test_http_api.py streams one completion with curl
+if ! command -v curl >/dev/null; then
+    apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends curl >/dev/null
+fi
 ruff check .
 ruff format --check .
 mypy

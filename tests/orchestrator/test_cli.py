@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import argparse
+import importlib.metadata
 import json
 import os
 import re
@@ -14,8 +16,14 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import parse_args, serve_config
-from orchestrator.config import PlacementConfig, SchedulerConfig, ServeConfig, ServiceConfig
+from orchestrator.cli import build_parser, parse_args, serve_config
+from orchestrator.config import (
+    PlacementConfig,
+    SchedulerConfig,
+    ServeConfig,
+    ServiceConfig,
+    resolve_dtype,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,6 +47,14 @@ def test_flags_override_the_config_file(checkpoints: tuple[Path, Path], tmp_path
     js.write_text(json.dumps({"target": str(target), "proposer": "off", "metrics_port": -1}))
     config = serve_config(parse_args(["serve", "--config", str(js)]))
     assert config.scheduler.proposer == "off" and config.metrics_port is None
+
+
+def test_http_port_is_off_unless_given(checkpoints: tuple[Path, Path]) -> None:
+    serve = ["serve", "--target", str(checkpoints[0])]
+    assert serve_config(parse_args(serve)).http_port is None
+    assert serve_config(parse_args([*serve, "--http-port", "0"])).http_port == 0
+    with pytest.raises(ValueError, match=r"http_port must be in \[0, 65535\], got 70000"):
+        serve_config(parse_args([*serve, "--http-port", "70000"]))
 
 
 def test_refusals_name_the_problem(checkpoints: tuple[Path, Path], tmp_path: Path) -> None:
@@ -113,3 +129,78 @@ def test_draft_ahead_sizes_the_draft_slots(checkpoints: tuple[Path, Path]) -> No
     assert (off.draft_ahead, off.draft_ahead_slots) == (0, 0)
     with pytest.raises(ValueError, match="draft_ahead needs a draft model"):
         serve_config(parse_args(["serve", "--target", str(target), "--draft-ahead", "1"]))
+
+
+def _subparsers() -> dict[str, argparse.ArgumentParser]:
+    return build_parser()[1]
+
+
+def test_every_flag_has_help_and_shows_its_default() -> None:
+    for name, parser in _subparsers().items():
+        for action in parser._actions:
+            assert action.help, f"specdec {name} {action.option_strings or action.dest}: no help"
+    serve = _subparsers()["serve"].format_help()
+    assert "default draft tokens per step (default: 4)" in serve
+    assert "(default: 50050)" in serve and "(default: auto)" in serve
+    assert "(default: None)" not in serve, "flags without a default say so in their own words"
+
+
+@pytest.mark.parametrize("command", ["serve", "generate", "demo"])
+def test_num_draft_tokens_is_spelled_alike_everywhere(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    base = {"serve": ["serve", "--target", "t"], "generate": ["generate", "hi"],
+            "demo": ["demo"]}[command]  # fmt: skip
+    assert parse_args([*base, "-k", "2"]).num_draft_tokens == 2
+    assert parse_args([*base, "--num-draft-tokens", "3"]).num_draft_tokens == 3
+    with pytest.raises(SystemExit):
+        parse_args([*base, "--k", "2"])  # the old serve/generate spelling is gone
+    assert "unrecognized arguments: --k" in capsys.readouterr().err
+
+
+def test_version_is_the_package_metadata() -> None:
+    out = subprocess.run([sys.executable, "-m", "specdec", "--version"], cwd=ROOT,
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    assert out.stdout.strip() == f"specdec {importlib.metadata.version('specdec')}"
+
+
+def test_dtype_auto_is_float32_on_cpu_and_the_checkpoint_s_on_gpu(
+    checkpoints: tuple[Path, Path], tmp_path: Path
+) -> None:
+    from orchestrator.services import _runner
+
+    target = checkpoints[0]
+    config = serve_config(parse_args(["serve", "--target", str(target)]))
+    assert config.services.dtype == "auto"
+    assert _runner(config.services, str(target), "cpu").dtype == "float32"
+    for saved, expected in (("bfloat16", "bfloat16"), ("float16", "float16"), ("int8", "float32")):
+        (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": saved}))
+        assert resolve_dtype("auto", str(tmp_path), "cuda") == expected
+        assert resolve_dtype("auto", str(tmp_path), "cpu") == "float32"
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))  # newer name
+    assert resolve_dtype("auto", str(tmp_path), "cuda") == "bfloat16"
+    assert resolve_dtype("float16", str(tmp_path), "cpu") == "float16", "explicit wins"
+
+
+def test_serve_refuses_a_grpc_port_in_use(checkpoints: tuple[Path, Path]) -> None:
+    """A gRPC server on the port first (SO_REUSEPORT on, grpc's default): `specdec serve` on
+    the same port exits at once naming it, before starting Ray."""
+    from concurrent import futures
+
+    import grpc
+
+    first = grpc.server(futures.ThreadPoolExecutor(max_workers=1))
+    port = first.add_insecure_port("127.0.0.1:0")
+    first.start()
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "specdec", "serve", "--target", str(checkpoints[0]),
+             "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "-1"],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    finally:
+        first.stop(0)
+    assert out.returncode == 2
+    assert f"127.0.0.1:{port} (--port {port}): the port is in use" in out.stderr
+    assert "Stop what uses it, or pass another port to --port" in out.stderr
+    assert "ray" not in out.stderr.lower(), out.stderr

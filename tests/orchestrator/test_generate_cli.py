@@ -39,7 +39,7 @@ def test_streams_text_then_prints_acceptance(served) -> None:
         address,
         "--proposer",
         "ngram",
-        "--k",
+        "-k",
         "2",
         "--stop",
         "\n",

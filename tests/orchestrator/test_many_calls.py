@@ -93,5 +93,5 @@ def test_calls_past_the_limit_are_served_or_refused_never_cancelled(
         else:
             assert f"max_concurrent_calls={MAX_CALLS}" in out and "--max-concurrent-calls" in out
 
-    eventually(lambda: orchestrator.servicer.calls.in_flight == 0, timeout_s=10.0)
+    eventually(lambda: orchestrator.frontend.calls.in_flight == 0, timeout_s=10.0)
     assert asyncio.run(_burst(address, MAX_CALLS)) == [(OK, expected)] * MAX_CALLS

@@ -1,0 +1,273 @@
+"""The OpenAI-compatible HTTP API of `specdec serve` (`--http-port`): Starlette on uvicorn, on a
+thread and event loop of its own inside the orchestrator's process.
+
+    POST /v1/completions, /v1/chat/completions   (stream: server-sent events, then [DONE])
+    GET  /v1/models, /health                     POST /tokenize, /detokenize (vLLM's shapes)
+
+Requests go through the same `Frontend` as the gRPC API: the same call limit, validation,
+scheduler and metrics. A job's responses reach the event loop through `AsyncOutbox`, so no
+thread waits per request. Errors have OpenAI's shape, `{"error": {"message", "type", "param",
+"code"}}`, with the status their gRPC code maps to (400 bad input, 404 unknown model, 429 full,
+503 not ready); one that happens mid-stream is sent as a last `data:` event before [DONE].
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from functools import wraps
+from typing import Any
+
+import uvicorn
+from pydantic import BaseModel
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from orchestrator.chat import ChatTemplate
+from orchestrator.frontend import Backend, Frontend
+from orchestrator.http_errors import error_body, error_response
+from orchestrator.openai_protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    Responder,
+    TokenizeRequest,
+    chat_messages,
+    check_model,
+    completion_prompt,
+    generate_request,
+)
+from orchestrator.requests import END, Job, RequestFailed, response_of
+from specdec.errors import UnavailableError
+from specdec.pb.specdec.v1 import generate_pb2
+
+Handler = Callable[[Request], Awaitable[Response]]
+
+
+class AsyncOutbox:
+    """A job's outbox read on an event loop; `put` is called from the scheduler's thread."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[object] = asyncio.Queue()
+
+    def put(self, item: object) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop closed: the server stopped
+            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+
+    async def responses(self) -> AsyncIterator[generate_pb2.GenerateResponse]:
+        while (item := await self._queue.get()) is not END:
+            yield response_of(item)
+
+
+def _sse(body: dict[str, Any] | str) -> str:
+    return f"data: {body if isinstance(body, str) else json.dumps(body)}\n\n"
+
+
+async def _body(request: Request, model: type[BaseModel]) -> Any:
+    try:
+        raw = await request.json()
+    except ValueError as e:
+        raise ValueError(f"The request body must be a JSON object ({e}).") from None
+    if not isinstance(raw, dict):
+        raise ValueError("The request body must be a JSON object.")
+    return model.model_validate(raw)
+
+
+def _openai_errors(handler: Handler) -> Handler:
+    """Any exception → OpenAI's error JSON with its HTTP status."""
+
+    @wraps(handler)
+    async def wrapped(request: Request) -> Response:
+        try:
+            return await handler(request)
+        except Exception as e:
+            return error_response(e)
+
+    return wrapped
+
+
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """Starlette's own refusals (no such path, wrong method) in OpenAI's shape."""
+    assert isinstance(exc, HTTPException)
+    message = f"{request.method} {request.url.path}: {exc.detail}."
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    body = {"message": message, "type": kind, "param": None, "code": None}
+    return JSONResponse({"error": body}, status_code=exc.status_code, headers=exc.headers)
+
+
+class HttpApi:
+    """The Starlette app over a `Frontend`; the chat template comes from the target's
+    tokenizer (None: chat completions are refused with 400)."""
+
+    def __init__(self, frontend: Frontend, chat_template: ChatTemplate | None) -> None:
+        self.frontend = frontend
+        self.chat_template = chat_template
+        routes = [
+            ("/v1/completions", self.completions, "POST"),
+            ("/v1/chat/completions", self.chat_completions, "POST"),
+            ("/v1/models", self.models, "GET"),
+            ("/tokenize", self.tokenize, "POST"),
+            ("/detokenize", self.detokenize, "POST"),
+            ("/health", self.health, "GET"),
+        ]
+        self.app = Starlette(
+            routes=[Route(path, _openai_errors(fn), methods=[m]) for path, fn, m in routes],
+            exception_handlers={HTTPException: _http_error},
+        )
+
+    def _chat_prompt(self, b: Backend, messages: list[Any], generation_prompt: bool) -> list[int]:
+        if self.chat_template is None:
+            raise ValueError(
+                "messages cannot be turned into a prompt: the model's tokenizer has no chat "
+                "template (tokenizer_config.json's chat_template or chat_template.jinja); use "
+                "/v1/completions with a prompt instead."
+            )
+        text = self.chat_template.render(messages, add_generation_prompt=generation_prompt)
+        ids = b.tokenizer.encode(text, add_special_tokens=False)  # the template has them
+        if not ids:
+            raise ValueError("messages render to an empty prompt through the chat template.")
+        return ids
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self._generate(request, chat=True)
+
+    async def _parse(
+        self, request: Request, chat: bool
+    ) -> tuple[CompletionRequest | ChatRequest, generate_pb2.GenerateRequest, Responder]:
+        """The body, its GenerateRequest and the responder of a (chat) completion request."""
+        body = await _body(request, ChatRequest if chat else CompletionRequest)
+        b = self.frontend.ready()
+        check_model(body.model, b.served.name)
+        if isinstance(body, ChatRequest):
+            messages = chat_messages(body.messages)
+            prompt: str | list[int] = self._chat_prompt(b, messages, body.add_generation_prompt)
+        else:
+            prompt = completion_prompt(body)
+        responder = Responder(chat, b.served.name)
+        pb = generate_request(body, prompt)
+        pb.request_id = responder.id  # one id in the response, the scheduler and the services
+        return body, pb, responder
+
+    async def _generate(self, request: Request, chat: bool) -> Response:
+        try:
+            body, pb, responder = await self._parse(request, chat)
+        except Exception as e:  # refused before it reached the scheduler: counted all the same
+            self.frontend.refused(e)
+            raise
+        if body.stream:
+            usage = body.stream_options is not None and body.stream_options.include_usage
+            events = self._events(pb, responder, usage)
+            await anext(events)  # accepted (refusals raise here, before the headers go)
+            return StreamingResponse(events, media_type="text/event-stream")
+        with self._running(pb) as (job, outbox):
+            async for _ in outbox.responses():
+                pass
+            return JSONResponse(responder.whole(job.record.complete_response()))
+
+    @contextlib.contextmanager
+    def _running(self, pb: generate_pb2.GenerateRequest) -> Iterator[tuple[Job, AsyncOutbox]]:
+        """The request's job while the call holds a slot; however the call ends, the job does."""
+        with self.frontend.slot():
+            outbox = AsyncOutbox()
+            job = self.frontend.submit(pb, None, outbox)
+            try:
+                yield job, outbox
+            finally:
+                self.frontend.end(job)
+
+    async def _events(
+        self, pb: generate_pb2.GenerateRequest, responder: Responder, usage: bool
+    ) -> AsyncIterator[str]:
+        """An empty string once the request is accepted, then its server-sent events."""
+        with self._running(pb) as (_, outbox):
+            yield ""  # closed here (the response never started): the job ends too
+            try:
+                first = True
+                async for response in outbox.responses():
+                    yield _sse(responder.chunk(response, first))
+                    first = False
+                if usage:
+                    yield _sse(responder.usage_chunk(response))
+            except RequestFailed as e:
+                yield _sse(error_body(e)[1])
+        yield _sse("[DONE]")
+
+    async def models(self, request: Request) -> Response:
+        b = self.frontend.ready()
+        info = b.model_info().models[0]
+        model = {"id": b.served.name, "object": "model", "created": int(time.time()),
+                 "owned_by": "specdec", "root": info.target_model,
+                 "max_model_len": b.served.max_seq_len}  # fmt: skip
+        return JSONResponse({"object": "list", "data": [model]})
+
+    async def tokenize(self, request: Request) -> Response:
+        body: TokenizeRequest = await _body(request, TokenizeRequest)
+        b = self.frontend.ready()
+        check_model(body.model, b.served.name)
+        if (body.prompt is None) == (body.messages is None):
+            raise ValueError("The request must give exactly one of prompt and messages.")
+        if body.messages is not None:
+            messages = chat_messages(body.messages)
+            ids = self._chat_prompt(b, messages, body.add_generation_prompt)
+        else:
+            assert body.prompt is not None
+            ids = b.tokenizer.encode(body.prompt, add_special_tokens=body.add_special_tokens)
+        return JSONResponse({"count": len(ids), "max_model_len": b.served.max_seq_len,
+                             "tokens": ids, "token_strs": None})  # fmt: skip
+
+    async def detokenize(self, request: Request) -> Response:
+        body: DetokenizeRequest = await _body(request, DetokenizeRequest)
+        b = self.frontend.ready()
+        check_model(body.model, b.served.name)
+        for i, token in enumerate(body.tokens):
+            if not 0 <= token < b.served.vocab_size:
+                raise ValueError(f"tokens[{i}] must be in [0, {b.served.vocab_size}), got {token}.")
+        return JSONResponse({"prompt": b.tokenizer.decode(body.tokens)})
+
+    async def health(self, request: Request) -> Response:
+        """200 while the gRPC health service says SERVING, else 503."""
+        self.frontend.ready()
+        if not self.frontend.serving:
+            raise UnavailableError("No pair of services can take requests now; retry later.")
+        return Response(status_code=200)
+
+
+class HttpServer:
+    """uvicorn serving an app on a bound socket, on a thread of its own."""
+
+    def __init__(self, app: Any, sock: socket.socket, grace_s: float) -> None:
+        self.port = int(sock.getsockname()[1])
+        config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
+                                timeout_graceful_shutdown=max(int(grace_s), 1))  # fmt: skip
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [sock]}, name="http-api", daemon=True
+        )
+
+    def start(self, timeout_s: float = 30.0) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("The HTTP API server did not start.")
+            time.sleep(0.01)
+
+    def begin_stop(self) -> None:
+        """Stops taking connections; running requests get the graceful-shutdown timeout."""
+        self._server.should_exit = True
+
+    def join(self, timeout_s: float) -> None:
+        self.begin_stop()
+        self._thread.join(timeout_s)
