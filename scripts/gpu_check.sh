@@ -32,8 +32,14 @@ name=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 | tr -c 'A-Za-z0-9
 [[ $gpus -gt 1 ]] && name="${name}_x${gpus}"
 mkdir -p "$out"
 log="$out/gpu_check_${name}.log"
-commit=$(git rev-parse HEAD 2>/dev/null || echo "unknown (not a git checkout)")
-dirty=$(git status --porcelain --untracked-files=no 2>/dev/null | wc -l)
+# SPECDEC_COMMIT names the commit where the tree came without its own .git (a copied tree)
+if [[ -n ${SPECDEC_COMMIT:-} ]]; then
+    commit="$SPECDEC_COMMIT (given by SPECDEC_COMMIT)"
+    dirty=0
+else
+    commit=$(git rev-parse HEAD 2>/dev/null || echo "unknown (not a git checkout)")
+    dirty=$(git status --porcelain --untracked-files=no 2>/dev/null | wc -l)
+fi
 {
     echo "commit $commit$([[ $dirty -gt 0 ]] && echo " with $dirty modified tracked files")"
     echo "date $(date -u +%FT%TZ); $gpus x $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader -i 0)"
