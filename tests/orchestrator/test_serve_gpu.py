@@ -124,14 +124,18 @@ def _metric(url: str, name: str, proposer: str | None) -> float:
     )
 
 
-def _gpu_used_mib() -> int:
-    """Memory in use on all GPUs (nvidia-smi: a container may not list other processes'
-    pids; with two GPUs Ray puts the draft and the target on different ones)."""
+def _gpu_used_mib_each() -> list[int]:
+    """Memory in use on each GPU (nvidia-smi: a container may not list other processes'
+    pids)."""
     out = subprocess.run(
         ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
-    return sum(int(line) for line in out.split())
+    return [int(line) for line in out.split()]
+
+
+def _gpu_used_mib() -> int:
+    return sum(_gpu_used_mib_each())
 
 
 @pytest.mark.parametrize(
@@ -142,10 +146,13 @@ def _gpu_used_mib() -> int:
 def test_specdec_serve_on_one_gpu(
     checkpoints: tuple[Path, Path], tmp_path: Path, device_flags: list[str]
 ) -> None:
-    before = _gpu_used_mib()
+    before, before_each = _gpu_used_mib(), _gpu_used_mib_each()
     with serve(checkpoints, tmp_path / "serve.log", *device_flags) as served:
         # two CUDA contexts (about 500 MiB each) and the services' KV caches
         assert _gpu_used_mib() - before >= 600, "both services run on the GPUs"
+        if len(before_each) >= 2:  # Ray places the draft and the target on different GPUs
+            grown = [a - b for a, b in zip(_gpu_used_mib_each(), before_each, strict=True)]
+            assert sum(g >= 300 for g in grown) >= 2, f"MiB grown per GPU: {grown}"
         with Client(served.address, timeout=120) as client:
             target_only = _greedy(client, "off")
             assert all(len(t) == NEW_TOKENS for t in target_only)
