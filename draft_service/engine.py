@@ -9,6 +9,7 @@ S + d_1 .. d_{k-1}; the next verdict rolls back whatever it rejected.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -44,6 +45,8 @@ from specdec.serving.checks import (
     unknown_request,
 )
 from specdec.serving.messages import AdmitRequest, ModelInfo, ProposeEntry, RequestError
+
+log = logging.getLogger(__name__)
 
 Head = Callable[..., tuple[torch.Tensor, ...]]
 
@@ -399,11 +402,17 @@ class DraftEngine:
             ready = [(rid, r) for rid, r in ready if self._room_ahead(r)]
             if not ready:
                 return 0
+            added: list[str] = []
             try:
-                return self._draft_chains(ready)
-            except CacheFullError:
+                return self._draft_chains(ready, added)
+            except Exception:  # draft-ahead only saves time: a failure never breaks the stream
+                log.exception("draft-ahead failed; these requests draft after their verdicts")
+                kept = {c.branch_id for _, r in ready for c in r.chains.values()}
                 for _, req in ready:
                     self._drop_ahead(req)
+                for bid in added:
+                    if bid not in kept:
+                        self._release_branch(bid)
                 return 0
 
     def _room_ahead(self, req: _Request) -> bool:
@@ -422,7 +431,9 @@ class DraftEngine:
             budget = min(budget, max(sizes))
         return max(budget, 0)
 
-    def _draft_chains(self, ready: list[tuple[str, _Request]]) -> int:
+    def _draft_chains(self, ready: list[tuple[str, _Request]], added: list[str]) -> int:
+        """Drafts the hypotheses; `added` collects the branch slots taken, for the caller's
+        clean-up if this raises."""
         runner = self.runner
         assert runner is not None
         self._bonus_guesses(ready)
@@ -440,6 +451,7 @@ class DraftEngine:
             rid, req = ready[i]
             bid = ahead.branch_id(rid, h)
             runner.add_request(bid)
+            added.append(bid)
             prefix = req.tokens + req.drafts[: h.accepted]
             ids.append(bid)
             branches.append(_Request([*prefix, h.token], req.sampling, req.next_step + 1, prefix))

@@ -146,3 +146,33 @@ def test_synthetic_hit_rate_through_the_services(
     for prompt, got in zip(_prompts(2), out, strict=True):
         assert got == greedy_reference(reference, prompt, 16)
     assert hits > 0 and misses == 0, (hits, misses)
+
+
+def test_a_failing_ahead_pass_changes_nothing(
+    checkpoints: tuple[Path, Path], reference: ModelRunner, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Draft-ahead only saves time: a pass that raises after taking its slots leaves the
+    stream up, the output unchanged and every slot free again."""
+    target_dir, draft_dir = checkpoints
+    with services(target_dir, with_ahead(model_draft(draft_dir), 2)) as svc:
+        engine, runner = svc.draft_engine, svc.draft_engine.runner
+        assert runner is not None
+        real = engine._draft_chains
+
+        def broken(ready: list, added: list[str]) -> int:
+            real(ready, added)
+            raise RuntimeError("an ahead pass that fails")
+
+        monkeypatch.setattr(engine, "_draft_chains", broken)
+        free = runner.free_slots
+        pipe = svc.pipeline()
+        prompt = _prompts(1)[0]
+        pipe.admit("a", prompt, SamplingParams(temperature=0.0))
+        pipe.generate({"a": 3}, 12)
+        got = pipe.requests["a"].generated[:12]
+        assert got == greedy_reference(reference, prompt, 12)
+        assert runner.free_slots == free - 1  # the request's own slot only
+        assert engine.ahead_hits == 0
+        pipe.release(["a"])
+        pipe.close()
+        assert runner.free_slots == free
