@@ -67,11 +67,6 @@ class StopCriteria:
                 raise ValueError(
                     f"stop[{i}] must be 1 to {MAX_STOP_STRING_LEN} characters long, got {len(s)}."
                 )
-        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-            raise ValueError(
-                f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids, "
-                f"got {len(self.stop_token_ids)}."
-            )
 
     @classmethod
     def from_pb(
@@ -95,6 +90,12 @@ class StopCriteria:
             raise ValueError(
                 f"max_tokens must be in [1, {room}] (max_seq_len {max_seq_len} minus the "
                 f"prompt's {prompt_len} tokens), got {max_tokens}."
+            )
+        # the client's ids only: the model's EOS ids join them below and do not count
+        if len(request.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids holds at most {MAX_STOP_TOKEN_IDS} ids, "
+                f"got {len(request.stop_token_ids)}."
             )
         for i, token in enumerate(request.stop_token_ids):
             if not 0 <= token < vocab_size:

@@ -1,6 +1,7 @@
 """A gRPC server with what both services need: the standard health service (NOT_SERVING until
 the model is loaded and warmed up), server reflection, max message sizes, optional TLS, the
-exception → status interceptor, and a graceful stop on SIGTERM (health flips first, then
+exception → status interceptor, request parsing inside the call (undecodable bytes are
+INVALID_ARGUMENT, `specdec.serving.decoding`), and a graceful stop on SIGTERM (health flips first, then
 `stop(grace)`).
 """
 
@@ -21,6 +22,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from specdec.serving.decoding import DecodingInterceptor
 from specdec.serving.status import StatusInterceptor
 
 log = logging.getLogger(__name__)
@@ -91,7 +93,7 @@ class Server:
         self.health = health.HealthServicer()
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers),
-            interceptors=[StatusInterceptor()],
+            interceptors=[StatusInterceptor(), DecodingInterceptor()],
             options=config.channel_options(),
         )
         register(self._server)

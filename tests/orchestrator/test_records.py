@@ -225,6 +225,15 @@ def test_stop_criteria_from_a_request() -> None:
         _criteria(_request(), prompt_len=64)
 
 
+def test_stop_token_ids_at_their_maximum_count_only_the_clients() -> None:
+    """64 client ids are allowed with the model's EOS id added (it once counted: "got 65")."""
+    ids = [i for i in range(100) if i != 2][:64]
+    c = _criteria(_request(stop_token_ids=ids))
+    assert c.stop_token_ids == frozenset([*ids, 2])
+    with pytest.raises(ValueError, match="stop_token_ids holds at most 64 ids, got 65"):
+        _criteria(_request(stop_token_ids=[*ids, 99]))
+
+
 def test_record_refuses_an_empty_prompt_or_unknown_proposer() -> None:
     with pytest.raises(ValueError, match="at least one token"):
         RequestRecord("r", (), StopCriteria())
