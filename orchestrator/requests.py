@@ -195,6 +195,9 @@ class Job:
         self.deadline = deadline
         self._metrics = metrics
         self._first_seen = False
+        # between an admission and its answer, verdicts for this id are a released request's
+        # (one that ended with the same id): the hub answers the admission before any of its own
+        self.awaiting_admission = False
         self._outbox: Outbox = queue.SimpleQueue() if outbox is None else outbox
 
     @property
@@ -210,6 +213,7 @@ class Job:
         tokens, next_step = self.record.readmission()
         r = self.record
         r.mark_sent()
+        self.awaiting_admission = True
         proposer: Proposer = r.proposer  # type: ignore[assignment]
         limit = r.criteria.max_tokens
         return PairAdmission(
@@ -224,6 +228,7 @@ class Job:
         self.record.proposer, self.record.num_draft_tokens = proposer, num_draft_tokens
 
     def on_admitted(self, admitted: Admitted) -> None:
+        self.awaiting_admission = False
         self.record.mark_admitted(admitted.prefill_s)
 
     def on_event(self, event: StepEvent) -> bool:

@@ -58,6 +58,9 @@ class Job(Protocol):
     @property
     def proposer(self) -> str: ...
 
+    # an admission was sent and not yet answered: verdicts for its id are stale
+    awaiting_admission: bool
+
     def admission(self) -> PairAdmission: ...  # from the record: a re-admission goes on
 
     def readmission(self) -> tuple[tuple[int, ...], int]: ...  # (prompt + committed, next step)
@@ -324,8 +327,8 @@ class Scheduler:
     def _apply(self, pair: _PairState, event: StepEvent) -> bool:
         """Applies one verdict; True when its request finished and is to be released."""
         job = pair.running.get(event.request_id)
-        if job is None:
-            return False  # released or cancelled; a late verdict is dropped
+        if job is None or job.awaiting_admission:
+            return False  # released or cancelled (maybe under a reused id): a late verdict
         if event.error is None:
             return job.on_event(event)
         # the hub released the request already; a failed step left it as it was, so it is

@@ -52,8 +52,11 @@ class FakeJob:
     shutdown: bool = False
     done: threading.Event = field(default_factory=threading.Event)
     num_draft_tokens: int = 2
+    tracks_admission: bool = False  # as the servicer's Job: awaiting_admission until answered
+    awaiting_admission: bool = False
 
     def admission(self) -> PairAdmission:
+        self.awaiting_admission = self.tracks_admission
         tokens, next_step = self.readmission()
         proposer, k = self.proposer, self.num_draft_tokens
         return PairAdmission(self.request_id, tokens, SamplingParams(0.0), proposer, k, next_step)  # type: ignore[arg-type]
@@ -65,7 +68,7 @@ class FakeJob:
         return (1, 2, *self.tokens), self.next_step
 
     def on_admitted(self, admitted: Admitted) -> None:
-        pass
+        self.awaiting_admission = False
 
     def on_event(self, event: StepEvent) -> bool:
         self.tokens.extend(event.token_ids)
@@ -134,6 +137,28 @@ def test_a_late_cancel_spares_a_newer_request_with_the_same_id(make: Any) -> Non
     eventually(old.done.is_set)
     sched.submit(new)
     sched.cancel(old, grpc.StatusCode.CANCELLED, "the old call ended")
+    sched.post_step(0, step(event("a", 0, 4, 5)))
+    eventually(new.done.is_set)
+    assert new.error is None and new.tokens == [4, 5]
+
+
+def test_a_released_requests_late_verdict_skips_a_newer_request_with_the_same_id(
+    make: Any,
+) -> None:
+    """The hub may have verdicts of a finished request in flight when a new request reuses
+    its id; before the new admission is answered they are the old one's (a fuzzed client once
+    got INTERNAL "expected the verdict of step 0, got step 25")."""
+    sched, (pair,) = make([2], 0)
+    old = FakeJob("a", max_tokens=1)
+    sched.submit(old)
+    eventually(lambda: pair.admitted == ["a"])
+    sched.post_step(0, step(event("a", 0, 3)))
+    eventually(old.done.is_set)
+    new = FakeJob("a", max_tokens=2, tracks_admission=True)
+    sched.submit(new)
+    eventually(lambda: pair.admitted == ["a", "a"])
+    sched.post_step(0, step(event("a", 1, 9)))  # the old request's next step
+    sched.post_admitted(0, "a", Admitted(2, 0.01))
     sched.post_step(0, step(event("a", 0, 4, 5)))
     eventually(new.done.is_set)
     assert new.error is None and new.tokens == [4, 5]

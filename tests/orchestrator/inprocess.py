@@ -1,0 +1,32 @@
+"""The client API (`orchestrator.server.Orchestrator`) in this process, in front of a pair
+started by `orchestrator.local` instead of Ray: the same server, scheduler and hub stream as
+`specdec serve`, seconds to start instead of a Ray cluster's minute."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from orchestrator.config import ServeConfig
+from orchestrator.local import LocalPair
+from orchestrator.placement import PairPlacement
+from orchestrator.server import Orchestrator
+
+
+@contextmanager
+def api_on(pair: LocalPair, config: ServeConfig) -> Iterator[Orchestrator]:
+    """An Orchestrator serving `pair` (its placement never starts: no Ray is involved)."""
+    orchestrator = Orchestrator(config)
+    orchestrator.server.start()
+    no_ray: Any = None  # no placement group or actor handles: the pair is local
+    placed = PairPlacement(
+        0, no_ray, no_ray, pair.target_address, pair.target_engine.info, no_ray,
+        pair.draft_address, pair.draft_engine.info,
+    )  # fmt: skip
+    try:
+        orchestrator._connect([placed])
+        orchestrator.server.set_serving(True)
+        yield orchestrator
+    finally:
+        orchestrator.stop(0.5)
