@@ -152,6 +152,9 @@ def _server_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--max-concurrent-calls", type=int, default=d("max_concurrent_calls"),
                    help="Generate/Complete calls held at once, queued ones included; more are "
                         "refused with RESOURCE_EXHAUSTED (at most --max-workers - 16)")  # fmt: skip
+    g.add_argument("--max-request-bytes", type=int, default=d("max_request_bytes"),
+                   help="largest request the client port takes (default: 128 bytes a token "
+                        "of max_seq_len plus 64 KiB); larger: RESOURCE_EXHAUSTED")  # fmt: skip
 
 
 def _tls_args(parser: argparse.ArgumentParser) -> None:
@@ -250,7 +253,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         else args.metrics_port,
         grace_s=args.grace_s, drain_s=args.drain_s, max_workers=args.max_workers,
         max_concurrent_calls=args.max_concurrent_calls, tls_cert=args.tls_cert,
-        tls_key=args.tls_key,
+        tls_key=args.tls_key, max_request_bytes=args.max_request_bytes,
     )  # fmt: skip
 
 

@@ -13,11 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from specdec.message_limits import request_bytes, served_seq_len
+
 Proposer = Literal["draft", "ngram", "off"]
 PROPOSERS: tuple[str, ...] = ("draft", "ngram", "off")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_NUM_DRAFT_TOKENS = 64  # the services' own ceiling
+MIN_REQUEST_BYTES, MAX_REQUEST_BYTES = 1024, 2**31 - 1  # gRPC's limits are int32
 SPARE_WORKERS = 16  # server threads kept from Generate/Complete for health checks and refusals
 
 
@@ -298,8 +301,18 @@ class ServeConfig:
     max_concurrent_calls: int = 256 - SPARE_WORKERS  # more get RESOURCE_EXHAUSTED at once
     tls_cert: Path | None = None  # PEM certificate chain and key: TLS on the client port
     tls_key: Path | None = None
+    # the client port's largest request; None derives it from max_seq_len
+    # (`specdec.message_limits.request_bytes`)
+    max_request_bytes: int | None = None
 
     def __post_init__(self) -> None:
+        if self.max_request_bytes is not None and not (
+            MIN_REQUEST_BYTES <= self.max_request_bytes <= MAX_REQUEST_BYTES
+        ):
+            raise ValueError(
+                f"max_request_bytes must be in [{MIN_REQUEST_BYTES}, {MAX_REQUEST_BYTES}] "
+                f"(the client port's largest request, in bytes), got {self.max_request_bytes}."
+            )
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}.")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -329,6 +342,13 @@ class ServeConfig:
                 f"num_draft_tokens must be in [0, max_num_draft_tokens="
                 f"{self.services.max_num_draft_tokens}], got {s.num_draft_tokens}."
             )
+
+    @property
+    def request_bytes(self) -> int:
+        """The client port's largest request: the flag's, else derived from max_seq_len."""
+        if self.max_request_bytes is not None:
+            return self.max_request_bytes
+        return request_bytes(served_seq_len(self.services.target, self.services.max_seq_len))
 
     @property
     def model_name(self) -> str:

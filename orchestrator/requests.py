@@ -19,6 +19,7 @@ from orchestrator.detokenizer import IncrementalDetokenizer, TextTokenizer
 from orchestrator.pair import Admitted, PairAdmission, Proposer, StepEvent
 from orchestrator.records import FinishReason, RequestRecord, StepGapError, StopCriteria
 from specdec.limits import MAX_SEED
+from specdec.message_limits import MAX_CHARS_PER_TOKEN, max_prompt_chars
 from specdec.pb.specdec.v1 import generate_pb2
 from specdec.sampling_params import SamplingParams
 from specdec.serving.messages import ModelInfo
@@ -46,14 +47,24 @@ class Served:
     eos_token_ids: tuple[int, ...]
 
 
-def _prompt(request: generate_pb2.GenerateRequest, tokenizer: TextTokenizer) -> list[int]:
+def _prompt(
+    request: generate_pb2.GenerateRequest, served: Served, tokenizer: TextTokenizer
+) -> list[int]:
     form = request.WhichOneof("prompt")
     if form is None:
         raise ValueError("prompt must be set: give either text or token_ids.")
     if form == "text":
-        if not request.text:
+        text = request.text
+        if not text:
             raise ValueError("prompt text must be non-empty.")
-        ids = tokenizer.encode(request.text)
+        limit = max_prompt_chars(served.max_seq_len)
+        if len(text) > limit:  # before tokenising: a huge text costs nothing but this check
+            raise ValueError(
+                f"prompt text must be at most {limit} characters (max_seq_len "
+                f"{served.max_seq_len} × {MAX_CHARS_PER_TOKEN}, a bound on the characters of "
+                f"any token), got {len(text)}."
+            )
+        ids = tokenizer.encode(text)
         if not ids:
             raise ValueError("prompt text tokenizes to no tokens.")
         return ids
@@ -114,7 +125,7 @@ def parse_request(
     if request.model and request.model != served.name:
         raise ValueError(f"model must be empty or {served.name!r}, got {request.model!r}.")
     request_id = _request_id(request)
-    prompt = _prompt(request, tokenizer)
+    prompt = _prompt(request, served, tokenizer)
     for i, token in enumerate(prompt):
         if not 0 <= token < served.vocab_size:
             raise ValueError(

@@ -33,7 +33,12 @@ from specdec.pb import common_pb2, draft_pb2_grpc
 from specdec.pb.specdec.v1 import generate_pb2
 from specdec.serving.client import make_channel
 from specdec.serving.messages import ModelInfo
-from specdec.serving.server import Server, ServerConfig, stop_on_signal
+from specdec.serving.server import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    Server,
+    ServerConfig,
+    stop_on_signal,
+)
 
 log = logging.getLogger(__name__)
 # grpc core holds calls that arrive faster than the Python server's poll thread takes them (one
@@ -45,13 +50,15 @@ MAX_PENDING_CALLS = 1 << 16
 
 
 class ApiServerConfig(ServerConfig):
-    """The client API's server: grpc core's backlog of not yet taken calls raised."""
+    """The client API's server: grpc core's backlog of not yet taken calls raised, and
+    max_message_bytes bounding what it receives only (a Complete response may be larger)."""
 
     __slots__ = ()
 
     def channel_options(self) -> list[tuple[str, int]]:
         return [
-            *ServerConfig.channel_options(self),
+            ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", self.max_message_bytes),
             ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
             ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
             # grpc sets SO_REUSEPORT by default: a second server on the same port would bind
@@ -125,6 +132,7 @@ class Orchestrator:
                 max_workers=config.max_workers,
                 tls_cert=config.tls_cert,
                 tls_key=config.tls_key,
+                max_message_bytes=config.request_bytes,
             ),
             [SERVICE_NAME],
             lambda s: add_to_server(self.servicer, s),

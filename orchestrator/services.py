@@ -60,6 +60,19 @@ def synthetic_acceptance(config: ServiceConfig) -> Any:
     return synthetic
 
 
+def message_bytes(config: ServiceConfig) -> int:
+    """The largest message a service of this pair takes (`specdec.message_limits`): dense q
+    over the wider of the two vocabularies, or every request's tokens."""
+    from specdec.message_limits import checkpoint_vocab_size, served_seq_len, service_message_bytes
+
+    models = [config.target] if config.draft is None else [config.target, config.draft]
+    vocab = max(checkpoint_vocab_size(m) for m in models)
+    max_seq_len = served_seq_len(config.target, config.max_seq_len)
+    return service_message_bytes(
+        config.max_requests, config.max_num_draft_tokens, vocab, max_seq_len
+    )
+
+
 def start_service(role: str, config: ServiceConfig) -> tuple[Any, ModelInfo]:
     """Starts the target (role "target") or the draft (role "draft"); returns the running
     server and the service's ModelInfo. The target starts without a draft: the orchestrator
@@ -67,7 +80,10 @@ def start_service(role: str, config: ServiceConfig) -> tuple[Any, ModelInfo]:
     from specdec.serving.server import ServerConfig
 
     device = actor_device(config)
-    server = ServerConfig(host="0.0.0.0", port=0, tls_cert=config.tls_cert, tls_key=config.tls_key)
+    server = ServerConfig(
+        host="0.0.0.0", port=0, tls_cert=config.tls_cert, tls_key=config.tls_key,
+        max_message_bytes=message_bytes(config),
+    )  # fmt: skip
     if role == "draft":
         from draft_service.config import DraftConfig
         from draft_service.server import start as start_draft

@@ -17,6 +17,7 @@ from typing import Any
 
 from specdec.defaults import default_of
 from specdec.errors import SpecdecError
+from specdec.message_limits import DEFAULT_SEQ_LEN_CAP
 from specdec.runner import RunnerConfig
 from specdec.serving.server import Server, ServerConfig
 
@@ -24,7 +25,7 @@ log = logging.getLogger(__name__)
 # A checkpoint's own limit is the default max_seq_len, up to this: the KV cache reserves
 # max_slots × max_seq_len positions up front, and Llama 3's 131,072 would need 16 GiB per slot
 # for the 8B in bfloat16.
-MAX_DEFAULT_SEQ_LEN = 8192
+MAX_DEFAULT_SEQ_LEN = DEFAULT_SEQ_LEN_CAP
 
 
 def serve(prog: str, start: Callable[[], tuple[Server, Any]]) -> int:

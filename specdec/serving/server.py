@@ -1,8 +1,8 @@
 """A gRPC server with what both services need: the standard health service (NOT_SERVING until
 the model is loaded and warmed up), server reflection, max message sizes, optional TLS, the
 exception → status interceptor, request parsing inside the call (undecodable bytes are
-INVALID_ARGUMENT, `specdec.serving.decoding`), and a graceful stop on SIGTERM (health flips first, then
-`stop(grace)`).
+INVALID_ARGUMENT, `specdec.serving.decoding`), and a graceful stop on SIGTERM (health flips
+first, then `stop(grace)`).
 """
 
 from __future__ import annotations

@@ -47,12 +47,13 @@ def _message_class(full_name: str) -> type[Message]:
 
 
 def methods() -> list[Method]:
-    return [
-        Method(role, f"/{service.full_name}/{m.name}", _message_class(m.input_type.full_name),
-               m.client_streaming, m.server_streaming)  # fmt: skip
-        for role, service in SERVICES.items()
-        for m in service.methods
-    ]
+    out = []
+    for role, service in SERVICES.items():
+        for m in service.methods:
+            request = _message_class(m.input_type.full_name)
+            path = f"/{service.full_name}/{m.name}"
+            out.append(Method(role, path, request, m.client_streaming, m.server_streaming))
+    return out
 
 
 def _speculation() -> gen.Speculation:

@@ -125,7 +125,9 @@ def test_there_are_over_100_hand_written_cases_across_every_method() -> None:
     assert {m.role for m in METHODS} == {"api", "draft", "target"} and len(METHODS) == 13
 
 
-@pytest.mark.parametrize(("method", "name", "data"), CASES, ids=[f"{m.name}-{n}" for m, n, _ in CASES])
+@pytest.mark.parametrize(
+    ("method", "name", "data"), CASES, ids=[f"{m.name}-{n}" for m, n, _ in CASES]
+)
 def test_undecodable_bytes_are_invalid_argument_naming_the_method(
     rig: Rig, method: hb.Method, name: str, data: bytes
 ) -> None:
