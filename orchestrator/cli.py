@@ -35,6 +35,7 @@ from orchestrator.config import (
 from orchestrator.demo import add_demo_args, run_demo
 from orchestrator.generate_cli import add_generate_args, run_generate
 from specdec.defaults import default_of
+from specdec.serving.auth import read_api_key_file
 
 PROG = "specdec"
 
@@ -176,6 +177,18 @@ def _tls_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--service-tls-server-name", metavar="NAME", default=ds("tls_server_name"),
                    help="name those channels check in the services' certificate (default: "
                         "the node's IP address, which the services listen on)")  # fmt: skip
+    pem("--service-tls-client-cert", default=ds("tls_client_cert"),
+        help="certificate (chain) that the orchestrator and the targets present to the "
+             "services, signed by --service-tls-root-cert: mutual TLS (with the key)")  # fmt: skip
+    pem("--service-tls-client-key", default=ds("tls_client_key"))
+    a = parser.add_argument_group(
+        "API key", "Clients send the metadata 'authorization: Bearer KEY'; the health service "
+        "and /metrics stay open."
+    )  # fmt: skip
+    a.add_argument("--api-key", metavar="KEY", default=None,
+                   help="the key (visible in the process list: prefer --api-key-file)")  # fmt: skip
+    a.add_argument("--api-key-file", metavar="FILE", type=Path, default=None,
+                   help="a file holding the key, e.g. a mounted Kubernetes Secret")  # fmt: skip
 
 
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
@@ -214,6 +227,14 @@ def _json(flag: str, value: Any) -> Any:
         raise ValueError(f"{flag} must be JSON; {value!r} is not ({e.msg}, at {e.pos}).") from None
 
 
+def _api_key(args: argparse.Namespace) -> str | None:
+    if args.api_key is not None and args.api_key_file is not None:
+        raise ValueError("--api-key and --api-key-file are alternatives: give one of them.")
+    if args.api_key_file is not None:
+        return read_api_key_file(args.api_key_file)
+    return args.api_key  # type: ignore[no-any-return]
+
+
 def serve_config(args: argparse.Namespace) -> ServeConfig:
     """The config the parsed flags describe; ValueError names the bad field."""
     if not args.target:
@@ -237,6 +258,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             tls_cert=args.service_tls_cert, tls_key=args.service_tls_key,
             tls_root_cert=args.service_tls_root_cert,
             tls_server_name=args.service_tls_server_name,
+            tls_client_cert=args.service_tls_client_cert,
+            tls_client_key=args.service_tls_client_key,
         ),
         placement=PlacementConfig(
             pairs=args.pairs, address=args.address, num_cpus=args.num_cpus,
@@ -254,6 +277,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         grace_s=args.grace_s, drain_s=args.drain_s, max_workers=args.max_workers,
         max_concurrent_calls=args.max_concurrent_calls, tls_cert=args.tls_cert,
         tls_key=args.tls_key, max_request_bytes=args.max_request_bytes,
+        api_key=_api_key(args),
     )  # fmt: skip
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from specdec.message_limits import request_bytes, served_seq_len
+from specdec.serving.auth import check_api_key
 
 Proposer = Literal["draft", "ngram", "off"]
 PROPOSERS: tuple[str, ...] = ("draft", "ngram", "off")
@@ -104,6 +105,10 @@ class ServiceConfig:
     tls_key: Path | None = None
     tls_root_cert: Path | None = None
     tls_server_name: str | None = None
+    # mutual TLS: with a CA the services accept only peers presenting a certificate it signed,
+    # and the orchestrator's and the targets' channels present this one
+    tls_client_cert: Path | None = None
+    tls_client_key: Path | None = None
 
     def __post_init__(self) -> None:
         _check_model_dir("target", self.target)
@@ -162,6 +167,13 @@ class ServiceConfig:
                     "without them the services listen in plaintext."
                 )
             _check_pem("--service-tls-root-cert", self.tls_root_cert)
+        _check_tls_pair("--service-tls-client", self.tls_client_cert, self.tls_client_key)
+        if (self.tls_root_cert is None) != (self.tls_client_cert is None):
+            raise ValueError(
+                "--service-tls-root-cert and --service-tls-client-cert/--service-tls-client-key "
+                "go together: the services accept only peers with a client certificate that CA "
+                "signed (mutual TLS), which the orchestrator and the targets present."
+            )
         if self.tls_server_name is not None and (
             self.tls_root_cert is None or not self.tls_server_name
         ):
@@ -304,8 +316,12 @@ class ServeConfig:
     # the client port's largest request; None derives it from max_seq_len
     # (`specdec.message_limits.request_bytes`)
     max_request_bytes: int | None = None
+    # clients send `authorization: Bearer KEY` (specdec.serving.auth); None: no key
+    api_key: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
+        if self.api_key is not None:
+            check_api_key(self.api_key, "--api-key")
         if self.max_request_bytes is not None and not (
             MIN_REQUEST_BYTES <= self.max_request_bytes <= MAX_REQUEST_BYTES
         ):

@@ -47,6 +47,10 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout", type=float, help="deadline of the request in seconds")
     parser.add_argument("--tls-root-cert", type=Path, help="PEM root certificate: use TLS")
     parser.add_argument(
+        "--api-key", help="the server's API key (default: $SPECDEC_API_KEY; prefer the variable: "
+        "a flag is visible in the process list)"
+    )  # fmt: skip
+    parser.add_argument(
         "--json", action="store_true", help="print the whole result as one JSON object"
     )
 
@@ -140,7 +144,7 @@ def run_generate(
     try:
         prompt = _prompt(args)
         cert = args.tls_root_cert.read_bytes() if args.tls_root_cert is not None else None
-        with Client(args.address, root_certificates=cert) as client:
+        with Client(args.address, root_certificates=cert, api_key=args.api_key) as client:
             if args.json:
                 result = client.complete(prompt, timeout=args.timeout, **_params(args))
                 out.write(json.dumps(_as_json(result), ensure_ascii=False) + "\n")

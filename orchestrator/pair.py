@@ -152,7 +152,8 @@ class PairClient:
     Raises ConnectionError if the target cannot be reached within `timeout_s` or refuses the
     stream (it serves one orchestrator at a time). `on_close` gets the stream's error, or None
     after `close`. TLS when `tls_root_cert` (PEM) is given, checking `tls_server_name` in the
-    target's certificate if set, else the address's host.
+    target's certificate if set, else the address's host, and presenting `tls_identity` (cert
+    chain, key) where the target requires a client certificate.
     """
 
     def __init__(
@@ -167,6 +168,7 @@ class PairClient:
         timeout_s: float = 60.0,
         tls_root_cert: bytes | None = None,
         tls_server_name: str | None = None,
+        tls_identity: tuple[bytes, bytes] | None = None,
     ):
         self._on_step, self._on_admitted = on_step, on_admitted
         self._on_draft_down, self._on_draft_up, self._on_close = (
@@ -184,8 +186,9 @@ class PairClient:
         self._failure: BaseException | None = None
         self._closing = False
         self._channel = make_channel(
-            target_address, tls_root_cert=tls_root_cert, tls_server_name=tls_server_name
-        )
+            target_address, tls_root_cert=tls_root_cert, tls_server_name=tls_server_name,
+            tls_identity=tls_identity,
+        )  # fmt: skip
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
         except grpc.FutureTimeoutError as e:

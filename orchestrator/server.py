@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -31,6 +32,7 @@ from orchestrator.scheduler import Scheduler
 from orchestrator.servicer import SERVICE_NAME, GenerateServicer, add_to_server
 from specdec.pb import common_pb2, draft_pb2_grpc
 from specdec.pb.specdec.v1 import generate_pb2
+from specdec.serving.auth import ApiKeyInterceptor
 from specdec.serving.client import make_channel
 from specdec.serving.messages import ModelInfo
 from specdec.serving.server import (
@@ -86,19 +88,26 @@ def served_limits(config: ServeConfig, target: ModelInfo, draft: ModelInfo | Non
     )
 
 
+@dataclass(frozen=True, slots=True)
+class ServiceTls:
+    """How the orchestrator's channels reach the services: all None is plaintext."""
+
+    root_cert: bytes | None = None  # the CA (PEM) they trust
+    server_name: str | None = None  # the name checked in the services' certificate
+    identity: tuple[bytes, bytes] | None = None  # (cert chain, key) presented: mutual TLS
+
+
 def pair_capacity(pair: PairPlacement) -> int:
     if pair.draft_info is None:
         return pair.target_info.max_requests
     return min(pair.target_info.max_requests, pair.draft_info.max_requests)
 
 
-def release_on(
-    address: str, request_ids: list[str], tls_root_cert: bytes | None, tls_server_name: str | None
-) -> None:
+def release_on(address: str, request_ids: list[str], tls: ServiceTls) -> None:
     """Releases requests on a draft service directly (best effort: it may be down too)."""
     try:
-        with make_channel(address, tls_root_cert=tls_root_cert,
-                          tls_server_name=tls_server_name) as channel:  # fmt: skip
+        with make_channel(address, tls_root_cert=tls.root_cert, tls_server_name=tls.server_name,
+                          tls_identity=tls.identity) as channel:  # fmt: skip
             stub = draft_pb2_grpc.DraftServiceStub(channel)
             stub.Release(common_pb2.ReleaseRequest(request_ids=request_ids), timeout=10.0)
     except grpc.RpcError as e:
@@ -136,6 +145,7 @@ class Orchestrator:
             ),
             [SERVICE_NAME],
             lambda s: add_to_server(self.servicer, s),
+            [] if config.api_key is None else [ApiKeyInterceptor(config.api_key)],
         )
         self.placement = Placement(config.placement, config.services)
         self.clients: list[PairClient] = []
@@ -215,7 +225,7 @@ class Orchestrator:
     def _client(self, sched: Scheduler, p: PairPlacement) -> PairClient:
         """A hub stream to pair p's target, linked to its draft (waits for draft_up)."""
         i, linked = p.index, threading.Event()
-        root_cert, server_name = self._service_tls()
+        tls = self._service_tls()
         client = PairClient(
             p.target_address,
             on_step=partial(sched.post_step, i),
@@ -223,8 +233,9 @@ class Orchestrator:
             on_draft_down=partial(_draft_down, sched, i, linked),
             on_draft_up=linked.set,
             on_close=partial(sched.post_closed, i),
-            tls_root_cert=root_cert,
-            tls_server_name=server_name,
+            tls_root_cert=tls.root_cert,
+            tls_server_name=tls.server_name,
+            tls_identity=tls.identity,
         )
         if p.draft_address is not None:
             client.set_draft(p.draft_address, {})
@@ -235,13 +246,16 @@ class Orchestrator:
                 )
         return client
 
-    def _service_tls(self) -> tuple[bytes | None, str | None]:
-        """The CA (PEM) and server name of channels to the services; None, None: plaintext.
-        Read at each connect, so that services restarted after a rotation are trusted."""
-        services = self.config.services
-        if services.tls_root_cert is None:
-            return None, None
-        return services.tls_root_cert.read_bytes(), services.tls_server_name
+    def _service_tls(self) -> ServiceTls:
+        """The TLS of channels to the services, read at each connect, so that services
+        restarted after a rotation are trusted."""
+        s = self.config.services
+        if s.tls_root_cert is None:
+            return ServiceTls()
+        identity = None
+        if s.tls_client_cert is not None and s.tls_client_key is not None:
+            identity = (s.tls_client_cert.read_bytes(), s.tls_client_key.read_bytes())
+        return ServiceTls(s.tls_root_cert.read_bytes(), s.tls_server_name, identity)
 
     def _set_serving(self, serving: bool) -> None:
         if not self._stopped.is_set():  # shutdown owns health from then on
@@ -258,7 +272,7 @@ class Orchestrator:
         pair = self.placement.pairs[index]
         self.placement.wait_target(pair)
         if pair.draft_address is not None and request_ids:
-            release_on(pair.draft_address, request_ids, *self._service_tls())
+            release_on(pair.draft_address, request_ids, self._service_tls())
         assert self.scheduler is not None
         client = self._client(self.scheduler, pair)
         self.clients[index], old = client, self.clients[index]

@@ -82,7 +82,7 @@ def start_service(role: str, config: ServiceConfig) -> tuple[Any, ModelInfo]:
     device = actor_device(config)
     server = ServerConfig(
         host="0.0.0.0", port=0, tls_cert=config.tls_cert, tls_key=config.tls_key,
-        max_message_bytes=message_bytes(config),
+        tls_client_ca=config.tls_root_cert, max_message_bytes=message_bytes(config),
     )  # fmt: skip
     if role == "draft":
         from draft_service.config import DraftConfig
@@ -115,6 +115,8 @@ def start_service(role: str, config: ServiceConfig) -> tuple[Any, ModelInfo]:
             synthetic=synthetic_acceptance(config),
             draft_tls_root_cert=config.tls_root_cert,
             draft_tls_server_name=config.tls_server_name,
+            draft_tls_client_cert=config.tls_client_cert,
+            draft_tls_client_key=config.tls_client_key,
         )
     )
     log.info("%s service on %s", role, device)

@@ -14,6 +14,7 @@ it needs only grpcio and protobuf.
 
 from __future__ import annotations
 
+import os
 from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +24,7 @@ import grpc.aio
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.pb.specdec.v1 import generate_pb2, generate_pb2_grpc
+from specdec.serving.auth import API_KEY_ENV
 
 DEFAULT_ADDRESS = "localhost:50050"
 PROPOSERS = {
@@ -263,21 +265,29 @@ def _options(max_message_bytes: int, server_name: str | None) -> list[tuple[str,
 
 
 class _Base:
-    def __init__(self, address: str, timeout: float | None) -> None:
+    def __init__(self, address: str, timeout: float | None, api_key: str | None) -> None:
         if timeout is not None and timeout <= 0:
             raise ValueError(
                 f"timeout must be > 0 seconds (or None for no deadline), got {timeout}."
             )
         self.address = address
         self.timeout = timeout
+        key = api_key if api_key is not None else os.environ.get(API_KEY_ENV) or None
+        # every call but health's carries the key (the server's health service needs none)
+        self._metadata = None if key is None else (("authorization", f"Bearer {key}"),)
 
     def _deadline(self, timeout: float | None) -> float | None:
         return self.timeout if timeout is None else timeout
 
+    def _call(self, timeout: float | None) -> dict[str, Any]:
+        """A call's deadline and metadata (the API key)."""
+        return {"timeout": self._deadline(timeout), "metadata": self._metadata}
+
 
 class Client(_Base):
     """Blocking client. `timeout` (seconds) is every call's default deadline; None: no deadline.
-    TLS when `root_certificates` (PEM) is given; `server_name` overrides the name checked."""
+    TLS when `root_certificates` (PEM) is given; `server_name` overrides the name checked.
+    `api_key` (default: $SPECDEC_API_KEY) is sent as `authorization: Bearer KEY`."""
 
     def __init__(
         self,
@@ -287,8 +297,9 @@ class Client(_Base):
         root_certificates: bytes | None = None,
         server_name: str | None = None,
         max_message_bytes: int = 64 * 1024 * 1024,
+        api_key: str | None = None,
     ) -> None:
-        super().__init__(address, timeout)
+        super().__init__(address, timeout, api_key)
         options = _options(max_message_bytes, server_name)
         if root_certificates is None:
             self._channel = grpc.insecure_channel(address, options=options)
@@ -303,7 +314,7 @@ class Client(_Base):
     ) -> Iterator[GenerateOutput]:
         """Streams the output as the server commits it; `params` are `build_request`'s.
         Stopping early (break, close) cancels the request on the server."""
-        call = self._stub.Generate(build_request(prompt, **params), timeout=self._deadline(timeout))
+        call = self._stub.Generate(build_request(prompt, **params), **self._call(timeout))
         return _stream(call)
 
     def complete(
@@ -312,9 +323,7 @@ class Client(_Base):
         """The whole output in one response; `params` are `build_request`'s."""
         request = build_request(prompt, **params)
         try:
-            return GenerateOutput.from_pb(
-                self._stub.Complete(request, timeout=self._deadline(timeout))
-            )
+            return GenerateOutput.from_pb(self._stub.Complete(request, **self._call(timeout)))
         except grpc.RpcError as e:
             raise SpecdecClientError.from_rpc(e) from None
 
@@ -330,7 +339,7 @@ class Client(_Base):
         the (proposer, k) now in force. NOT_FOUND once the request has finished."""
         request = build_set_speculation(request_id, proposer, num_draft_tokens)
         try:
-            pb = self._stub.SetSpeculation(request, timeout=self._deadline(timeout))
+            pb = self._stub.SetSpeculation(request, **self._call(timeout))
         except grpc.RpcError as e:
             raise SpecdecClientError.from_rpc(e) from None
         return _speculation_in_force(pb)
@@ -338,7 +347,7 @@ class Client(_Base):
     def model_info(self, *, timeout: float | None = None) -> list[ServedModel]:
         request = generate_pb2.GetServedModelInfoRequest()
         try:
-            info = self._stub.GetModelInfo(request, timeout=self._deadline(timeout))
+            info = self._stub.GetModelInfo(request, **self._call(timeout))
         except grpc.RpcError as e:
             raise SpecdecClientError.from_rpc(e) from None
         return [ServedModel.from_pb(m) for m in info.models]
@@ -386,8 +395,9 @@ class AsyncClient(_Base):
         root_certificates: bytes | None = None,
         server_name: str | None = None,
         max_message_bytes: int = 64 * 1024 * 1024,
+        api_key: str | None = None,
     ) -> None:
-        super().__init__(address, timeout)
+        super().__init__(address, timeout, api_key)
         options = _options(max_message_bytes, server_name)
         if root_certificates is None:
             self._channel = grpc.aio.insecure_channel(address, options=options)
@@ -401,7 +411,7 @@ class AsyncClient(_Base):
         self, prompt: str | Sequence[int], *, timeout: float | None = None, **params: Any
     ) -> AsyncIterator[GenerateOutput]:
         """Streams the output as the server commits it; leaving the loop cancels the request."""
-        call = self._stub.Generate(build_request(prompt, **params), timeout=self._deadline(timeout))
+        call = self._stub.Generate(build_request(prompt, **params), **self._call(timeout))
         try:
             async for pb in call:
                 yield GenerateOutput.from_pb(pb)
@@ -415,7 +425,7 @@ class AsyncClient(_Base):
     ) -> GenerateOutput:
         request = build_request(prompt, **params)
         try:
-            pb = await self._stub.Complete(request, timeout=self._deadline(timeout))
+            pb = await self._stub.Complete(request, **self._call(timeout))
         except grpc.RpcError as e:
             raise SpecdecClientError.from_rpc(e) from None
         return GenerateOutput.from_pb(pb)
@@ -431,7 +441,7 @@ class AsyncClient(_Base):
         """As `Client.set_speculation`."""
         request = build_set_speculation(request_id, proposer, num_draft_tokens)
         try:
-            pb = await self._stub.SetSpeculation(request, timeout=self._deadline(timeout))
+            pb = await self._stub.SetSpeculation(request, **self._call(timeout))
         except grpc.RpcError as e:
             raise SpecdecClientError.from_rpc(e) from None
         return _speculation_in_force(pb)
@@ -439,7 +449,7 @@ class AsyncClient(_Base):
     async def model_info(self, *, timeout: float | None = None) -> list[ServedModel]:
         request = generate_pb2.GetServedModelInfoRequest()
         try:
-            info = await self._stub.GetModelInfo(request, timeout=self._deadline(timeout))
+            info = await self._stub.GetModelInfo(request, **self._call(timeout))
         except grpc.RpcError as e:
             raise SpecdecClientError.from_rpc(e) from None
         return [ServedModel.from_pb(m) for m in info.models]

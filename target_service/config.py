@@ -32,6 +32,9 @@ class TargetConfig:
     # listens on a node IP, the name it checks in the draft's certificate. Plaintext if None.
     draft_tls_root_cert: Path | None = None
     draft_tls_server_name: str | None = None
+    # mutual TLS: the certificate (chain) and key the hub presents to its draft
+    draft_tls_client_cert: Path | None = None
+    draft_tls_client_key: Path | None = None
     sampler_impl: Literal["auto", "triton", "torch"] = "auto"
     max_support_size: int = 1024
     synthetic: SyntheticAcceptance | None = None
@@ -59,3 +62,9 @@ class TargetConfig:
             raise ValueError(f"draft_wait_s must be >= 0, got {self.draft_wait_s}.")
         if self.draft_tls_server_name is not None and self.draft_tls_root_cert is None:
             raise ValueError("draft_tls_server_name needs draft_tls_root_cert (TLS to the draft).")
+        if (self.draft_tls_client_cert is None) != (self.draft_tls_client_key is None):
+            raise ValueError(
+                "draft_tls_client_cert and draft_tls_client_key go together (or neither)."
+            )
+        if self.draft_tls_client_cert is not None and self.draft_tls_root_cert is None:
+            raise ValueError("draft_tls_client_cert needs draft_tls_root_cert (TLS to the draft).")

@@ -11,7 +11,7 @@ from specdec.errors import CheckpointError
 from specdec.pb import common_pb2, draft_pb2_grpc, target_pb2, target_pb2_grpc
 from specdec.runner import ModelRunner
 from specdec.serving.blocks import DraftBlock, DraftProposal, block_to_pb
-from specdec.serving.client import make_channel
+from specdec.serving.client import make_channel, set_client_identity
 from specdec.serving.messages import AdmitRequest, ModelInfo, check_compatible
 from specdec.serving.server import Server
 from target_service.config import TargetConfig
@@ -61,6 +61,9 @@ def build_server(engine: TargetEngine, config: TargetConfig) -> Server:
 
 def start(config: TargetConfig, runner: ModelRunner | None = None) -> tuple[Server, TargetEngine]:
     """Loads (unless given a runner), binds, warms up, checks the draft, then SERVING."""
+    cert, key = config.draft_tls_client_cert, config.draft_tls_client_key
+    if cert is not None and key is not None:  # every channel to the draft presents it
+        set_client_identity(cert.read_bytes(), key.read_bytes())
     runner = runner or ModelRunner.load(config.runner)
     runner.own_device()
     engine = TargetEngine(runner, config)

@@ -10,14 +10,26 @@ import grpc
 
 from specdec.serving.server import DEFAULT_MAX_MESSAGE_BYTES
 
+# This process's client certificate chain and key (PEM) for mutual TLS with the services: a
+# target sets it at start-up, and every TLS channel it opens to its draft presents it.
+_identity: tuple[bytes, bytes] | None = None
+
+
+def set_client_identity(cert_chain: bytes | None, private_key: bytes | None) -> None:
+    """Sets (or with None, clears) the certificate this process's TLS channels present."""
+    global _identity
+    _identity = None if cert_chain is None or private_key is None else (cert_chain, private_key)
+
 
 def make_channel(
     address: str,
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
     tls_root_cert: bytes | None = None,
     tls_server_name: str | None = None,
+    tls_identity: tuple[bytes, bytes] | None = None,
 ) -> grpc.Channel:
-    """A channel with matching message limits; TLS when a root certificate is given."""
+    """A channel with matching message limits; TLS when a root certificate is given,
+    presenting `tls_identity` (cert chain, key), else this process's (`set_client_identity`)."""
     options: list[tuple[str, Any]] = [
         ("grpc.max_send_message_length", max_message_bytes),
         ("grpc.max_receive_message_length", max_message_bytes),
@@ -26,7 +38,10 @@ def make_channel(
         return grpc.insecure_channel(address, options=options)
     if tls_server_name is not None:
         options.append(("grpc.ssl_target_name_override", tls_server_name))
-    creds = grpc.ssl_channel_credentials(root_certificates=tls_root_cert)
+    chain, key = tls_identity or _identity or (None, None)
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=tls_root_cert, private_key=key, certificate_chain=chain
+    )
     return grpc.secure_channel(address, creds, options=options)
 
 

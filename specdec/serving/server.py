@@ -40,6 +40,9 @@ class ServerConfig:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     tls_cert: Path | None = None  # PEM certificate chain; with tls_key enables TLS
     tls_key: Path | None = None
+    # a CA (PEM): clients must present a certificate it signed (mutual TLS), else the
+    # handshake fails
+    tls_client_ca: Path | None = None
     grace_s: float = 10.0  # in-flight calls get this long to finish on stop
     drain_s: float = 0.0  # NOT_SERVING is visible this long before the port closes
     max_workers: int = 16
@@ -51,6 +54,8 @@ class ServerConfig:
             raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}.")
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together (or neither).")
+        if self.tls_client_ca is not None and self.tls_cert is None:
+            raise ValueError("tls_client_ca (mutual TLS) needs tls_cert and tls_key.")
         if self.grace_s < 0 or self.drain_s < 0:
             raise ValueError("grace_s and drain_s must be >= 0.")
         if self.max_workers < 1:
@@ -87,13 +92,20 @@ def apply_switch_interval() -> None:
 class Server:
     """Owns a grpc.Server plus its health servicer; `service_names` are full proto names."""
 
-    def __init__(self, config: ServerConfig, service_names: Sequence[str], register: Register):
+    def __init__(
+        self,
+        config: ServerConfig,
+        service_names: Sequence[str],
+        register: Register,
+        interceptors: Sequence[grpc.ServerInterceptor] = (),
+    ):
+        """`interceptors` run first, before the status and decoding ones (e.g. an API key)."""
         self.config = config
         self.service_names = tuple(service_names)
         self.health = health.HealthServicer()
         self._server = grpc.server(
             futures.ThreadPoolExecutor(max_workers=config.max_workers),
-            interceptors=[StatusInterceptor(), DecodingInterceptor()],
+            interceptors=[*interceptors, StatusInterceptor(), DecodingInterceptor()],
             options=config.channel_options(),
         )
         register(self._server)
@@ -111,7 +123,13 @@ class Server:
         address = f"{self.config.host}:{self.config.port}"
         if self.config.tls_cert is not None and self.config.tls_key is not None:
             pair = (self.config.tls_key.read_bytes(), self.config.tls_cert.read_bytes())
-            self.port = self._server.add_secure_port(address, grpc.ssl_server_credentials([pair]))
+            ca = self.config.tls_client_ca
+            creds = grpc.ssl_server_credentials(
+                [pair],
+                root_certificates=None if ca is None else ca.read_bytes(),
+                require_client_auth=ca is not None,
+            )
+            self.port = self._server.add_secure_port(address, creds)
         else:
             self.port = self._server.add_insecure_port(address)
         if self.port == 0:

@@ -1,15 +1,18 @@
-"""`specdec serve` with TLS on every hop: the client port (--tls-*), the draft and target
-services' ports and the channels to them (--service-tls-*). A real local Ray cluster on CPU and
-tiny checkpoints; one stack, started from the flags and a --config file, serves the module.
+"""`specdec serve` with credentials on every hop: TLS and an API key on the client port
+(--tls-*, --api-key-file), mutual TLS on the draft and target services' ports and the channels
+to them (--service-tls-*). A real local Ray cluster on CPU and tiny checkpoints; one stack,
+started from the flags and a --config file, serves the module.
 
 The services' certificate names only SERVICE_NAME (no IP address), so the orchestrator -> target
-and target -> draft channels reach them only by checking the overridden server name.
+and target -> draft channels reach them only by checking the overridden server name; they
+present the `peer` certificate, which the same CA signed, and a peer without one is refused.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import grpc
@@ -28,6 +31,7 @@ from tests.orchestrator.test_serve import oracle
 SERVICE_NAME = "specdec-services"  # as a Kubernetes Service's name would be
 PROMPT = (5, 6, 7, 8)
 N = 8
+API_KEY = "test-key-0123456789abcdef"
 
 
 @dataclass(frozen=True)
@@ -37,6 +41,8 @@ class Pki:
     ca: Path
     api: tuple[Path, Path]  # the client port: 127.0.0.1 and localhost
     service: tuple[Path, Path]  # the services: SERVICE_NAME only
+    peer: tuple[Path, Path]  # the client certificate of the orchestrator and the targets
+    stranger: tuple[Path, Path]  # a client certificate another CA signed
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +53,10 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     ca = load(issue(folder, "ca", []))
     api = issue(folder, "api", localhost_names(), ca)
     service = issue(folder, "service", [x509.DNSName(SERVICE_NAME)], ca)
-    return Pki(folder / "ca.crt", api, service)
+    peer = issue(folder, "peer", [x509.DNSName("specdec-peer")], ca)
+    other_ca = load(issue(folder, "other-ca", []))
+    stranger = issue(folder, "stranger", [x509.DNSName("specdec-peer")], other_ca)
+    return Pki(folder / "ca.crt", api, service, peer, stranger)
 
 
 @dataclass
@@ -65,12 +74,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[Stack]
     toml.write_text(
         f'service-tls-cert = "{pki.service[0]}"\nservice-tls-key = "{pki.service[1]}"\n'
         f'service-tls-root-cert = "{pki.ca}"\nservice-tls-server-name = "{SERVICE_NAME}"\n'
+        f'service-tls-client-cert = "{pki.peer[0]}"\nservice-tls-client-key = "{pki.peer[1]}"\n'
     )
+    key_file = folder / "api-key"
+    key_file.write_text(API_KEY + "\n")
     args = parse_args([
         "serve", "--config", str(toml), "--target", str(target), "--draft", str(draft),
         "--device", "cpu", "--sampler-impl", "torch", "--max-seq-len", "128", "--host",
         "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--grace-s", "2", "--num-cpus", "4",
         "--tls-cert", str(pki.api[0]), "--tls-key", str(pki.api[1]),
+        "--api-key-file", str(key_file),
     ])  # fmt: skip
     config = serve_config(args)
     assert config.services.tls_server_name == SERVICE_NAME
@@ -85,7 +98,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterator[Stack]
 
 def test_greedy_output_over_tls_is_the_targets(stack: Stack, pki: Pki) -> None:
     """Drafts travel target -> draft over TLS: the pair came up with its draft and used it."""
-    with Client(stack.address, timeout=120, root_certificates=pki.ca.read_bytes()) as client:
+    ca = pki.ca.read_bytes()
+    with Client(stack.address, timeout=120, root_certificates=ca, api_key=API_KEY) as client:
         assert client.health()
         out = client.complete(
             list(PROMPT), max_tokens=N, temperature=0.0, ignore_eos=True, proposer="draft",
@@ -104,6 +118,24 @@ def test_a_plaintext_client_is_refused(stack: Stack) -> None:
     assert info.value.code == grpc.StatusCode.UNAVAILABLE
 
 
+@pytest.mark.parametrize("key", [None, "", "wrong-key-0123456789abcdef", API_KEY[:-1]])
+def test_the_client_port_refuses_a_missing_or_wrong_api_key_but_health_is_open(
+    stack: Stack, pki: Pki, key: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+    ca = pki.ca.read_bytes()
+    with Client(stack.address, timeout=30, root_certificates=ca, api_key=key) as client:
+        assert client.health()  # probes need no key
+        for call in (lambda: client.complete(list(PROMPT), max_tokens=2), client.model_info):
+            with pytest.raises(SpecdecClientError) as info:
+                call()
+            assert info.value.code == grpc.StatusCode.UNAUTHENTICATED
+            assert "authorization: Bearer KEY" in info.value.details
+    monkeypatch.setenv("SPECDEC_API_KEY", API_KEY)  # the variable is the default key
+    with Client(stack.address, timeout=30, root_certificates=ca) as client:
+        assert client.model_info()[0].vocab_size > 0
+
+
 def _health(channel: grpc.Channel) -> int:
     stub = health_pb2_grpc.HealthStub(channel)
     return int(stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status)
@@ -120,9 +152,18 @@ def test_service_ports_refuse_plaintext_and_answer_health_over_tls(
         _health(plain)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
     ca = pki.ca.read_bytes()
-    with make_channel(address, tls_root_cert=ca, tls_server_name=SERVICE_NAME) as channel:
+    peer = (pki.peer[0].read_bytes(), pki.peer[1].read_bytes())
+    stranger = (pki.stranger[0].read_bytes(), pki.stranger[1].read_bytes())
+    named = partial(make_channel, address, tls_root_cert=ca, tls_server_name=SERVICE_NAME)
+    with named(tls_identity=peer) as channel:
         assert _health(channel) == health_pb2.HealthCheckResponse.SERVING
+    # mutual TLS: no client certificate, or one another CA signed, fails the handshake
+    for identity in (None, stranger):
+        with named(tls_identity=identity) as channel, pytest.raises(grpc.RpcError) as info:
+            _health(channel)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
     # the certificate names no IP address: without the override the name check fails
-    with make_channel(address, tls_root_cert=ca) as unnamed, pytest.raises(grpc.RpcError) as info:
+    with make_channel(address, tls_root_cert=ca, tls_identity=peer) as unnamed, \
+            pytest.raises(grpc.RpcError) as info:  # fmt: skip
         _health(unnamed)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]

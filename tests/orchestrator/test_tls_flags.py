@@ -1,4 +1,5 @@
-"""`specdec serve` refuses bad TLS flags at start-up, with one line on stderr naming the flag.
+"""`specdec serve` refuses bad TLS and API-key flags at start-up, with one line on stderr
+naming the flag.
 
 Apart from test_tls.py on purpose: that module's serve stack keeps a Ray cluster up, whose
 log monitor forwards the actors' output to this process's stderr at any moment, and these
@@ -42,6 +43,14 @@ def test_bad_tls_flags_fail_at_start_up(
         "--service-tls-root-cert needs --service-tls-cert": ["--service-tls-root-cert", ca_path],
         "--service-tls-server-name must be .* given with --service-tls-root-cert": [
             "--service-tls-server-name", SERVICE_NAME],
+        "--service-tls-root-cert and --service-tls-client-cert/--service-tls-client-key go "
+        "together": ["--service-tls-cert", str(cert), "--service-tls-key", str(key),
+                     "--service-tls-root-cert", ca_path],
+        "--api-key must be 16 to 4096 printable ASCII": ["--api-key", "short"],
+        "--api-key-file '/nonexistent/key' cannot be read": [
+            "--api-key-file", "/nonexistent/key"],
+        "--api-key and --api-key-file are alternatives": [
+            "--api-key", "k3y-0123456789-abcdef", "--api-key-file", str(cert)],
     }  # fmt: skip
     for message, flags in cases.items():
         assert main(["serve", "--target", str(target), "--metrics-port", "-1", *flags]) == 2
