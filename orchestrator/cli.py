@@ -114,6 +114,10 @@ def _placement_args(parser: argparse.ArgumentParser) -> None:
                    help="seconds the services may take to load and warm up")  # fmt: skip
     g.add_argument("--restart-timeout-s", type=float, default=d("restart_timeout_s"),
                    help="seconds a crashed service may take to come back")  # fmt: skip
+    g.add_argument("--ray-start-timeout", dest="ray_start_timeout_s", type=float, metavar="S",
+                   default=d("ray_start_timeout_s"),
+                   help="local cluster only: its start-up is tried again (each failed attempt "
+                        "stopped) until this deadline")  # fmt: skip
     g.add_argument("--draft-resources", metavar="JSON", default=d("draft_resources"),
                    help='custom Ray resources every draft bundle asks for, e.g. '
                         '{"draft_gpu": 1}: drafts go to the nodes that offer them')  # fmt: skip
@@ -264,7 +268,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         placement=PlacementConfig(
             pairs=args.pairs, address=args.address, num_cpus=args.num_cpus,
             num_gpus=args.num_gpus, start_timeout_s=args.start_timeout_s,
-            restart_timeout_s=args.restart_timeout_s,
+            restart_timeout_s=args.restart_timeout_s, ray_start_timeout_s=args.ray_start_timeout_s,
             draft_resources=_json("--draft-resources", args.draft_resources),
             target_resources=_json("--target-resources", args.target_resources),
         ),

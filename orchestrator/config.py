@@ -259,6 +259,9 @@ class PlacementConfig:
     num_gpus: int | None = None
     start_timeout_s: float = 900.0
     restart_timeout_s: float = 600.0
+    # a local cluster's start-up, retried (each failed attempt stopped) until this deadline:
+    # Ray's raylet gets a fixed 30 s per attempt, which a loaded 2-core machine can miss
+    ray_start_timeout_s: float = 120.0
     draft_resources: dict[str, float] = field(default_factory=dict)
     target_resources: dict[str, float] = field(default_factory=dict)
 
@@ -273,6 +276,11 @@ class PlacementConfig:
             raise ValueError(f"num_gpus must be >= 0, got {self.num_gpus}.")
         if self.start_timeout_s <= 0 or self.restart_timeout_s <= 0:
             raise ValueError("start_timeout_s and restart_timeout_s must be > 0 seconds.")
+        if not 0 < self.ray_start_timeout_s <= 3600:
+            raise ValueError(
+                f"ray_start_timeout_s must be in (0, 3600] seconds (the local Ray cluster's "
+                f"start-up deadline), got {self.ray_start_timeout_s}."
+            )
 
 
 @dataclass(frozen=True, slots=True)

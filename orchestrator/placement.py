@@ -39,11 +39,11 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config import PlacementConfig, ServiceConfig
+from orchestrator.ray_start import start_local_cluster
 from specdec.serving.messages import ModelInfo, check_compatible
 
 log = logging.getLogger(__name__)
 RETRY_S = 0.5
-STARTUP_TIMEOUT = "timed out during startup"  # ray.init's words when its raylet is late
 
 
 class ServiceActor:
@@ -92,14 +92,10 @@ def connect(config: PlacementConfig, services_per_pair: int) -> bool:
         return False
     # logical CPUs: one per service even on a small machine (the services mostly wait)
     num_cpus = config.num_cpus or max(os.cpu_count() or 1, services_per_pair * config.pairs)
-    try:
-        ray.init(num_cpus=num_cpus, num_gpus=config.num_gpus, include_dashboard=False)
-    except Exception as e:  # Ray gives its raylet a fixed 30 s, which a busy small machine misses
-        if STARTUP_TIMEOUT not in str(e):
-            raise
-        log.warning("the local Ray cluster did not start in time (%s); starting it once more", e)
-        ray.shutdown()
-        ray.init(num_cpus=num_cpus, num_gpus=config.num_gpus, include_dashboard=False)
+    start_local_cluster(
+        ray.init, ray.shutdown, config.ray_start_timeout_s,
+        num_cpus=num_cpus, num_gpus=config.num_gpus, include_dashboard=False,
+    )  # fmt: skip
     return True
 
 
