@@ -254,7 +254,8 @@ def test_serve_flags_exist_and_fit_the_cluster(overlay: str, tmp_path: Path) -> 
         for g in groups
     )  # fmt: skip
     assert gpus >= 2 * args.pairs, f"{overlay}: one GPU per service needs {2 * args.pairs}"
-    if overlay.endswith("multi-node"):
+    if overlay.endswith("multi-node"):  # mutual TLS between the parts, an API key for clients
+        assert args.service_tls_client_cert is not None and args.api_key_file is not None
         by_name = {g["groupName"]: g for g in groups}
         for role in ("draft", "target"):
             assert by_name[role]["resources"] == {f"{role}_gpu": "1"}
@@ -314,7 +315,7 @@ def test_checkpoints_and_certificates_are_mounted_where_flags_point(
                    in claims), "checkpoints are mounted read-only"  # fmt: skip
     for flag in flags:
         name, _, path = flag.partition("=")
-        if "tls" not in name or not path.startswith("/"):
+        if not ("tls" in name or name == "--api-key-file") or not path.startswith("/"):
             continue
         needed_on = orchestrator + (workers if name.startswith("--service-") else [])
         for spec, container in needed_on:
