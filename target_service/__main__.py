@@ -54,6 +54,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=d("draft_tls_server_name"),
         help="the name the draft's certificate must carry (default: the address's host)",
     )
+    for part in ("cert", "key"):
+        parser.add_argument(
+            f"--draft-tls-client-{part}",
+            type=Path,
+            default=d(f"draft_tls_client_{part}"),
+            help=f"PEM client {part} presented to a draft that requires one (mutual TLS)",
+        )
     parser.add_argument(
         "--sampler-impl", choices=["auto", "triton", "torch"], default=d("sampler_impl")
     )
@@ -114,6 +121,8 @@ def target_config(args: argparse.Namespace) -> TargetConfig:
         draft_wait_s=args.draft_wait_s,
         draft_tls_root_cert=args.draft_tls_root_cert,
         draft_tls_server_name=args.draft_tls_server_name,
+        draft_tls_client_cert=args.draft_tls_client_cert,
+        draft_tls_client_key=args.draft_tls_client_key,
         sampler_impl=args.sampler_impl,
         synthetic=synthetic(args),
     )

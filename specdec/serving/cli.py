@@ -50,6 +50,9 @@ def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
     g.add_argument("--max-message-bytes", type=int, default=d("max_message_bytes"))
     g.add_argument("--tls-cert", type=Path, help="PEM certificate chain (enables TLS)")
     g.add_argument("--tls-key", type=Path, help="PEM private key")
+    g.add_argument(
+        "--tls-client-ca", type=Path, help="PEM CA that must sign clients' certificates (mTLS)"
+    )
     g.add_argument("--grace-s", type=float, default=d("grace_s"), help="in-flight calls on SIGTERM")
     g.add_argument("--drain-s", type=float, default=d("drain_s"), help="NOT_SERVING before closing")
 
@@ -79,6 +82,7 @@ def server_config(args: argparse.Namespace) -> ServerConfig:
         max_message_bytes=args.max_message_bytes,
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
+        tls_client_ca=args.tls_client_ca,
         grace_s=args.grace_s,
         drain_s=args.drain_s,
     )

@@ -21,7 +21,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 from specdec.errors import CacheFullError, StaleProposalError
 from specdec.serving.client import LockstepStream, make_channel
 from specdec.serving.server import Server, ServerConfig
-from tests.certs import self_signed_localhost
+from tests.certs import issue, load, localhost_names, self_signed_localhost
 
 SERVICE = "test.Echo"
 SERVING = health_pb2.HealthCheckResponse.SERVING
@@ -135,6 +135,46 @@ def test_tls(tmp_path: Path) -> None:
             assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         srv.stop(0)
+
+
+def test_mutual_tls_refuses_a_client_without_a_certificate_from_its_ca(tmp_path: Path) -> None:
+    """tls_client_ca (`--tls-client-ca` of the services' mains, set by `specdec serve`):
+    the handshake fails without a client certificate, or with one another CA signed; the
+    process identity (`set_client_identity`, a target's) is presented when none is given."""
+    from specdec.serving.client import set_client_identity
+
+    ca = load(issue(tmp_path, "ca", []))
+    cert, key = issue(tmp_path, "server", localhost_names(), ca)
+    peer = tuple(p.read_bytes() for p in issue(tmp_path, "peer", localhost_names(), ca))
+    other_ca = load(issue(tmp_path, "other-ca", []))
+    stranger = tuple(p.read_bytes() for p in issue(tmp_path, "stranger", [], other_ca))
+    config = ServerConfig(tls_cert=cert, tls_key=key, tls_client_ca=tmp_path / "ca.crt")
+    srv = Server(config, [SERVICE], _register)
+    port = srv.start()
+    root = (tmp_path / "ca.crt").read_bytes()
+
+    def call(identity: tuple[bytes, ...] | None) -> grpc.StatusCode:
+        with make_channel(f"localhost:{port}", tls_root_cert=root,
+                          tls_identity=identity) as channel:  # type: ignore[arg-type]  # fmt: skip
+            try:
+                channel.unary_unary(f"/{SERVICE}/Call")(b"hello", timeout=5)
+            except grpc.RpcError as e:
+                return e.code()  # type: ignore[no-any-return]
+        return grpc.StatusCode.OK
+
+    try:
+        assert call(peer) == grpc.StatusCode.OK
+        assert call(None) == grpc.StatusCode.UNAVAILABLE
+        assert call(stranger) == grpc.StatusCode.UNAVAILABLE
+        set_client_identity(*peer)
+        try:
+            assert call(None) == grpc.StatusCode.OK
+        finally:
+            set_client_identity(None, None)
+    finally:
+        srv.stop(0)
+    with pytest.raises(ValueError, match="tls_client_ca"):
+        ServerConfig(tls_client_ca=tmp_path / "ca.crt")
 
 
 def test_config_validation() -> None:
