@@ -49,11 +49,14 @@ log = logging.getLogger(__name__)
 # The poll thread takes ~7,500 calls/s and each one it takes runs or is refused with
 # RESOURCE_EXHAUSTED (max_concurrent_calls), so this backlog only buffers a burst.
 MAX_PENDING_CALLS = 1 << 16
+MIN_WINDOW_BYTES = 64 * 1024  # HTTP/2's default stream window
 
 
 class ApiServerConfig(ServerConfig):
     """The client API's server: grpc core's backlog of not yet taken calls raised, and
-    max_message_bytes bounding what it receives only (a Complete response may be larger)."""
+    max_message_bytes bounding what it receives only (a Complete response may be larger).
+    A stream's receive window is one largest request and stays so (no BDP probing): a client
+    sending 20 MB got 4 MiB into the server before its refusal, now max_message_bytes."""
 
     __slots__ = ()
 
@@ -61,6 +64,8 @@ class ApiServerConfig(ServerConfig):
         return [
             ("grpc.max_send_message_length", DEFAULT_MAX_MESSAGE_BYTES),
             ("grpc.max_receive_message_length", self.max_message_bytes),
+            ("grpc.http2.lookahead_bytes", max(self.max_message_bytes, MIN_WINDOW_BYTES)),
+            ("grpc.http2.bdp_probe", 0),
             ("grpc.server.max_pending_requests", MAX_PENDING_CALLS),
             ("grpc.server.max_pending_requests_hard_limit", MAX_PENDING_CALLS),
             # grpc sets SO_REUSEPORT by default: a second server on the same port would bind

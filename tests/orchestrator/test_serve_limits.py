@@ -181,12 +181,14 @@ def test_oversized_prompts_are_refused_fast_and_cost_the_others_nothing(serve: S
     growth = peak_rss_mib(serve.process.pid) - peak_before
     print(f"p99 s/token without {baselines}, with the oversized requests {loaded}; refusals "
           f"{refusals}; peak RSS growth {growth:.1f} MiB")  # fmt: skip
-    for code, details, seconds in refusals[0::2]:  # 20 MB: gRPC refuses it unparsed
-        assert code == "RESOURCE_EXHAUSTED" and str(request_bytes(MAX_SEQ_LEN)) in details
-        assert seconds <= 0.1
     for code, details, seconds in refusals[1::2]:  # read, refused before tokenising
         assert code == "INVALID_ARGUMENT"
         assert "prompt text must be at most 8192 characters" in details
         assert seconds <= 0.1
     assert sum(loaded) <= 1.5 * sum(baselines)
     assert growth <= 100
+    for code, details, _ in refusals[0::2]:  # 20 MB: gRPC refuses it unparsed
+        assert code == "RESOURCE_EXHAUSTED" and str(request_bytes(MAX_SEQ_LEN)) in details
+    # grpc core decides within 2 ms of the message's arrival (GRPC_TRACE=http) but writes the
+    # status some 100-200 ms later on this machine: the goal is not met yet
+    assert max(seconds for _, _, seconds in refusals[0::2]) <= 0.1
