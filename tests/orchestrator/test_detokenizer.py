@@ -213,3 +213,33 @@ def test_tokenizer_and_eos_from_a_checkpoint_directory(tmp_path) -> None:
     assert eos_token_ids(tmp_path) == (5, 7)
     with pytest.raises(ValueError, match="does not exist"):
         TextTokenizer.from_dir(tmp_path / "missing")
+
+
+def test_encoding_a_long_prompt_lets_other_threads_run() -> None:
+    """`tokenizers`' encode holds the GIL for its whole run; TextTokenizer.encode must not
+    (a 610,000-character prompt once stopped every other thread for 1.0 s)."""
+    import threading
+    import time
+
+    tok = text_tokenizer()
+    text = " ".join(SENTENCES) * 2000  # ~700,000 characters
+    gaps: list[float] = []
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.is_set():
+            start = time.perf_counter()
+            time.sleep(0.001)
+            gaps.append(time.perf_counter() - start)
+
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    time.sleep(0.05)
+    start = time.perf_counter()
+    ids = tok.encode(text)
+    seconds = time.perf_counter() - start
+    stop.set()
+    ticker.join()
+    assert ids == train_bpe().encode(text).ids
+    assert seconds > 0.2, "too short a prompt to tell"
+    assert max(gaps) < seconds / 3, (max(gaps), seconds)
