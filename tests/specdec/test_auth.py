@@ -77,3 +77,24 @@ def test_every_method_but_health_needs_the_key(
             with pytest.raises(SpecdecClientError) as info:
                 call()
             assert info.value.code == code, info.value
+
+
+def test_the_async_client_sends_its_key(address: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import asyncio
+
+    from specdec.client import AsyncClient
+
+    monkeypatch.delenv("SPECDEC_API_KEY", raising=False)
+
+    async def codes() -> list[grpc.StatusCode]:
+        out = []
+        for key in (KEY, None):
+            async with AsyncClient(address, timeout=10, api_key=key) as client:
+                assert await client.health()
+                try:
+                    await client.model_info()
+                except SpecdecClientError as e:
+                    out.append(e.code)
+        return out
+
+    assert asyncio.run(codes()) == [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.UNAUTHENTICATED]
