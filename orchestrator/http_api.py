@@ -46,8 +46,9 @@ from orchestrator.openai_protocol import (
     generate_request,
 )
 from orchestrator.requests import END, Job, RequestFailed, response_of
-from specdec.errors import UnavailableError
+from specdec.errors import UnauthenticatedError, UnavailableError
 from specdec.pb.specdec.v1 import generate_pb2
+from specdec.serving.auth import UNAUTHENTICATED_MESSAGE, authorized
 
 Handler = Callable[[Request], Awaitable[Response]]
 
@@ -108,9 +109,12 @@ class HttpApi:
     """The Starlette app over a `Frontend`; the chat template comes from the target's
     tokenizer (None: chat completions are refused with 400)."""
 
-    def __init__(self, frontend: Frontend, chat_template: ChatTemplate | None) -> None:
+    def __init__(
+        self, frontend: Frontend, chat_template: ChatTemplate | None, api_key: str | None = None
+    ) -> None:
         self.frontend = frontend
         self.chat_template = chat_template
+        self.api_key = api_key  # every route but /health needs `Authorization: Bearer KEY`
         routes = [
             ("/v1/completions", self.completions, "POST"),
             ("/v1/chat/completions", self.chat_completions, "POST"),
@@ -119,10 +123,23 @@ class HttpApi:
             ("/detokenize", self.detokenize, "POST"),
             ("/health", self.health, "GET"),
         ]
+        keyed = [(path, fn if path == "/health" else self._keyed(fn), m) for path, fn, m in routes]
         self.app = Starlette(
-            routes=[Route(path, _openai_errors(fn), methods=[m]) for path, fn, m in routes],
+            routes=[Route(path, _openai_errors(fn), methods=[m]) for path, fn, m in keyed],
             exception_handlers={HTTPException: _http_error},
         )
+
+    def _keyed(self, handler: Handler) -> Handler:
+        """`handler` behind the API key (the gRPC API's check, `specdec.serving.auth`)."""
+
+        @wraps(handler)
+        async def wrapped(request: Request) -> Response:
+            key = self.api_key
+            if key is not None and not authorized(request.headers.get("authorization"), key):
+                raise UnauthenticatedError(UNAUTHENTICATED_MESSAGE)
+            return await handler(request)
+
+        return wrapped
 
     def _chat_prompt(self, b: Backend, messages: list[Any], generation_prompt: bool) -> list[int]:
         if self.chat_template is None:

@@ -199,7 +199,8 @@ class Orchestrator:
             from orchestrator.http_api import HttpApi, HttpServer
 
             sock = bind(host, self.config.http_port, "--http-port")
-            api = HttpApi(self.frontend, ChatTemplate.from_dir(self.config.services.target))
+            template = ChatTemplate.from_dir(self.config.services.target)
+            api = HttpApi(self.frontend, template, self.config.api_key)
             self._http = HttpServer(api.app, sock, self.config.grace_s)
             self.http_port = self._http.port
             self._http.start()

@@ -41,3 +41,9 @@ class UnavailableError(SpecdecError):
     """The server cannot take the call now (stopping, or a part did not answer); retry."""
 
     grpc_code = "UNAVAILABLE"
+
+
+class UnauthenticatedError(SpecdecError):
+    """A call without the server's API key, or with another one."""
+
+    grpc_code = "UNAUTHENTICATED"

@@ -3,8 +3,8 @@ the same header), compared in constant time; UNAUTHENTICATED without it or with 
 The standard health service stays open, so that load balancers and Kubernetes probes need no
 key (Prometheus' /metrics is plain HTTP and is not behind it either).
 
-`authorized` is the one check: `ApiKeyInterceptor` applies it to gRPC calls, and an HTTP front
-end passes it its Authorization header.
+`authorized` is the one check: `ApiKeyInterceptor` applies it to gRPC calls, and the HTTP API
+(`orchestrator.http_api`, all routes but /health) to its Authorization header.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ MIN_KEY_CHARS, MAX_KEY_CHARS = 16, 4096
 OPEN_PREFIXES = ("/grpc.health.v1.Health/",)
 _KEY_CHARS = frozenset(string.ascii_letters + string.digits + string.punctuation)
 UNAUTHENTICATED_MESSAGE = (
-    "This server needs an API key: send the metadata 'authorization: Bearer KEY' "
-    "(specdec generate --api-key, Client(api_key=...), or SPECDEC_API_KEY)."
+    "This server needs an API key: send the metadata (or HTTP header) 'authorization: Bearer "
+    "KEY' (specdec generate --api-key, Client(api_key=...), or SPECDEC_API_KEY)."
 )
 
 

@@ -118,9 +118,11 @@ class Reply:
         return json.loads(self.text)
 
 
-def call(url: str, data: bytes | None = None) -> Reply:
+def call(url: str, data: bytes | None = None, headers: dict[str, str] | None = None) -> Reply:
     """GET (or POST `data` as JSON) with the standard library: the raw status and body."""
-    request = urllib.request.Request(url, data, {"Content-Type": "application/json"})
+    request = urllib.request.Request(
+        url, data, {"Content-Type": "application/json", **(headers or {})}
+    )
     try:
         with urllib.request.urlopen(request, timeout=120) as response:
             return Reply(response.status, response.read().decode())
@@ -414,3 +416,19 @@ def test_a_port_in_use_is_refused_naming_it(stack: HttpStack, flag: str) -> None
     time.sleep(0.5)
     assert threading.active_count() <= threads, "nothing left running"
     assert stack.client.completions.create(model="target", prompt="w5", max_tokens=2).choices
+
+
+def test_with_an_api_key_every_route_but_health_needs_it() -> None:
+    key = "k3y-0123456789-abcdef"
+    with served(HttpApi(Frontend(4), chat_template=None, api_key=key)) as url:
+        body = json.dumps({"prompt": "w5"}).encode()
+        health = call(url + "/health")
+        refused = [call(url + "/v1/completions", body, headers=h) for h in
+                   ({}, {"Authorization": "Bearer wrong-key-0123456789"})]  # fmt: skip
+        models = call(url + "/v1/models")
+        taken = call(url + "/v1/completions", body, headers={"Authorization": f"Bearer {key}"})
+    assert health.status_code == 503  # open: not ready yet, but not 401
+    for response in (*refused, models):
+        assert response.status_code == 401
+        assert response.json()["error"]["type"] == "authentication_error"
+    assert taken.status_code == 503  # past the key: the services are still starting
