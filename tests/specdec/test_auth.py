@@ -10,6 +10,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from orchestrator.frontend import Frontend
 from orchestrator.servicer import SERVICE_NAME, GenerateServicer, add_to_server
 from specdec.client import Client, SpecdecClientError
 from specdec.serving.auth import ApiKeyInterceptor, authorized, check_api_key, read_api_key_file
@@ -40,7 +41,7 @@ def test_keys_that_cannot_be_secrets_or_metadata_are_refused(tmp_path: Path) -> 
 
 @pytest.fixture(scope="module")
 def address() -> Iterator[str]:
-    servicer = GenerateServicer(8)  # no backend: an authorised call answers UNAVAILABLE
+    servicer = GenerateServicer(Frontend(8))  # no backend: an authorised call is UNAVAILABLE
     server = Server(
         ServerConfig(), [SERVICE_NAME], lambda s: add_to_server(servicer, s),
         [ApiKeyInterceptor(KEY)],
