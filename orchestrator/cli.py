@@ -184,7 +184,8 @@ def _tls_args(parser: argparse.ArgumentParser) -> None:
     pem("--service-tls-client-cert", default=ds("tls_client_cert"),
         help="certificate (chain) that the orchestrator and the targets present to the "
              "services, signed by --service-tls-root-cert: mutual TLS (with the key)")  # fmt: skip
-    pem("--service-tls-client-key", default=ds("tls_client_key"))
+    pem("--service-tls-client-key", default=ds("tls_client_key"),
+        help="private key of --service-tls-client-cert")  # fmt: skip
     a = parser.add_argument_group(
         "API key", "Clients send the metadata 'authorization: Bearer KEY'; the health service "
         "and /metrics stay open."
