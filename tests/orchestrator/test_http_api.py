@@ -23,18 +23,22 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-import openai
 import pytest
 
-from orchestrator.config import PlacementConfig, SchedulerConfig, ServeConfig, ServiceConfig
-from orchestrator.frontend import Frontend
-from orchestrator.http_api import HttpApi, HttpServer
-from orchestrator.ports import PortError, bind
-from orchestrator.server import Orchestrator
-from specdec.pb.specdec.v1 import generate_pb2 as pb
-from specdec.pb.specdec.v1 import generate_pb2_grpc
-from tests.draft_service.models import build_checkpoints
-from tests.orchestrator.test_serve import Stack, eventually
+# a GPU machine running `pytest -m gpu` may have only the services' dependencies
+DEV_EXTRAS = "needs the HTTP API's dependencies and the dev extras: pip install -e '.[dev]'"
+pytest.importorskip("starlette", reason=DEV_EXTRAS)
+openai = pytest.importorskip("openai", reason=DEV_EXTRAS)
+
+from orchestrator.config import PlacementConfig, SchedulerConfig, ServeConfig, ServiceConfig  # noqa: E402
+from orchestrator.frontend import Frontend  # noqa: E402
+from orchestrator.http_api import HttpApi, HttpServer  # noqa: E402
+from orchestrator.ports import PortError, bind  # noqa: E402
+from orchestrator.server import Orchestrator  # noqa: E402
+from specdec.pb.specdec.v1 import generate_pb2 as pb  # noqa: E402
+from specdec.pb.specdec.v1 import generate_pb2_grpc  # noqa: E402
+from tests.draft_service.models import build_checkpoints  # noqa: E402
+from tests.orchestrator.test_serve import Stack, eventually  # noqa: E402
 
 MAX_REQUESTS = 4
 MAX_QUEUE = 2
