@@ -70,8 +70,8 @@ class LlamaShape:
 class DemoBudget:
     """What to train and for how many steps. Phases end by step count, never by time, so every
     machine trains the same pair from the same recipe (a slow one takes longer); the build
-    records how long each phase took. The default's steps take about three minutes on two CPU
-    cores, `ci()`'s a few seconds."""
+    records how long each phase took. The default's steps take about 3.5 minutes on two idle
+    CPU cores, `ci()`'s a few seconds."""
 
     vocab_size: int = 1024
     seq_len: int = 128  # training window, and the checkpoints' max_position_embeddings

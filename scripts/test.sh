@@ -21,8 +21,8 @@ if ((${#missing[@]})); then
         DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends \
             "${missing[@]}" >/dev/null
     else
-        echo "scripts/test.sh: not root, so Debian's ${missing[*]} stay absent; the tests" \
-            "that need them skip, each saying what it needs" >&2
+        echo "scripts/test.sh: not root, so Debian's packages (${missing[*]}) are not" \
+            "installed; the tests that need them skip, each saying what it needs" >&2
     fi
 fi
 # tests/orchestrator/test_http_api.py streams one completion with curl

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import NoReturn
 
 import pytest
@@ -36,3 +39,19 @@ def program(name: str, how: str) -> str:
     if path is None:
         missing(f"`{name}`", how)
     return path
+
+
+@contextmanager
+def npm_registry(what: str) -> Iterator[None]:
+    """Around an `npm install` of `what`: its failure (no route to the npm registry, a proxy's
+    certificate npm does not trust) is `missing`, with npm's last error line."""
+    try:
+        yield
+    except subprocess.CalledProcessError as e:
+        lines = [line for line in (e.stderr or "").splitlines() if line.strip()]
+        why = lines[-2] if len(lines) > 1 else (lines[0] if lines else f"exit {e.returncode}")
+        missing(
+            what,
+            f"`npm install` failed ({why}); it needs the npm registry (a proxy's CA: set "
+            f"NODE_EXTRA_CA_CERTS)",
+        )

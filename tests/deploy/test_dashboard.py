@@ -56,8 +56,11 @@ def test_the_panels_the_dashboard_promises() -> None:
 
 @pytest.fixture(scope="module")
 def grafana_schemas() -> dict[str, dict[str, Any]]:
-    needs.program("npm", "it installs @grafana/schema and ts-json-schema-generator: " + NPM_HINT)
-    return schema.schemas()
+    what = "@grafana/schema and ts-json-schema-generator"
+    needs.program("npm", f"it installs {what}: {NPM_HINT}")
+    with needs.npm_registry(what):
+        schemas = schema.schemas()
+    return schemas
 
 
 def test_the_dashboard_matches_grafanas_types(grafana_schemas: dict[str, Any]) -> None:

@@ -137,7 +137,8 @@ for (const obj of JSON.parse(readFileSync(0, "utf8"))) {{
 
 def test_monitor_validates_against_the_operator_types() -> None:
     needs.program("npm", "it installs @kubernetes-models/prometheus-operator: " + NPM_HINT)
-    folder = npm_install("@kubernetes-models/prometheus-operator@6.0.0")
+    with needs.npm_registry("@kubernetes-models/prometheus-operator"):
+        folder = npm_install("@kubernetes-models/prometheus-operator@6.0.0")
     objs = list(monitor_objects().values())
     broken = copy.deepcopy(objs)
     broken[0]["spec"]["endpoints"][0]["port"] = 9464  # a number where a port name goes
