@@ -87,15 +87,6 @@ def hypotheses(
     ]
 
 
-def split_q(
-    q: tuple[torch.Tensor, ...] | None, count: int, k: int
-) -> list[tuple[torch.Tensor, ...] | None]:
-    """Rows of `count` chains of k drafts each, request-major as the draft reads them."""
-    if q is None:
-        return [None] * count
-    return [tuple(t[i * k : (i + 1) * k] for t in q) for i in range(count)]
-
-
 @dataclass(slots=True)
 class AcceptedCounts:
     """How often each accepted count j has come true: hypotheses of counts that (almost) never

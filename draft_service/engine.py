@@ -316,13 +316,6 @@ class DraftEngine:
             q if isinstance(q, DenseQ) else None, q if isinstance(q, SparseQ) else None,
         )  # fmt: skip
 
-    def _run_model(
-        self, ids: list[str], reqs: list[_Request], ks: list[int]
-    ) -> tuple[list[list[int]], DraftQ, list[bool], StepTimes]:
-        """`_drafts` without guesses."""
-        drafted, q, sampled, _, times = self._drafts(ids, reqs, ks, guess=False)
-        return drafted, q, sampled, times
-
     def _drafts(
         self, ids: list[str], reqs: list[_Request], ks: list[int], guess: bool
     ) -> tuple[list[list[int]], DraftQ, list[bool], list[list[list[int]]], StepTimes]:
