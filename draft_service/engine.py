@@ -317,7 +317,7 @@ class DraftEngine:
         )  # fmt: skip
 
     def _drafts(
-        self, ids: list[str], reqs: list[_Request], ks: list[int], guess: bool
+        self, ids: list[str], reqs: list[_Request], ks: list[int], guess: bool, span: str = "draft"
     ) -> tuple[list[list[int]], DraftQ, list[bool], list[list[list[int]]], StepTimes]:
         """k_i tokens per request: one catch-up step over the tokens the KV lacks (padded to
         the longest, a CUDA graph where one fits), then k - 1 one-token steps, each fed the
@@ -325,7 +325,7 @@ class DraftEngine:
         graphs; one host synchronisation reads the drafts and the q rows the block sends.
         Returns the tokens by request, the q rows of the sampled (not greedy) requests in
         order, which requests were sampled, with `guess` each draft position's guesses
-        (draft-ahead's, `with_guesses`), and the device time."""
+        (draft-ahead's, `with_guesses`), and the device time (traced as `span`)."""
         runner = self.runner
         assert runner is not None
         eager, graphs = runner.eager_steps, runner.graph_steps
@@ -354,9 +354,8 @@ class DraftEngine:
         drafted, q, guesses = _read_drafts(steps, ks, sampled, runner)  # the step's one sync
         for b, req in enumerate(reqs):
             req.kv = req.tokens + drafted[b][: ks[b] - 1]
-        times = StepTimes(
-            clock.seconds(0, 1), 0.0, runner.eager_steps == eager and runner.graph_steps > graphs
-        )
+        graphed = runner.eager_steps == eager and runner.graph_steps > graphs
+        times = StepTimes(clock.seconds(0, 1, span), 0.0, graphed)
         return drafted, q, sampled, guesses, times
 
     def _catch_up_tails(self, ids: list[str], reqs: list[_Request]) -> list[list[int]]:
@@ -451,7 +450,7 @@ class DraftEngine:
             forks.append((rid, bid, len(prefix)))
         runner.fork(forks)
         ks = [len(ready[i][1].drafts) for _, i, _ in chosen]
-        drafted, q, sampled, guesses, _ = self._drafts(ids, branches, ks, guess=True)
+        drafted, q, sampled, guesses, _ = self._drafts(ids, branches, ks, True, "ahead")
         tensors, start = _q_tensors(q) or (), 0
         for n, (_, i, h) in enumerate(chosen):
             req = ready[i][1]
