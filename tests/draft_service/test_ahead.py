@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench import e2e_timeline
 from draft_service import ahead
 from draft_service.config import DraftConfig
 from specdec.runner import ModelRunner, trace
@@ -190,6 +191,6 @@ def test_trace_shows_each_kind_of_device_work(
     start = time.time()
     _run(target_dir, with_ahead(model_draft(draft_dir), 2), [SamplingParams(0.0)] * 2, 3, 12)
     end = time.time()
-    spans = [s for p in trace.read(tmp_path / "trace") for s in p["spans"]]
+    spans = [s for p in e2e_timeline.read(tmp_path / "trace") for s in p["spans"]]
     assert {name for name, _, _ in spans} >= {"draft", "ahead", "verify", "sampler"}
     assert all(start <= a <= b <= end for _, a, b in spans)

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from bench import e2e_timeline
 from specdec.runner import trace
 from specdec.runner.timing import StepClock
 
@@ -40,7 +41,7 @@ def _timed(device: torch.device) -> tuple[float, float, float]:
 
 def _check(directory: Path, device: torch.device) -> None:
     before, seconds, after = _timed(device)
-    [process] = trace.read(directory)
+    [process] = e2e_timeline.read(directory)
     assert process["device"] == str(device)
     [[name, start, end]] = process["spans"]
     assert name == "work"
@@ -66,5 +67,5 @@ def test_cpu_span(traced: Path) -> None:
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_cuda_span(traced: Path) -> None:
     _check(traced, torch.device("cuda", torch.cuda.current_device()))
-    [process] = trace.read(traced)
+    [process] = e2e_timeline.read(traced)
     assert process["gpu"] != "cpu"
