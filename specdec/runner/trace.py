@@ -11,7 +11,7 @@ synchronisation; they are placed on the Unix clock through one event recorded at
 host time when the trace starts (one synchronisation, once per process). Event times are
 float32 milliseconds from that anchor: about 8 us resolution after two minutes, 60 us after
 ten. On the CPU the marks are host times. Unset (the default), nothing is recorded and
-nothing is added to a step.
+nothing is added to a step. `bench/e2e_timeline.py` reads the files.
 """
 
 from __future__ import annotations
@@ -83,21 +83,3 @@ def _describe(device: torch.device) -> dict[str, str]:
     props = torch.cuda.get_device_properties(device)
     uuid = str(getattr(props, "uuid", "")) or f"{props.name}-{getattr(props, 'pci_bus_id', device)}"
     return {"device": str(device), "gpu": uuid, "name": props.name}
-
-
-def read(directory: Path) -> list[dict]:
-    """Every process's spans under `directory`: [{"pid", "gpu", "name", "spans": [...]}]."""
-    out = []
-    for path in sorted(directory.glob("trace-*.jsonl")):
-        lines = path.read_text().splitlines()
-        if not lines:
-            continue
-        head = json.loads(lines[0])
-        spans = []
-        for line in lines[1:]:
-            try:
-                spans.append(json.loads(line))
-            except json.JSONDecodeError:  # a line being written as we read
-                break
-        out.append(head | {"spans": spans})
-    return out
