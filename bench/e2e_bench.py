@@ -138,6 +138,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
             "serve_lengths": args.serve_lengths,
             "serve_hit_rates": args.serve_hit_rates,
             "serve_placements": args.serve_placements,
+            "serve_dynamic": args.serve_dynamic,
             "draft_ahead": args.draft_ahead,
             "serve_steps": args.serve_steps,
             "ttft_prompt_len": args.ttft_prompt_len,
@@ -373,6 +374,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "empty: lock-step only",
     )
     p.add_argument("--draft-ahead", type=int, default=2, help="F of the draft-ahead rows")
+    p.add_argument(
+        "--serve-dynamic",
+        action="store_true",
+        help="also a lock-step start with --dynamic-speculation per serve length (the target "
+        "chooses each step's k from what it measures)",
+    )
     p.add_argument(
         "--serve-placements",
         nargs="+",

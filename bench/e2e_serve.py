@@ -74,6 +74,7 @@ def serve_args(
     metrics_port: int,
     hit_rate: float | None = None,
     placement: str = "shared",
+    dynamic: bool = False,
 ) -> list[str]:
     """`specdec serve` flags with the Pipeline rows' service settings."""
     cpu = s["target_device"] == "cpu"
@@ -102,6 +103,8 @@ def serve_args(
         out += ["--synthetic-acceptance-length", str(length)]
     if hit_rate is not None:  # draft-ahead, its hit rate set: BENCHMARKING ONLY
         out += ["--draft-ahead", str(s["draft_ahead"]), "--synthetic-hit-rate", str(hit_rate)]
+    if dynamic:
+        out.append("--dynamic-speculation")
     return out
 
 
@@ -144,16 +147,18 @@ def serving(
     stopped: Callable[[str], None] = lambda how: None,
     hit_rate: float | None = None,
     placement: str = "shared",
+    dynamic: bool = False,
 ) -> Iterator[Serve]:
     """`specdec serve` started, SERVING (grpc.health.v1), and stopped on every way out
     (`stopped` is told how); with `hit_rate`, draft-ahead at that synthetic hit rate."""
     port, metrics_port = free_port(), free_port()
     name = f"serve_{placement}_{'plain' if length is None else f'L{length:g}'}"
     name += "" if hit_rate is None else f"_ahead_h{hit_rate:g}"
+    name += "_dynamic" if dynamic else ""
     trace_dir = log_dir / f"trace_{name}"
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
-    flags = serve_args(s, length, port, metrics_port, hit_rate, placement)
+    flags = serve_args(s, length, port, metrics_port, hit_rate, placement, dynamic)
     cmd = [sys.executable, "-m", "specdec", *flags]
     with log.open("wb") as f:
         f.write((" ".join(cmd) + "\n").encode())
@@ -513,12 +518,16 @@ def section(
     for placement in out["placements"]:
         for length in s["serve_lengths"]:
             lockstep = f"lockstep_L{length:g}"
-            starts = [(lockstep, None), *((f"ahead_h{h:g}_L{length:g}", h)
-                                          for h in s.get("serve_hit_rates", []))]  # fmt: skip
-            for config, hit_rate in starts:
+            starts = [
+                (lockstep, None, False),
+                *((f"ahead_h{h:g}_L{length:g}", h, False) for h in s.get("serve_hit_rates", [])),
+            ]
+            if s.get("serve_dynamic"):
+                starts.append((f"dynamic_L{length:g}", None, True))
+            for config, hit_rate, dynamic in starts:
                 phase(f"starting specdec serve ({placement} {config})")
                 with serving(s, length, log_dir, timeout_s, out["stops"].append, hit_rate,
-                             placement) as serve:  # fmt: skip
+                             placement, dynamic) as serve:  # fmt: skip
                     with Client(serve.address) as client:
                         served = client.model_info()[0]
                     max_tokens = min(max_tokens, served.max_seq_len - s["prompt_len"])
@@ -541,7 +550,7 @@ def section(
 
 def progress_units(s: dict[str, Any]) -> int:
     """Progress ticks of `section` (placements as asked, else two: an estimate)."""
-    per_length = 1 + len(s.get("serve_hit_rates", []))
+    per_length = 1 + len(s.get("serve_hit_rates", [])) + bool(s.get("serve_dynamic"))
     n = len(s.get("serve_placements") or PLACEMENTS)
     rows = len(s["batches"]) * (1 + n * len(s["serve_lengths"]) * per_length)
     return rows * s["serve_steps"] + 2

@@ -68,3 +68,10 @@ def test_the_shared_placement_shows_specdec_serve_one_gpu() -> None:
     shared = e2e_serve.serve_args(s, 3.0, 1, 2, placement="shared")
     assert shared[shared.index("--num-gpus") + 1] == "1"
     assert "--num-gpus" not in e2e_serve.serve_args(s, 3.0, 1, 2, placement="split")
+
+
+def test_dynamic_speculation_rows_start_serve_with_it() -> None:
+    s = {"target_device": "cpu", "paths": {"target": "t", "draft": "d"}, "dtype": "float32"}
+    s |= {"max_slots": 8, "max_seq_len": 512, "num_draft_tokens": 4}
+    assert "--dynamic-speculation" in e2e_serve.serve_args(s, 1.5, 1, 2, dynamic=True)
+    assert "--dynamic-speculation" not in e2e_serve.serve_args(s, 1.5, 1, 2)
