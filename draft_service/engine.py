@@ -101,6 +101,18 @@ def with_guesses(head: Head, vocab_size: int, count: int) -> Head:
     return guessing
 
 
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """One block's answer: the drafts, an error per refused ask, the device time of its
+    forwards, and how many asks found a chain drafted ahead (hits) or did not (misses)."""
+
+    block: DraftBlock
+    errors: list[tuple[str, RequestError]]
+    times: StepTimes
+    ahead_hits: int = 0
+    ahead_misses: int = 0
+
+
 @dataclass(slots=True)
 class _Request:
     tokens: list[int]  # prompt + committed tokens
@@ -136,7 +148,6 @@ class DraftEngine:
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
         self.ahead_hits = self.ahead_misses = 0  # asks that found a chain drafted ahead, or not
-        self.last_ahead = (0, 0)  # the last block's (hits, misses)
         self._accepted = ahead.AcceptedCounts()  # the verdicts' accepted counts seen so far
         if runner is not None:  # the `last` head input of one-token steps: row 0
             self._zeros = torch.zeros(
@@ -185,15 +196,13 @@ class DraftEngine:
     ) -> tuple[DraftBlock, list[tuple[str, RequestError]]]:
         """Drafts for every valid ask (in order, as one block), and an error for each of the
         others."""
-        block, errors, _ = self.propose_timed(asks)
-        return block, errors
+        proposal = self.propose_timed(asks)
+        return proposal.block, proposal.errors
 
-    def propose_timed(
-        self, asks: Sequence[ProposeEntry]
-    ) -> tuple[DraftBlock, list[tuple[str, RequestError]], StepTimes]:
-        """`propose`, and the device time of the step's forwards. A step that raises leaves
-        every request as it was before it (tokens, step, KV), so the same block may be sent
-        again."""
+    def propose_timed(self, asks: Sequence[ProposeEntry]) -> Proposal:
+        """`propose`, the device time of the step's forwards and its draft-ahead hits. A step
+        that raises leaves every request as it was before it (tokens, step, KV), so the same
+        block may be sent again."""
         with self._lock:
             counts: dict[str, int] = {}
             for a in asks:
@@ -208,7 +217,7 @@ class DraftEngine:
                     errors.append((a.request_id, err))
             before = (self.ahead_hits, self.ahead_misses)
             hits = {a.request_id: c for a in ok if (c := self._take_chain(a)) is not None}
-            self.last_ahead = (self.ahead_hits - before[0], self.ahead_misses - before[1])
+            ahead = (self.ahead_hits - before[0], self.ahead_misses - before[1])
             saved = [self._save(a.request_id) for a in ok]
             try:
                 for a in ok:
@@ -216,9 +225,9 @@ class DraftEngine:
                     req.tokens.extend(a.new_token_ids)
                     req.next_step = a.step + 1
                 if self.runner is None:
-                    return self._draft_ngram(ok), errors, StepTimes()
+                    return Proposal(self._draft_ngram(ok), errors, StepTimes(), *ahead)
                 block, times = self._draft_model(ok, hits)
-                return block, errors, times
+                return Proposal(block, errors, times, *ahead)
             except BaseException:
                 for a, state in zip(ok, saved, strict=True):
                     self._restore(a.request_id, state)
