@@ -8,8 +8,8 @@ the measured rate at which the j-th draft token is accepted given that those bef
 The hub runs the k in [0, K] that maximises E(k) / T(k): speculation turns itself off where it
 does not pay (poor acceptance, large batches whose verify costs more than it commits) and back
 on when it does, because one step in `probe_every` at k = K keeps measuring the acceptance
-of every position while the chosen k is lower. Acceptance counts decay with each step that drafts, so the choice
-follows the traffic.
+of every position while the chosen k is lower. Acceptance counts decay with each step that
+drafts, so the choice follows the traffic.
 
 A request's own k is an upper bound. A sampled request with a seed of its own keeps its k:
 the accept/reject path and a k = 0 step draw different (equally distributed) tokens, so a
