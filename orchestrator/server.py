@@ -21,7 +21,7 @@ import ray
 
 from orchestrator.chat import ChatTemplate
 from orchestrator.config import ServeConfig
-from orchestrator.detokenizer import TextTokenizer, eos_token_ids
+from orchestrator.detokenizer import TextTokenizer, check_shared_tokenizer, eos_token_ids
 from orchestrator.frontend import Backend, Frontend
 from orchestrator.metrics import Metrics, start_metrics_server
 from orchestrator.pair import PairClient
@@ -165,8 +165,12 @@ class Orchestrator:
 
     def start(self) -> int:
         """Binds every port, places and connects every pair, then SERVING; returns the gRPC
-        port. A port that cannot be bound raises PortError before Ray is touched; any failure
-        stops what had started."""
+        port. A draft whose tokenizer differs from the target's is refused (ValueError) before
+        anything starts; a port that cannot be bound raises PortError before Ray is touched;
+        any failure stops what had started."""
+        services = self.config.services
+        if services.draft is not None:
+            check_shared_tokenizer(services.target, services.draft)
         try:
             port = self._bind()
             self._owns_ray = connect(self.config.placement, self.placement.services_per_pair)
