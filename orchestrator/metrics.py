@@ -163,16 +163,18 @@ class Metrics:
         ).labels(self.model_pair)
 
     def on_step(self, report: StepReport, proposer_of: Callable[[str], str | None]) -> None:
-        """Counts one hub step's drafts and timings; `proposer_of` maps a request to its proposer
-        (None for a request the orchestrator no longer holds: its verdict is dropped, no
-        response carries it, so it is not counted either)."""
+        """Counts one hub step's drafts and timings. Each verdict is counted under the proposer
+        that drafted it, which the hub names (the request's proposer may have changed since:
+        a SetSpeculation sent while the step ran); `proposer_of` maps a request to its proposer
+        now, used only where the hub named none, and None for a request the orchestrator no
+        longer holds (its verdict is dropped, no response carries it, so it is not counted)."""
         for event in report.events:
             if event.error is not None or event.num_draft_tokens == 0:
                 continue
-            proposer = proposer_of(event.request_id)
-            if proposer is None:
+            current = proposer_of(event.request_id)
+            if current is None:
                 continue
-            labels = (self.model_pair, proposer)
+            labels = (self.model_pair, event.proposer or current)
             self._drafts.labels(*labels).inc()
             self._draft_tokens.labels(*labels).inc(event.num_draft_tokens)
             self._accepted.labels(*labels).inc(event.num_accepted)
