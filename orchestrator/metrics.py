@@ -219,9 +219,6 @@ class Metrics:
         self._running.set(running)
         self._waiting.set(waiting)
 
-    def set_draft_up(self, up: bool) -> None:
-        self._draft_up.set(1 if up else 0)
-
 
 def start_metrics_server(
     port: int, host: str = "0.0.0.0", registry: CollectorRegistry | None = None

@@ -262,15 +262,6 @@ class DraftBlock:
             return DenseQ(q.probs[index])
         return SparseQ(q.token_ids[index], q.probs[index])
 
-    def proposal(self, i: int) -> DraftProposal:
-        """Entry i as one DraftProposal (tests, debugging); ValueError if it is malformed."""
-        if i in self.errors:
-            raise ValueError(self.errors[i])
-        return DraftProposal(
-            self.request_ids[i], self.steps[i], self.committed_lengths[i],
-            tuple(self.tokens(i)), self.q(i),
-        )  # fmt: skip
-
 
 def _concat_sparse(sparse: list[SparseQ]) -> SparseQ:
     """The rows of all `sparse` in order, narrower supports padded to the widest."""

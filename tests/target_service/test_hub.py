@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 
-from orchestrator.local import LocalPair
+from bench.local import LocalPair
 from orchestrator.pair import Admitted, StepReport
 from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
 from specdec.pb.specdec.v1 import generate_pb2
