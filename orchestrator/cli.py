@@ -16,6 +16,7 @@ import argparse
 import importlib.metadata
 import json
 import logging
+import os
 import sys
 import tomllib
 from collections.abc import Callable, Sequence
@@ -314,6 +315,10 @@ def run_serve(args: argparse.Namespace) -> int:
         url = f"http://{config.host}:{orchestrator.http_port}/v1"
         print(f"{PROG}: OpenAI-compatible HTTP API on {url}", flush=True)
     orchestrator.serve_until_signal()
+    if orchestrator.ray_stuck:  # Ray's exit handler would wait 60 s for its stopped GCS
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(1)
     return 0
 
 
