@@ -121,3 +121,56 @@ def test_debug_shows_ray_s_and_grpc_core_s_lines(monkeypatch: pytest.MonkeyPatch
     assert ray_logging_level() == logging.DEBUG and notice.level == logging.NOTSET
     root.setLevel(logging.WARNING)
     assert ray_logging_level() == logging.WARNING
+
+
+def _children(pid: int) -> list[int]:
+    return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+
+
+def _all_gone(processes: set[int], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while left := [p for p in processes if _alive(p)]:
+        assert time.monotonic() < deadline, f"processes left behind: {left}"
+        time.sleep(0.1)
+
+
+def test_the_orchestrator_stops_when_its_parent_is_killed(
+    checkpoints: tuple[Path, Path], tmp_path: Path
+) -> None:
+    proc, _ = _start(checkpoints, tmp_path / "stderr.log")
+    processes = descendants(proc.pid)
+    proc.kill()  # SIGKILL: nothing relayed; the orchestrator gets SIGTERM from the kernel
+    proc.wait()
+    _all_gone(processes, GRACE_S + 30.0)
+    assert "signal 15: stopping" in (tmp_path / "stderr.log").read_text()
+
+
+@pytest.mark.slow  # waits out the deadline by design: about 30 s
+def test_sigterm_to_every_process_of_the_unit_ends_within_the_deadline(
+    checkpoints: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """As systemd's default KillMode=control-group: SIGTERM to the parent and, at once, to the
+    orchestrator's session (Ray's GCS, raylet and monitors). Ray's calls would wait 60 s for
+    its stopped GCS; the stop gives Ray min(grace, 5) + RAY_STOP_S, stops the rest itself and
+    exits 1 with a warning."""
+    from orchestrator.server import RAY_STOP_S
+
+    log = tmp_path / "stderr.log"
+    proc, _ = _start(checkpoints, log)
+    try:
+        processes = descendants(proc.pid)
+        (child,) = _children(proc.pid)
+        start = time.monotonic()
+        os.killpg(child, signal.SIGTERM)
+        os.kill(proc.pid, signal.SIGTERM)
+        deadline = min(GRACE_S, 5.0) + RAY_STOP_S + 5.0  # + stop_processes' SIGKILL grace
+        code = proc.wait(timeout=deadline + 15.0)
+        took = time.monotonic() - start
+        print(f"SIGTERM to every process: exit code {code} after {took:.1f} s")
+        assert took < deadline + 5.0
+        _all_gone(processes, 10.0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    if code != 0:  # Ray did not answer (every run so far): said so, exit 1
+        assert code == 1 and "Ray did not answer within" in log.read_text()
