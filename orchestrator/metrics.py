@@ -1,7 +1,8 @@
 """Prometheus metrics of the orchestrator, named as vLLM names its own with a `specdec:` prefix.
 
 Speculative decoding (counters labelled `model_pair` and `proposer`, fed from every step's
-verdicts; a step with no draft tokens is not a draft):
+verdicts, each under the proposer that drafted it; a step with no draft tokens is not a
+draft):
 
     specdec:spec_decode_num_drafts_total                 steps that verified >= 1 draft token
     specdec:spec_decode_num_draft_tokens_total           draft tokens verified
@@ -11,10 +12,12 @@ verdicts; a step with no draft tokens is not a draft):
 Acceptance rate and mean acceptance length, one PromQL expression each:
 
     sum by (model_pair, proposer) (rate(specdec:spec_decode_num_accepted_tokens_total[5m]))
-      / sum by (model_pair, proposer) (rate(specdec:spec_decode_num_draft_tokens_total[5m]))
+      / (sum by (model_pair, proposer) (rate(specdec:spec_decode_num_draft_tokens_total[5m])) > 0)
 
     1 + sum by (model_pair, proposer) (rate(specdec:spec_decode_num_accepted_tokens_total[5m]))
-      / sum by (model_pair, proposer) (rate(specdec:spec_decode_num_drafts_total[5m]))
+      / (sum by (model_pair, proposer) (rate(specdec:spec_decode_num_drafts_total[5m])) > 0)
+
+(`/ (x > 0)`: a proposer idle in the window has no value instead of NaN.)
 
 Requests: histograms specdec:time_to_first_token_seconds, specdec:time_per_output_token_seconds,
 specdec:e2e_request_latency_seconds, specdec:request_queue_time_seconds (arrival until sent to a
