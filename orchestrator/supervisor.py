@@ -23,6 +23,7 @@ import ctypes
 import logging
 import os
 import signal
+import site
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -38,12 +39,15 @@ def is_child() -> bool:
 
 
 def child_env(log_level: str) -> dict[str, str]:
-    """The orchestrator's environment: this package importable as here, the parent named,
+    """The orchestrator's environment: this package importable as here (a source tree is put
+    on PYTHONPATH; an installed one is found as usual), the parent named,
     grpc core's INFO lines off unless DEBUG (or the user set GRPC_VERBOSITY)."""
-    root = str(Path(__file__).resolve().parents[1])
-    path = os.environ.get("PYTHONPATH")
     env = os.environ | {PARENT_ENV: str(os.getpid())}
-    env["PYTHONPATH"] = f"{root}{os.pathsep}{path}" if path else root
+    root = Path(__file__).resolve().parents[1]
+    installed = {Path(p).resolve() for p in (*site.getsitepackages(), site.getusersitepackages())}
+    if root not in installed:  # run from a source tree: the child imports the same tree
+        path = os.environ.get("PYTHONPATH")
+        env["PYTHONPATH"] = f"{root}{os.pathsep}{path}" if path else str(root)
     if logging.getLevelName(log_level.upper()) != logging.DEBUG:
         env.setdefault("GRPC_VERBOSITY", "ERROR")
     return env

@@ -109,6 +109,7 @@ def test_debug_shows_ray_s_and_grpc_core_s_lines(monkeypatch: pytest.MonkeyPatch
 
     monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
     assert child_env("INFO")["GRPC_VERBOSITY"] == "ERROR"
+    assert child_env("INFO")["PYTHONPATH"].split(os.pathsep)[0] == str(ROOT), "this tree"
     assert "GRPC_VERBOSITY" not in child_env("DEBUG")
     monkeypatch.setenv("GRPC_VERBOSITY", "INFO")
     assert child_env("INFO")["GRPC_VERBOSITY"] == "INFO", "the user's own setting wins"
