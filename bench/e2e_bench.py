@@ -20,14 +20,18 @@ Steps, each phase in its own process where it holds device memory:
    concurrent streams, target-only and speculation per --serve-lengths, the client's time
    per output token and step against the hub's step time from /metrics and the Pipeline
    rows, and time to first token of a --ttft-prompt-len prompt against the in-process
-   prefill (`bench.e2e_serve`);
+   prefill (`bench.e2e_serve`); per placement (--serve-placements: both services on one
+   GPU, "shared", and with two GPUs one each, "split"), lock-step and draft-ahead rows, each
+   with its GPUs' busy fractions and, at batch 1, a timeline of what each GPU did, from the
+   services' device traces (`bench.e2e_timeline`, SPECDEC_GPU_TRACE);
 5. if the greedy runs diverged (on a GPU), the target's logits at each first divergence,
    computed twice in a child process: replaying target-only's one-token steps and
    speculation's (k + 1)-token verify steps (`e2e_inprocess.diagnose`). The divergence is
    kernel numerics iff each replay's argmax is its own run's token (the flip is reproduced by
    the two kernel shapes alone); anything else is a failure. --smoke (float32 on the CPU)
    requires identical tokens: any divergence fails it;
-6. `e2e_<GPU>.json`, `.md` (a section ready for BENCHMARKS.md) and `.png` in --out.
+6. `e2e_<GPU>.json`, `.md` (a section ready for BENCHMARKS.md), `.png` and `_timeline.png`
+   in --out.
 
 Exit code 1 when the greedy check fails (a divergence not reproduced by the replays, or any
 divergence with --smoke). Services are stopped on every way out.
@@ -133,6 +137,8 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         out |= {
             "serve_lengths": args.serve_lengths,
             "serve_hit_rates": args.serve_hit_rates,
+            "serve_placements": args.serve_placements,
+            "serve_dynamic": args.serve_dynamic,
             "draft_ahead": args.draft_ahead,
             "serve_steps": args.serve_steps,
             "ttft_prompt_len": args.ttft_prompt_len,
@@ -368,6 +374,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "empty: lock-step only",
     )
     p.add_argument("--draft-ahead", type=int, default=2, help="F of the draft-ahead rows")
+    p.add_argument(
+        "--serve-dynamic",
+        action="store_true",
+        help="also a lock-step start with --dynamic-speculation per serve length (the target "
+        "chooses each step's k from what it measures)",
+    )
+    p.add_argument(
+        "--serve-placements",
+        nargs="+",
+        choices=e2e_serve.PLACEMENTS,
+        help="where the serve rows' services run: shared (both on one GPU) and/or split (one "
+        "GPU each); default: both with two GPUs or more, else shared",
+    )
     p.add_argument("--serve-steps", type=int, help="timed steps per serve row (window)")
     p.add_argument("--ttft-prompt-len", type=int, help="prompt tokens of the TTFT requests")
     p.add_argument("--ttft-repeats", type=int, help="timed TTFT requests per config")

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from bench import e2e_timeline
+
 TARGET_ONLY = "target_only"
 # tokens/s of lock-step speculation at L = 3 over target-only, per batch
 SPEEDUP_GOALS = {1: 1.4, 8: 1.3, 32: 1.05}
@@ -28,6 +30,19 @@ def bounds(result: dict[str, Any], batch: int) -> dict[str, float]:
     t, d = result["inprocess_ms"]["target"], result["inprocess_ms"]["draft"]
     decode, verify, draft = t[f"1,{batch}"], t[f"{k + 1},{batch}"], d[f"1,{batch}"]
     return {"decode": decode, "verify": verify, "draft": draft, "lockstep": k * draft + verify}
+
+
+def label(row: dict[str, Any]) -> str:
+    """A serve row's name: its placement (where the run had one) and config."""
+    return f"{row['placement']} {row['config']}" if "placement" in row else row["config"]
+
+
+def bound_tokens_per_s(result: dict[str, Any], row: dict[str, Any]) -> float:
+    """What the target's GPU allows: committed tokens per step over the in-process graph time
+    of the step's target forward (decode for target-only, the (k + 1)-token verify else)."""
+    b = bounds(result, row["batch"])
+    forward_ms = b["decode"] if row["config"] == TARGET_ONLY else b["verify"]
+    return row["batch"] * row["tokens_per_step_per_request"] / (forward_ms / 1e3)
 
 
 def _row(result: dict[str, Any], config: str, batch: int) -> dict[str, Any] | None:
@@ -229,8 +244,8 @@ def _serve(result: dict[str, Any]) -> list[str]:
     lines = [
         "### Through specdec serve and the client",
         "",
-        f"`specdec serve` (a local Ray cluster, both services as Ray actors on "
-        f"{s['target_device']}) on the same checkpoints and service settings, driven by "
+        f"`specdec serve` (a local Ray cluster, the services as Ray actors; placements: "
+        f"{_placements_text(serve, s)}) on the same checkpoints and service settings, driven by "
         f"`specdec.client`: B concurrent greedy streams (one thread each) of "
         f"{s['prompt_len']}-token prompts, ignore_eos, k = {s['num_draft_tokens']} for "
         f"speculation; synthetic acceptance (BENCHMARKING ONLY) per serve start, L = "
@@ -255,7 +270,7 @@ def _serve(result: dict[str, Any]) -> list[str]:
         p_tpot = p["time_per_output_token_ms"] if p else float("nan")
         p_step = p["step_ms_mean"] if p else float("nan")
         lines.append(
-            f"| {r['config']} | {r['batch']} | {_f(r['tpot_ms_median'])} | {_f(p_tpot)} "
+            f"| {label(r)} | {r['batch']} | {_f(r['tpot_ms_median'])} | {_f(p_tpot)} "
             f"| {r['tpot_ms_median'] / p_tpot:.3f} | {_f(r['client_step_ms_median'])} "
             f"| {_f(r['steps_per_s'])} | {_f(r['hub_ms']['step'])} "
             f"| {_f(r['overhead_ms_per_step'])} | {_f(p_step)} | {_f(r['tokens_per_s'])} "
@@ -263,6 +278,7 @@ def _serve(result: dict[str, Any]) -> list[str]:
             f"| {' / '.join(_f(r['gap_ms'][q]) for q in ('p10', 'p50', 'p90'))} "
             f"| {r['client_responses_median']:g} / {r['hub_steps']:g} |"
         )
+    lines += ["", *_side_by_side(result)]
     lines += [
         "",
         "The hub's step by part (mean ms per step in the window, from /metrics; draft and "
@@ -275,7 +291,7 @@ def _serve(result: dict[str, Any]) -> list[str]:
     for r in serve["rows"]:
         h = r["hub_ms"]
         lines.append(
-            f"| {r['config']} | {r['batch']} | {_f(h['draft'])} | {_f(h['transport'])} "
+            f"| {label(r)} | {r['batch']} | {_f(h['draft'])} | {_f(h['transport'])} "
             f"| {_f(h['verify'])} | {_f(h['sampler'])} | {_f(h['step'])} |"
         )
     lines += [
@@ -304,6 +320,43 @@ def _serve(result: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {t['config']} | {t['prompt_len']} | {_f(t['client_ms_median'])} "
             f"| {_f(t['server_ms_median'])} | {shown} | {ratio} | {split} |"
+        )
+    return lines
+
+
+def _placements_text(serve: dict[str, Any], s: dict[str, Any]) -> str:
+    if s["target_device"] == "cpu":
+        return "both on the CPU"
+    names = {"shared": "shared: both on one GPU", "split": "split: one GPU each"}
+    return "; ".join(names[p] for p in serve.get("placements", ["shared"]))
+
+
+def _side_by_side(result: dict[str, Any]) -> list[str]:
+    """Every serve row: tokens/s against target-only and the bound, time per output token,
+    and how busy each GPU was (bench.e2e_timeline)."""
+    rows = result["serve"]["rows"]
+    base = {r["batch"]: r["tokens_per_s"] for r in rows if r["config"] == TARGET_ONLY}
+    lines = [
+        "Side by side (bound = committed tokens per step / the in-process target forward of the "
+        "step: decode for target-only, the (k + 1)-token verify else; GPU busy = the union of "
+        "the services' timed device work (forwards, sampler) over the window, from "
+        "SPECDEC_GPU_TRACE; TPOT p99 over every response's wait per token it brought):",
+        "",
+        "| placement | config | batch | tokens/s | x target-only | achieved / bound "
+        "| TPOT ms median | TPOT ms p99 | hub step ms | GPU busy |",
+        "|---" * 10 + "|",
+    ]
+    for r in rows:
+        gain = r["tokens_per_s"] / base[r["batch"]] if r["batch"] in base else float("nan")
+        achieved = r["tokens_per_s"] / bound_tokens_per_s(result, r)
+        busy = r.get("gpus", {}).get("busy", {})
+        shown = ", ".join(f"{g} {f:.0%}" for g, f in busy.items()) or "-"
+        p99 = r.get("tpot_ms_p99")
+        lines.append(
+            f"| {r.get('placement', '-')} | {r['config']} | {r['batch']} "
+            f"| {_f(r['tokens_per_s'])} | {gain:.2f} | {achieved:.2f} "
+            f"| {_f(r['tpot_ms_median'])} | {_f(p99) if p99 is not None else '-'} "
+            f"| {_f(r['hub_ms']['step'])} | {shown} |"
         )
     return lines
 
@@ -358,7 +411,7 @@ def speedups(result: dict[str, Any]) -> dict[str, dict[int, float]]:
         for r in rows:
             if r["config"] != TARGET_ONLY and r["batch"] in base:
                 ratio = r["tokens_per_s"] / base[r["batch"]]
-                out.setdefault(f"{path} {r['config']}", {})[r["batch"]] = ratio
+                out.setdefault(f"{path} {label(r)}", {})[r["batch"]] = ratio
     return out
 
 
@@ -392,7 +445,7 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         xs = sorted(ratios)
         ys = [ratios[b] for b in xs]
         style = "o-" if name.startswith("served") else "s--"
-        ax_gain.plot(xs, ys, style, color=color.get(name.split()[1]), label=name)
+        ax_gain.plot(xs, ys, style, color=color.get(name.split()[-1]), label=name)
         for x, y in zip(xs, ys, strict=True):
             ax_gain.annotate(f"{y:.2f}x", (x, y), textcoords="offset points", xytext=(4, 4),
                              fontsize=7)  # fmt: skip
@@ -420,4 +473,8 @@ def write(result: dict[str, Any], out: Path) -> Path:
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     stem.with_suffix(".md").write_text(markdown(result))
     plot(result, stem.with_suffix(".png"))
+    if result.get("serve"):
+        title = (f"What each GPU did: the first {e2e_timeline.TIMELINE_S:g} s of each batch-1 "
+                 f"serve row's window, {result['environment']['gpu']}")  # fmt: skip
+        e2e_timeline.plot(result["serve"]["rows"], title, stem.parent / f"{stem.name}_timeline.png")
     return stem.with_suffix(".json")

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 from urllib.request import urlopen
 
+from bench import e2e_timeline
 from bench.e2e_driver import prompts
 from bench.e2e_report import TTFT_PARTS
 from bench.e2e_services import REPO, Service, child_env, free_port, wait_serving
@@ -48,6 +49,9 @@ TARGET_ONLY = "target_only"
 MARGIN_STEPS = 8  # max_tokens room beyond warm-up + timed steps at k + 1 tokens per step
 TTFT_NEW_TOKENS = 2
 STOP_TIMEOUT_S = 90.0  # grace, the actors' stop and ray.shutdown()
+# Where the services run: "shared", both on one GPU (`--num-gpus 1`: the local Ray cluster
+# sees one GPU, and both actors take half of it); "split", one GPU each (two or more GPUs).
+PLACEMENTS = ("shared", "split")
 
 
 @dataclass
@@ -57,6 +61,7 @@ class Serve:
 
     service: Service
     metrics_url: str
+    trace_dir: Path
 
     @property
     def address(self) -> str:
@@ -69,6 +74,8 @@ def serve_args(
     port: int,
     metrics_port: int,
     hit_rate: float | None = None,
+    placement: str = "shared",
+    dynamic: bool = False,
 ) -> list[str]:
     """`specdec serve` flags with the Pipeline rows' service settings."""
     cpu = s["target_device"] == "cpu"
@@ -91,20 +98,25 @@ def serve_args(
         out += ["--sampler-impl", "torch", "--num-cpus", "4"]
     else:
         out += ["--cuda-graph-batch-sizes", *map(str, s["graph_sizes"])]
+        if placement == "shared":
+            out += ["--num-gpus", "1"]
     if length is not None:  # BENCHMARKING ONLY
         out += ["--synthetic-acceptance-length", str(length)]
     if hit_rate is not None:  # draft-ahead, its hit rate set: BENCHMARKING ONLY
         out += ["--draft-ahead", str(s["draft_ahead"]), "--synthetic-hit-rate", str(hit_rate)]
+    if dynamic:
+        out.append("--dynamic-speculation")
     return out
 
 
-def serve_env() -> dict[str, str]:
+def serve_env(trace_dir: Path) -> dict[str, str]:
     """The benchmark's environment for `specdec serve`: its own local Ray cluster (no
-    RAY_ADDRESS) and no TRITON_INTERPRET (tests set it; Ray would pass it to the actors)."""
+    RAY_ADDRESS), no TRITON_INTERPRET (tests set it; Ray would pass it to the actors), and the
+    services' device activity traced into `trace_dir` (bench.e2e_timeline)."""
     env = child_env()
     for name in ("RAY_ADDRESS", "TRITON_INTERPRET"):
         env.pop(name, None)
-    return env
+    return env | {"SPECDEC_GPU_TRACE": str(trace_dir)}
 
 
 def stop_serve(service: Service, timeout_s: float = STOP_TIMEOUT_S) -> str:
@@ -140,25 +152,30 @@ def serving(
     timeout_s: float,
     stopped: Callable[[str], None] = lambda how: None,
     hit_rate: float | None = None,
+    placement: str = "shared",
+    dynamic: bool = False,
 ) -> Iterator[Serve]:
     """`specdec serve` started, SERVING (grpc.health.v1), and stopped on every way out
     (`stopped` is told how); with `hit_rate`, draft-ahead at that synthetic hit rate."""
     port, metrics_port = free_port(), free_port()
-    name = f"serve_{'plain' if length is None else f'L{length:g}'}"
+    name = f"serve_{placement}_{'plain' if length is None else f'L{length:g}'}"
     name += "" if hit_rate is None else f"_ahead_h{hit_rate:g}"
+    name += "_dynamic" if dynamic else ""
+    trace_dir = log_dir / f"trace_{name}"
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
-    cmd = [sys.executable, "-m", "specdec", *serve_args(s, length, port, metrics_port, hit_rate)]
+    flags = serve_args(s, length, port, metrics_port, hit_rate, placement, dynamic)
+    cmd = [sys.executable, "-m", "specdec", *flags]
     with log.open("wb") as f:
         f.write((" ".join(cmd) + "\n").encode())
         f.flush()
         process = subprocess.Popen(
-            cmd, cwd=REPO, env=serve_env(), stdout=f, stderr=f, start_new_session=True
+            cmd, cwd=REPO, env=serve_env(trace_dir), stdout=f, stderr=f, start_new_session=True
         )
     service = Service(name, process, f"127.0.0.1:{port}", log)
     try:
         wait_serving(service, timeout_s)
-        yield Serve(service, f"http://127.0.0.1:{metrics_port}/metrics")
+        yield Serve(service, f"http://127.0.0.1:{metrics_port}/metrics", trace_dir)
     finally:
         stopped(f"{name}: {stop_serve(service)}")
 
@@ -272,6 +289,9 @@ def window_figures(rec: Stream, t0: float, t1: float) -> dict[str, Any] | None:
     steps = sum(rec.steps[first + 1 : last + 1])
     if tokens <= 0 or steps <= 0:
         return None
+    # each response's wait per token it brought: the time per output token it gave
+    gaps = [(rec.times[i] - rec.times[i - 1], rec.tokens[i]) for i in inside[1:]]
+    token_gaps = [1e3 * gap / n for gap, n in gaps if n > 0]
     return {
         "tpot_ms": 1e3 * span / tokens,
         "step_ms": 1e3 * span / steps,
@@ -280,11 +300,13 @@ def window_figures(rec: Stream, t0: float, t1: float) -> dict[str, Any] | None:
         "responses": len(inside),
         "span_s": span,
         "gaps_ms": [1e3 * (rec.times[i] - rec.times[i - 1]) for i in inside[1:]],
+        "token_gaps_ms": token_gaps,
     }
 
 
 @dataclass(frozen=True, slots=True)
 class RowSpec:
+    placement: str
     config: str
     proposer: str  # "off" or "draft"
     num_draft_tokens: int
@@ -323,9 +345,9 @@ def measure_row(
             t.start()
         try:
             _wait(cond, recs, lambda r: r.num_steps >= warmup, timeout_s, serve)
-            before, t0 = _scrape_at(serve.metrics_url)
+            before, t0, wall0 = _scrape_at(serve.metrics_url)
             _wait(cond, recs, lambda r: r.num_steps >= warmup + steps, timeout_s, serve)
-            after, t1 = _scrape_at(serve.metrics_url)
+            after, t1, wall1 = _scrape_at(serve.metrics_url)
         finally:
             stop.set()
             for t in threads:
@@ -333,7 +355,9 @@ def measure_row(
     for r in recs:
         if r.error is not None:
             raise RuntimeError(f"{spec.config} batch {spec.batch}: {r.error}")
-    return summarise(spec, recs, t0, t1, hub_ms(before, after))
+    row = summarise(spec, recs, t0, t1, hub_ms(before, after))
+    row["gpus"] = e2e_timeline.window(serve.trace_dir, wall0, wall1, spec.batch == 1)
+    return row
 
 
 def _wait(
@@ -356,11 +380,13 @@ def _wait(
             raise RuntimeError(f"a request failed: {r.error}\n{serve.service.log_tail()}")
 
 
-def _scrape_at(url: str) -> tuple[dict[str, float], float]:
-    """A scrape and the time it stands for (the middle of the HTTP call)."""
-    start = time.perf_counter()
+def _scrape_at(url: str) -> tuple[dict[str, float], float, float]:
+    """A scrape and the time it stands for (the middle of the HTTP call), on the
+    perf_counter clock and on the Unix clock (the device traces')."""
+    start, wall = time.perf_counter(), time.time()
     metrics = scrape(url)
-    return metrics, (start + time.perf_counter()) / 2
+    half = (time.perf_counter() - start) / 2
+    return metrics, start + half, wall + half
 
 
 def summarise(
@@ -375,7 +401,9 @@ def summarise(
     client_step = statistics.median(f["step_ms"] for f in per)
     tokens = sum(f["tokens"] for f in per)
     gaps = sorted(g for f in per for g in f["gaps_ms"])
+    token_gaps = sorted(g for f in per for g in f["token_gaps_ms"])
     return {
+        "placement": spec.placement,
         "config": spec.config,
         "proposer": spec.proposer,
         "synthetic_length": spec.synthetic_length,
@@ -386,6 +414,7 @@ def summarise(
         "hub_steps": hub["steps"],
         "tpot_ms_median": statistics.median(f["tpot_ms"] for f in per),
         "tpot_ms_max": max(f["tpot_ms"] for f in per),
+        "tpot_ms_p99": token_gaps[int(0.99 * (len(token_gaps) - 1))],
         "client_step_ms_median": client_step,
         "steps_per_s": 1e3 / client_step,
         "tokens_per_s": tokens / (t1 - t0),
@@ -465,6 +494,16 @@ def seq_len_needed(s: dict[str, Any]) -> int:
     return max(rows, ttft) + k + 1
 
 
+def placements(result: dict[str, Any]) -> list[str]:
+    """The serve rows' placements: as asked, else "shared" and, with two GPUs or more, "split"."""
+    s, gpus = result["settings"], result["environment"]["gpu_count"]
+    two = s["target_device"] != "cpu" and gpus >= 2
+    wanted = s.get("serve_placements") or (list(PLACEMENTS) if two else ["shared"])
+    if "split" in wanted and not two:
+        raise ValueError(f"the split placement needs two GPUs; this machine has {gpus}.")
+    return wanted
+
+
 def section(
     result: dict[str, Any],
     log_dir: Path,
@@ -472,44 +511,52 @@ def section(
     phase: Callable[[str], None],
     tick: Callable[[int], None],
 ) -> None:
-    """The serve rows and TTFT into result["serve"], as they are measured: one `specdec serve`
-    per synthetic length; target-only rows (proposer off: k = 0, so no acceptance test runs)
-    and TTFT on the first of them."""
+    """The serve rows and TTFT into result["serve"], as they are measured: per placement, one
+    `specdec serve` per synthetic length, lock-step, then one per draft-ahead hit rate;
+    target-only rows (proposer off: k = 0, so no acceptance test runs) and TTFT on the very
+    first."""
     s = result["settings"]
     out = result["serve"]
+    out["placements"] = placements(result)
     k = s["num_draft_tokens"]
-    for n, length in enumerate(s["serve_lengths"]):
-        phase(f"starting specdec serve (synthetic L = {length:g})")
-        with serving(s, length, log_dir, timeout_s, out["stops"].append) as serve:
-            with Client(serve.address) as client:
-                served = client.model_info()[0]
-            max_tokens = min(max_tokens_for(s), served.max_seq_len - s["prompt_len"])
-            specs = [] if n else [(TARGET_ONLY, "off", None)]
-            specs.append((f"lockstep_L{length:g}", "draft", length))
-            for config, proposer, synthetic in specs:
-                for b in s["batches"]:
-                    phase(f"serve {config} batch {b}")
-                    spec = RowSpec(config, proposer, k, synthetic, b)
-                    out["rows"].append(measure_row(serve, spec, s, max_tokens, timeout_s))
-                    tick(s["serve_steps"])
-            if n == 0:
-                for config, proposer in ((TARGET_ONLY, "off"), (f"lockstep_L{length:g}", "draft")):
-                    phase(f"serve TTFT {config}")
-                    out["ttft"].append(measure_ttft(serve, config, proposer, k, s, timeout_s))
-                    tick(1)
-        for h in s.get("serve_hit_rates", []):
-            config = f"ahead_h{h:g}_L{length:g}"
-            phase(f"starting specdec serve ({config})")
-            with serving(s, length, log_dir, timeout_s, out["stops"].append, h) as serve:
-                for b in s["batches"]:
-                    phase(f"serve {config} batch {b}")
-                    spec = RowSpec(config, "draft", k, length, b)
-                    out["rows"].append(measure_row(serve, spec, s, max_tokens, timeout_s))
-                    tick(s["serve_steps"])
+    max_tokens = max_tokens_for(s)
+    first = True
+    for placement in out["placements"]:
+        for length in s["serve_lengths"]:
+            lockstep = f"lockstep_L{length:g}"
+            starts = [
+                (lockstep, None, False),
+                *((f"ahead_h{h:g}_L{length:g}", h, False) for h in s.get("serve_hit_rates", [])),
+            ]
+            if s.get("serve_dynamic"):
+                starts.append((f"dynamic_L{length:g}", None, True))
+            for config, hit_rate, dynamic in starts:
+                phase(f"starting specdec serve ({placement} {config})")
+                with serving(s, length, log_dir, timeout_s, out["stops"].append, hit_rate,
+                             placement, dynamic) as serve:  # fmt: skip
+                    with Client(serve.address) as client:
+                        served = client.model_info()[0]
+                    max_tokens = min(max_tokens, served.max_seq_len - s["prompt_len"])
+                    specs = [(TARGET_ONLY, "off")] if first else []
+                    for name, proposer in [*specs, (config, "draft")]:
+                        for b in s["batches"]:
+                            phase(f"serve {placement} {name} batch {b}")
+                            spec = RowSpec(placement, name, proposer, k,
+                                           None if proposer == "off" else length, b)  # fmt: skip
+                            out["rows"].append(measure_row(serve, spec, s, max_tokens, timeout_s))
+                            tick(s["serve_steps"])
+                    if first:
+                        for name, proposer in ((TARGET_ONLY, "off"), (lockstep, "draft")):
+                            phase(f"serve TTFT {name}")
+                            ttft = measure_ttft(serve, name, proposer, k, s, timeout_s)
+                            out["ttft"].append(ttft)
+                            tick(1)
+                    first = False
 
 
 def progress_units(s: dict[str, Any]) -> int:
-    """Progress ticks of `section`."""
-    per_length = 1 + len(s.get("serve_hit_rates", []))
-    rows = len(s["batches"]) * (1 + len(s["serve_lengths"]) * per_length)
+    """Progress ticks of `section` (placements as asked, else two: an estimate)."""
+    per_length = 1 + len(s.get("serve_hit_rates", [])) + bool(s.get("serve_dynamic"))
+    n = len(s.get("serve_placements") or PLACEMENTS)
+    rows = len(s["batches"]) * (1 + n * len(s["serve_lengths"]) * per_length)
     return rows * s["serve_steps"] + 2

@@ -101,6 +101,18 @@ def with_guesses(head: Head, vocab_size: int, count: int) -> Head:
     return guessing
 
 
+@dataclass(frozen=True, slots=True)
+class Proposal:
+    """One block's answer: the drafts, an error per refused ask, the device time of its
+    forwards, and how many asks found a chain drafted ahead (hits) or did not (misses)."""
+
+    block: DraftBlock
+    errors: list[tuple[str, RequestError]]
+    times: StepTimes
+    ahead_hits: int = 0
+    ahead_misses: int = 0
+
+
 @dataclass(slots=True)
 class _Request:
     tokens: list[int]  # prompt + committed tokens
@@ -136,7 +148,6 @@ class DraftEngine:
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
         self.ahead_hits = self.ahead_misses = 0  # asks that found a chain drafted ahead, or not
-        self.last_ahead = (0, 0)  # the last block's (hits, misses)
         self._accepted = ahead.AcceptedCounts()  # the verdicts' accepted counts seen so far
         if runner is not None:  # the `last` head input of one-token steps: row 0
             self._zeros = torch.zeros(
@@ -185,15 +196,13 @@ class DraftEngine:
     ) -> tuple[DraftBlock, list[tuple[str, RequestError]]]:
         """Drafts for every valid ask (in order, as one block), and an error for each of the
         others."""
-        block, errors, _ = self.propose_timed(asks)
-        return block, errors
+        proposal = self.propose_timed(asks)
+        return proposal.block, proposal.errors
 
-    def propose_timed(
-        self, asks: Sequence[ProposeEntry]
-    ) -> tuple[DraftBlock, list[tuple[str, RequestError]], StepTimes]:
-        """`propose`, and the device time of the step's forwards. A step that raises leaves
-        every request as it was before it (tokens, step, KV), so the same block may be sent
-        again."""
+    def propose_timed(self, asks: Sequence[ProposeEntry]) -> Proposal:
+        """`propose`, the device time of the step's forwards and its draft-ahead hits. A step
+        that raises leaves every request as it was before it (tokens, step, KV), so the same
+        block may be sent again."""
         with self._lock:
             counts: dict[str, int] = {}
             for a in asks:
@@ -208,7 +217,7 @@ class DraftEngine:
                     errors.append((a.request_id, err))
             before = (self.ahead_hits, self.ahead_misses)
             hits = {a.request_id: c for a in ok if (c := self._take_chain(a)) is not None}
-            self.last_ahead = (self.ahead_hits - before[0], self.ahead_misses - before[1])
+            ahead = (self.ahead_hits - before[0], self.ahead_misses - before[1])
             saved = [self._save(a.request_id) for a in ok]
             try:
                 for a in ok:
@@ -216,9 +225,9 @@ class DraftEngine:
                     req.tokens.extend(a.new_token_ids)
                     req.next_step = a.step + 1
                 if self.runner is None:
-                    return self._draft_ngram(ok), errors, StepTimes()
+                    return Proposal(self._draft_ngram(ok), errors, StepTimes(), *ahead)
                 block, times = self._draft_model(ok, hits)
-                return block, errors, times
+                return Proposal(block, errors, times, *ahead)
             except BaseException:
                 for a, state in zip(ok, saved, strict=True):
                     self._restore(a.request_id, state)
@@ -317,7 +326,7 @@ class DraftEngine:
         )  # fmt: skip
 
     def _drafts(
-        self, ids: list[str], reqs: list[_Request], ks: list[int], guess: bool
+        self, ids: list[str], reqs: list[_Request], ks: list[int], guess: bool, span: str = "draft"
     ) -> tuple[list[list[int]], DraftQ, list[bool], list[list[list[int]]], StepTimes]:
         """k_i tokens per request: one catch-up step over the tokens the KV lacks (padded to
         the longest, a CUDA graph where one fits), then k - 1 one-token steps, each fed the
@@ -325,7 +334,7 @@ class DraftEngine:
         graphs; one host synchronisation reads the drafts and the q rows the block sends.
         Returns the tokens by request, the q rows of the sampled (not greedy) requests in
         order, which requests were sampled, with `guess` each draft position's guesses
-        (draft-ahead's, `with_guesses`), and the device time."""
+        (draft-ahead's, `with_guesses`), and the device time (traced as `span`)."""
         runner = self.runner
         assert runner is not None
         eager, graphs = runner.eager_steps, runner.graph_steps
@@ -354,9 +363,8 @@ class DraftEngine:
         drafted, q, guesses = _read_drafts(steps, ks, sampled, runner)  # the step's one sync
         for b, req in enumerate(reqs):
             req.kv = req.tokens + drafted[b][: ks[b] - 1]
-        times = StepTimes(
-            clock.seconds(0, 1), 0.0, runner.eager_steps == eager and runner.graph_steps > graphs
-        )
+        graphed = runner.eager_steps == eager and runner.graph_steps > graphs
+        times = StepTimes(clock.seconds(0, 1, span), 0.0, graphed)
         return drafted, q, sampled, guesses, times
 
     def _catch_up_tails(self, ids: list[str], reqs: list[_Request]) -> list[list[int]]:
@@ -451,7 +459,7 @@ class DraftEngine:
             forks.append((rid, bid, len(prefix)))
         runner.fork(forks)
         ks = [len(ready[i][1].drafts) for _, i, _ in chosen]
-        drafted, q, sampled, guesses, _ = self._drafts(ids, branches, ks, guess=True)
+        drafted, q, sampled, guesses, _ = self._drafts(ids, branches, ks, True, "ahead")
         tensors, start = _q_tensors(q) or (), 0
         for n, (_, i, h) in enumerate(chosen):
             req = ready[i][1]

@@ -39,14 +39,13 @@ class DraftServicer(LifecycleServicer, draft_pb2_grpc.DraftServiceServicer):
                         f"entries[{i}]: {e}",
                     )
                     errors.append(_propose_error(pb.request_id, err))
-            proposals, failed, times = self.engine.propose_timed(asks)
-            errors += [_propose_error(rid, err) for rid, err in failed]
-            hits, misses = self.engine.last_ahead
+            proposal = self.engine.propose_timed(asks)
+            errors += [_propose_error(rid, err) for rid, err in proposal.errors]
             response = draft_pb2.ProposeResponse(
-                block=proposals.to_pb(), errors=errors,
-                draft_ahead_hits=hits, draft_ahead_misses=misses,
+                block=proposal.block.to_pb(), errors=errors,
+                draft_ahead_hits=proposal.ahead_hits, draft_ahead_misses=proposal.ahead_misses,
             )  # fmt: skip
-            response.timing.CopyFrom(step_timing(times, time.perf_counter() - start))
+            response.timing.CopyFrom(step_timing(proposal.times, time.perf_counter() - start))
             yield response
             # the target verifies this block meanwhile: draft its likely successors
-            self.engine.draft_ahead(proposals.request_ids)
+            self.engine.draft_ahead(proposal.block.request_ids)

@@ -91,6 +91,11 @@ def _services_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-ahead", type=int, default=d("draft_ahead"), metavar="F",
                    help="draft-ahead: while the target verifies, the draft drafts the next "
                         "step for its F best guesses of each verdict (0: off)")  # fmt: skip
+    g.add_argument("--dynamic-speculation", action=argparse.BooleanOptionalAction,
+                   default=d("dynamic_speculation"),
+                   help="the target chooses each step's k (0 included) from the measured "
+                        "acceptance and step times; a request's k is the upper bound, and a "
+                        "sampled request with its own seed keeps its k")  # fmt: skip
     b = parser.add_argument_group(
         "benchmarking only", "The served output is NOT distributed as the target's."
     )
@@ -257,6 +262,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             support_size=args.support_size, sampler_impl=args.sampler_impl,
             cuda_graph_batch_sizes=tuple(args.cuda_graph_batch_sizes),
             draft_ahead=args.draft_ahead,
+            dynamic_speculation=args.dynamic_speculation,
             synthetic_hit_rate=args.synthetic_hit_rate,
             # hypotheses for up to 8 requests at the served k
             draft_ahead_slots=args.draft_ahead * (args.num_draft_tokens + 1)

@@ -88,6 +88,8 @@ class ServiceConfig:
     # the extra KV slots its runner holds for the hypotheses
     draft_ahead: int = 0
     draft_ahead_slots: int = 0
+    # the target chooses each step's k (target_service.speculation)
+    dynamic_speculation: bool = False
     # BENCHMARKING ONLY: the target's acceptance test replaced by a synthetic mean acceptance
     # length L for k = synthetic_num_draft_tokens (target_service.synthetic); the output is
     # then NOT distributed as the target's. Both None (the default) or both set.

@@ -63,6 +63,7 @@ class PairAdmission:
     num_draft_tokens: int  # k for this request (ignored when proposer == "off")
     first_step: int = 0
     max_length: int = 0  # prompt + tokens the orchestrator keeps at most; 0: no limit
+    fixed_num_draft_tokens: bool = False  # k kept under dynamic speculation (seeded, sampled)
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -86,6 +87,7 @@ class PairAdmission:
             proposer=PROPOSERS[self.proposer],  # type: ignore[arg-type]
             num_draft_tokens=self.num_draft_tokens,
             max_length=self.max_length,
+            fixed_num_draft_tokens=self.fixed_num_draft_tokens,
         )
 
 

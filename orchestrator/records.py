@@ -184,6 +184,8 @@ class RequestRecord:
         self.criteria = criteria
         self.proposer = proposer
         self.num_draft_tokens = num_draft_tokens
+        # k stays num_draft_tokens under dynamic speculation: a seeded sampled request
+        self.fixed_num_draft_tokens = False
         self.next_step = first_step
         self.committed: list[int] = []
         self.steps: list[StepAcceptance] = []

@@ -149,6 +149,8 @@ def parse_request(
     record = RequestRecord(
         request_id, prompt, criteria, detokenizer=detok, proposer=proposer, num_draft_tokens=k
     )
+    # its output must not depend on the batch, so the target may not change its k per step
+    record.fixed_num_draft_tokens = request.HasField("seed") and not sampling.greedy
     return record, sampling
 
 
@@ -230,6 +232,7 @@ class Job:
         return PairAdmission(
             r.request_id, tokens, self.sampling, proposer, r.num_draft_tokens, next_step,
             max_length=0 if limit is None else len(r.prompt_ids) + limit,
+            fixed_num_draft_tokens=r.fixed_num_draft_tokens,
         )  # fmt: skip
 
     def readmission(self) -> tuple[tuple[int, ...], int]:

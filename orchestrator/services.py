@@ -113,6 +113,7 @@ def start_service(role: str, config: ServiceConfig) -> tuple[Any, ModelInfo]:
             max_num_draft_tokens=config.max_num_draft_tokens,
             sampler_impl=config.sampler_impl,
             synthetic=synthetic_acceptance(config),
+            dynamic_speculation=config.dynamic_speculation,
             draft_tls_root_cert=config.tls_root_cert,
             draft_tls_server_name=config.tls_server_name,
             draft_tls_client_cert=config.tls_client_cert,

@@ -34,4 +34,4 @@ ruff check .
 ruff format --check .
 mypy
 python -m specdec.pb.generate --check
-python -m pytest -q "$@"
+python -m pytest -q --durations=25 "$@"

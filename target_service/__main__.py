@@ -64,6 +64,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sampler-impl", choices=["auto", "triton", "torch"], default=d("sampler_impl")
     )
+    parser.add_argument(
+        "--dynamic-speculation",
+        action=argparse.BooleanOptionalAction,
+        default=d("dynamic_speculation"),
+        help="choose each step's k (0 included) from the measured acceptance and step times; "
+        "a request's own k is the upper bound",
+    )
     g = parser.add_argument_group("synthetic acceptance", BENCHMARK_ONLY)
     rates = g.add_mutually_exclusive_group()
     rates.add_argument(
@@ -125,6 +132,7 @@ def target_config(args: argparse.Namespace) -> TargetConfig:
         draft_tls_client_key=args.draft_tls_client_key,
         sampler_impl=args.sampler_impl,
         synthetic=synthetic(args),
+        dynamic_speculation=args.dynamic_speculation,
     )
     if config.synthetic is not None:
         log.warning(

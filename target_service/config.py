@@ -38,6 +38,8 @@ class TargetConfig:
     sampler_impl: Literal["auto", "triton", "torch"] = "auto"
     max_support_size: int = 1024
     synthetic: SyntheticAcceptance | None = None
+    # the hub chooses each step's k (target_service.speculation); requests' k are upper bounds
+    dynamic_speculation: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_num_draft_tokens <= MAX_NUM_DRAFT_TOKENS:

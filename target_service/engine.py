@@ -149,7 +149,9 @@ class TargetEngine:
         out = VerifyResponse.pending(block.request_ids, block.steps)
         [result] = self.runner.to_host(packed)
         self._commit_group(block, [0], [0], [req], result.tolist(), out)
-        return out, StepTimes(clock.seconds(0, 1), clock.seconds(1, 2), graphed=False)
+        return out, StepTimes(
+            clock.seconds(0, 1, "prefill"), clock.seconds(1, 2, "sampler"), graphed=False
+        )
 
     def release(self, request_ids: Sequence[str]) -> int:
         with self._lock:
@@ -269,7 +271,7 @@ class TargetEngine:
         for (positions, _), result in zip(sampled, host, strict=True):
             self._commit_group(block, entries, positions, reqs, result.tolist(), out)
         graphed = runner.eager_steps == eager and runner.graph_steps > graphs
-        return StepTimes(clock.seconds(0, 1), clock.seconds(1, 2), graphed)
+        return StepTimes(clock.seconds(0, 1, "verify"), clock.seconds(1, 2, "sampler"), graphed)
 
     def _sample(
         self,

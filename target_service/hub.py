@@ -49,6 +49,7 @@ from specdec.serving.verdicts import VerifyResponse
 from target_service.engine import TargetEngine
 from target_service.hub_draft import DraftSide, HubRequest
 from target_service.servicer import TargetServicer
+from target_service.speculation import KChooser
 
 log = logging.getLogger(__name__)
 
@@ -122,6 +123,9 @@ class Hub:
         self._draft = DraftSide(self._config, engine.info, self._requests, self._emit)
         self._ngram = NgramConfig()
         self._max_seq_len = engine.info.max_seq_len
+        self._chooser = (KChooser(self._config.max_num_draft_tokens)
+                         if self._config.dynamic_speculation else None)  # fmt: skip
+        self._k_cap: int | None = None  # this step's k for the draft's requests, when dynamic
         self._thread = threading.Thread(target=self._run, name="hub", daemon=True)
 
     def start(self) -> None:
@@ -230,7 +234,7 @@ class Hub:
         tokens = [*adm.prompt_token_ids, *(verdicts.token_ids[0] if verdicts else ())]
         next_step = adm.first_step + (verdicts is not None)
         req = HubRequest(rid, adm.sampling, proposer, k, tokens, next_step)
-        req.max_length = pb.max_length
+        req.max_length, req.fixed_k = pb.max_length, pb.fixed_num_draft_tokens
         self._requests[rid] = req
         admitted = target_pb2.ServeAdmitted(
             request_id=rid, committed_length=len(tokens), next_step=next_step,
@@ -283,6 +287,7 @@ class Hub:
     def _step(self) -> None:
         start = time.perf_counter()
         group = _Group([r for r in self._requests.values() if not r.done])
+        self._k_cap = self._choose_k(group)
         verify_s = sampler_s = 0.0
         graphed = False
         try:
@@ -292,6 +297,8 @@ class Hub:
         except Exception as e:
             log.exception("a step of %d requests failed", len(group.requests))
             verdicts = self._failed(group, e)
+        else:
+            self._observe(group, verdicts, time.perf_counter() - start)
         step = target_pb2.ServeStep(
             verdicts=verdicts.to_pb(), draft_s=group.draft_s, transport_s=group.transport_s,
             verify_s=verify_s, sampler_s=sampler_s, step_s=time.perf_counter() - start,
@@ -301,6 +308,27 @@ class Hub:
         )  # fmt: skip
         self._emit(step=step)
         self._record(verdicts)
+
+    def _choose_k(self, group: _Group) -> int | None:
+        """The k of this step's draft requests under dynamic speculation, else None."""
+        if self._chooser is None:
+            return None
+        asked = [r.num_draft_tokens for r in group.requests
+                 if r.proposer == "draft" and not r.fixed_k]  # fmt: skip
+        return self._chooser.choose(len(group.requests), max(asked)) if asked else None
+
+    def _observe(self, group: _Group, verdicts: VerifyResponse, step_s: float) -> None:
+        """What dynamic speculation learns from a step: its draft requests' k and acceptance,
+        and its times."""
+        if self._chooser is None:
+            return
+        ks, accepted = [], []
+        for i, rid in enumerate(verdicts.request_ids):
+            req = self._requests.get(rid)
+            if req is not None and req.proposer == "draft" and i not in verdicts.errors:
+                ks.append(verdicts.num_draft_tokens[i])
+                accepted.append(verdicts.num_accepted[i])
+        self._chooser.observe(len(group.requests), ks, accepted, step_s, group.draft_s)
 
     def _proposals(self, group: _Group) -> DraftBlock:
         """The group's block; a malformed one from the draft counts as the draft failing."""
@@ -346,6 +374,8 @@ class Hub:
         if r.proposer == "off":
             return 0
         k = min(r.num_draft_tokens, self._max_seq_len - len(r.tokens) - 1)
+        if self._k_cap is not None and r.proposer == "draft" and not r.fixed_k:
+            k = min(k, self._k_cap)
         if r.max_length:  # no drafts past the last token the orchestrator keeps
             k = min(k, r.max_length - len(r.tokens) - 1)
         if r.on_draft and self._draft.link is not None:

@@ -37,6 +37,7 @@ class HubRequest:
     on_draft: bool = False  # admitted on the current draft service
     told: int = 0  # how many of `tokens` the draft service knows
     max_length: int = 0  # left out of steps once it holds this many tokens; 0: no limit
+    fixed_k: bool = False  # keeps num_draft_tokens under dynamic speculation (seeded, sampled)
 
     @property
     def done(self) -> bool:

@@ -67,7 +67,8 @@ def run(draft: DraftEngine, target: TargetEngine, batch: int, k: int, steps: int
             prof = torch.profiler.profile(activities=[activity.CPU, activity.CUDA])
             prof.__enter__()
         a = time.perf_counter()
-        block, errors, d_times = draft.propose_timed(asks)
+        proposal = draft.propose_timed(asks)
+        block, errors, d_times = proposal.block, proposal.errors, proposal.times
         b = time.perf_counter()
         verdicts, v_times = target.verify_timed(block)
         c = time.perf_counter()

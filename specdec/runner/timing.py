@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.runner.trace import Trace
+
 
 @dataclass(frozen=True, slots=True)
 class StepTimes:
@@ -29,6 +31,7 @@ class StepClock:
     def __init__(self, device: torch.device) -> None:
         self._cuda = device.type == "cuda"
         self._marks: list[torch.cuda.Event | float] = []
+        self._trace = Trace.for_device(device)
 
     def mark(self) -> int:
         """Records a mark after the work queued so far; returns its index."""
@@ -40,9 +43,12 @@ class StepClock:
             self._marks.append(time.perf_counter())
         return len(self._marks) - 1
 
-    def seconds(self, start: int, end: int) -> float:
-        """Time between two marks; on CUDA call it only after the step's synchronisation."""
+    def seconds(self, start: int, end: int, span: str | None = None) -> float:
+        """Time between two marks; on CUDA call it only after the step's synchronisation.
+        With a trace on (`specdec.runner.trace`), writes the interval as the span `span`."""
         a, b = self._marks[start], self._marks[end]
+        if span is not None and self._trace is not None:
+            self._trace.span(span, a, b)
         if isinstance(a, float) and isinstance(b, float):
             return b - a
         assert isinstance(a, torch.cuda.Event) and isinstance(b, torch.cuda.Event)

@@ -82,6 +82,15 @@ def test_smoke_through_serve_has_every_row(smoke: tuple[Path, dict[str, Any]]) -
         else:
             assert (hub["draft"] > 0) == (config != "target_only")
         assert r["overhead_ms_per_step"] == pytest.approx(r["client_step_ms_median"] - hub["step"])
+        assert r["placement"] == "shared" and r["tpot_ms_p99"] >= r["tpot_ms_median"] / 2 > 0
+        # both services' device work on the one CPU, traced through specdec serve's actors
+        [(lane, busy)] = r["gpus"]["busy"].items()
+        assert lane.startswith("CPU (") and 0 < busy <= 1
+        if r["batch"] == 1:
+            names = {s[0] for s in r["gpus"]["timeline"][lane]}
+            drafted = {"target_only": set(), "lockstep_L3": {"draft"}, "ahead_h1_L3": {"ahead"}}
+            assert "verify" in names and names & {"draft", "ahead"} >= drafted[config]
+            assert config != "target_only" or not names & {"draft", "ahead"}
         assert r["hub_steps"] >= 2 and r["client_responses_median"] >= 2
         per_step = r["tokens_per_step_per_request"]
         if config == "target_only":
@@ -111,6 +120,8 @@ def test_report_regenerates_markdown(smoke: tuple[Path, dict[str, Any]]) -> None
     assert "identical tokens (passed)" in text and "| lockstep_L3 | 4 |" in text
     assert "### Through specdec serve and the client" in text
     assert "| target_only | 64 |" in text  # the TTFT table
+    assert "| shared | ahead_h1_L3 | 4 |" in text  # side by side
+    assert (out / "e2e_cpu_timeline.png").is_file()
 
 
 def test_goals_compare_against_the_bounds() -> None:

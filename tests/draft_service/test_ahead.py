@@ -9,15 +9,17 @@ The hits must be real: a test that never hit would prove nothing.
 
 from __future__ import annotations
 
+import time
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from bench import e2e_timeline
 from draft_service import ahead
 from draft_service.config import DraftConfig
-from specdec.runner import ModelRunner
+from specdec.runner import ModelRunner, trace
 from specdec.sampling_params import SamplingParams
 from tests.draft_service.models import (
     TOKENIZER_VOCAB,
@@ -176,3 +178,19 @@ def test_a_failing_ahead_pass_changes_nothing(
         pipe.release(["a"])
         pipe.close()
         assert runner.free_slots == free
+
+
+def test_trace_shows_each_kind_of_device_work(
+    checkpoints: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With SPECDEC_GPU_TRACE set, the draft's steps, its passes ahead and the target's verify
+    forwards and sampler are spans on one clock, in the run's own time."""
+    monkeypatch.setenv(trace.ENV, str(tmp_path / "trace"))
+    monkeypatch.setattr(trace.Trace, "_by_device", {})
+    target_dir, draft_dir = checkpoints
+    start = time.time()
+    _run(target_dir, with_ahead(model_draft(draft_dir), 2), [SamplingParams(0.0)] * 2, 3, 12)
+    end = time.time()
+    spans = [s for p in e2e_timeline.read(tmp_path / "trace") for s in p["spans"]]
+    assert {name for name, _, _ in spans} >= {"draft", "ahead", "verify", "sampler"}
+    assert all(start <= a <= b <= end for _, a, b in spans)

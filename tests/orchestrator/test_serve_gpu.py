@@ -138,11 +138,22 @@ def _gpu_used_mib() -> int:
     return sum(_gpu_used_mib_each())
 
 
+def _num_gpus() -> int:
+    try:
+        return len(_gpu_used_mib_each())
+    except (OSError, subprocess.CalledProcessError):
+        return 0
+
+
+TWO_GPUS = pytest.mark.skipif(_num_gpus() < 2, reason="needs two GPUs")
+
+
 @pytest.mark.parametrize(
     "device_flags",
-    [[], ["--device", "cuda"], ["--draft-ahead", "2"]],
-    ids=["auto", "cuda", "draft-ahead"],
-)
+    [[], ["--device", "cuda"], ["--draft-ahead", "2"],
+     pytest.param(["--num-gpus", "1"], marks=TWO_GPUS)],
+    ids=["auto", "cuda", "draft-ahead", "one-of-two-gpus"],
+)  # fmt: skip
 def test_specdec_serve_on_one_gpu(
     checkpoints: tuple[Path, Path], tmp_path: Path, device_flags: list[str]
 ) -> None:
@@ -150,8 +161,10 @@ def test_specdec_serve_on_one_gpu(
     with serve(checkpoints, tmp_path / "serve.log", *device_flags) as served:
         # two CUDA contexts (about 500 MiB each) and the services' KV caches
         assert _gpu_used_mib() - before >= 600, "both services run on the GPUs"
-        if len(before_each) >= 2:  # Ray places the draft and the target on different GPUs
-            grown = [a - b for a, b in zip(_gpu_used_mib_each(), before_each, strict=True)]
+        grown = [a - b for a, b in zip(_gpu_used_mib_each(), before_each, strict=True)]
+        if "--num-gpus" in device_flags:  # Ray sees one GPU: both services share it
+            assert sum(g >= 300 for g in grown) == 1, f"MiB grown per GPU: {grown}"
+        elif len(before_each) >= 2:  # Ray places the draft and the target on different GPUs
             assert sum(g >= 300 for g in grown) >= 2, f"MiB grown per GPU: {grown}"
         with Client(served.address, timeout=120) as client:
             target_only = _greedy(client, "off")
@@ -211,14 +224,26 @@ def _main(module: str, log: Path, *args: str) -> Iterator[str]:
             process.wait()
 
 
-def test_service_mains_with_devices_named(checkpoints: tuple[Path, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    ("draft_device", "target_device"),
+    [
+        ("cuda:0", "cuda"),
+        pytest.param("cuda:0", "cuda:1", marks=TWO_GPUS),
+    ],
+)  # fmt: skip
+def test_service_mains_with_devices_named(
+    checkpoints: tuple[Path, Path], tmp_path: Path, draft_device: str, target_device: str
+) -> None:
+    """Greedy through the services' mains equals target-only; with two GPUs the target (its
+    runner, CUDA graphs and compiled sampler) runs on cuda:1 and the draft on cuda:0."""
     target, draft = checkpoints
     common = ["--max-seq-len", "256", "--cuda-graph-batch-sizes", "1", "4"]
     with (
         _main("draft_service", tmp_path / "draft.log", "--model", str(draft),
-              "--device", "cuda:0", *common) as draft_address,
+              "--device", draft_device, *common) as draft_address,
         _main("target_service", tmp_path / "target.log", "--model", str(target),
-              "--device", "cuda", "--draft-address", draft_address, *common) as target_address,
+              "--device", target_device, "--draft-address", draft_address,
+              *common) as target_address,
     ):  # fmt: skip
         channels = [grpc.insecure_channel(a) for a in (draft_address, target_address)]
         try:

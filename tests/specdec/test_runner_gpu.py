@@ -7,15 +7,23 @@ from specdec.runner import ForwardItem, ModelRunner, RunnerConfig
 from tests.specdec._runner_models import hf_model, reference_logits
 
 pytestmark = pytest.mark.gpu
+# the first GPU and, where there is one, another: a service Ray places on cuda:1
+DEVICES = [
+    "cuda",
+    pytest.param("cuda:1", marks=pytest.mark.skipif(
+        torch.cuda.device_count() < 2, reason="needs two GPUs")),
+]  # fmt: skip
 
 
-def runners(family: str, sizes: tuple[int, ...]) -> tuple[object, ModelRunner, ModelRunner]:
+def runners(
+    family: str, sizes: tuple[int, ...], device: str = "cuda"
+) -> tuple[object, ModelRunner, ModelRunner]:
     model = hf_model(family)
-    state = {k: v.cuda() for k, v in model.state_dict().items()}
+    state = {k: v.to(device) for k, v in model.state_dict().items()}
     make = lambda s: ModelRunner.from_hf_weights(
         RunnerConfig(
             model_path="unused",
-            device="cuda",
+            device=device,
             max_slots=4,
             max_seq_len=64,
             cuda_graph_batch_sizes=s,
@@ -32,8 +40,9 @@ def draft_head(logits: torch.Tensor, temperature: torch.Tensor) -> tuple[torch.T
     return probs.argmax(-1).to(torch.int32), probs
 
 
-def test_graph_buffers_change_on_replay_and_match_eager() -> None:
-    _, graphed, eager = runners("qwen3", (2, 4))
+@pytest.mark.parametrize("device", DEVICES)
+def test_graph_buffers_change_on_replay_and_match_eager(device: str) -> None:
+    _, graphed, eager = runners("qwen3", (2, 4), device)
     g = torch.Generator().manual_seed(0)
     ids = ["a", "b", "c"]  # batch 3 pads to the captured size 4
     prompts = [torch.randint(0, 300, (5 + i,), generator=g) for i in range(len(ids))]
@@ -41,10 +50,10 @@ def test_graph_buffers_change_on_replay_and_match_eager() -> None:
         for rid, prompt in zip(ids, prompts, strict=True):
             r.add_request(rid)
             r.forward([ForwardItem(rid, prompt, 0)])
-    temps = torch.tensor([1.0, 0.7, 1.3], device="cuda")
+    temps = torch.tensor([1.0, 0.7, 1.3], device=graphed.device)
     buffer, before = 0, torch.empty(0)
     for step in range(3):
-        tokens = torch.randint(0, 300, (3, 1), generator=g).cuda()
+        tokens = torch.randint(0, 300, (3, 1), generator=g).to(graphed.device)
         got = graphed.graph_step(ids, tokens, head=draft_head, head_inputs=(temps,))
         want = eager.graph_step(ids, tokens, head=draft_head, head_inputs=(temps,))
         torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
@@ -55,19 +64,22 @@ def test_graph_buffers_change_on_replay_and_match_eager() -> None:
         buffer, before = got[1].data_ptr(), got[1].clone()
     # verify-shaped steps (logits only) replay too, and advance the cache
     for _ in range(2):
-        tokens = torch.randint(0, 300, (3, 3), generator=g).cuda()
+        tokens = torch.randint(0, 300, (3, 3), generator=g).to(graphed.device)
         got_logits = graphed.graph_step(ids, tokens)
         want_logits = eager.graph_step(ids, tokens)
         torch.testing.assert_close(got_logits, want_logits, atol=1e-4, rtol=0)
     assert graphed.cached_length("c") == 7 + 3 + 6
 
 
-def test_cuda_forward_matches_transformers() -> None:
-    model, runner, _ = runners("llama3", ())
+@pytest.mark.parametrize("device", DEVICES)
+def test_cuda_forward_matches_transformers(device: str) -> None:
+    model, runner, _ = runners("llama3", (), device)
     a = torch.randint(0, 300, (20,)).tolist()
     runner.add_request("a")
     out = runner.forward([ForwardItem("a", a[:12], 12)])
-    out = torch.cat([out, runner.forward([ForwardItem("a", a[12:], 8)])]).cpu()
+    out = torch.cat([out, runner.forward([ForwardItem("a", a[12:], 8)])])
+    assert out.device == runner.device
+    out = out.cpu()
     torch.testing.assert_close(out, reference_logits(model, a), atol=1e-4, rtol=0)
 
 

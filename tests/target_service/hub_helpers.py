@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench.local import LocalPair, local_pair
 from orchestrator.pair import Admitted, PairAdmission, PairClient, Proposer, StepEvent, StepReport
@@ -23,11 +24,14 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 @contextmanager
-def hub_services(target_dir: Path, draft_dir: Path) -> Iterator[LocalPair]:
+def hub_services(target_dir: Path, draft_dir: Path, **target_options: Any) -> Iterator[LocalPair]:
     """Draft and target services (`bench.local`); the target's hub uses the draft. The
     rejection sampler runs its pure-torch implementation (bit-equal to the kernels; the Triton
-    interpreter costs about 1 s per step on a CPU)."""
-    target = TargetConfig(runner_config(target_dir), draft_wait_s=5.0, sampler_impl="torch")
+    interpreter costs about 1 s per step on a CPU). `target_options`: more TargetConfig
+    fields."""
+    target = TargetConfig(
+        runner_config(target_dir), draft_wait_s=5.0, sampler_impl="torch", **target_options
+    )
     with local_pair(model_draft(draft_dir), target) as pair:
         yield pair
 
@@ -76,9 +80,11 @@ class Driver:
         k: int,
         max_length: int = 0,
         sampling: SamplingParams = GREEDY,
+        fixed_k: bool = False,
     ) -> None:
         self.records[rid] = Record(list(prompt), proposer, list(prompt))
-        admission = PairAdmission(rid, tuple(prompt), sampling, proposer, k, max_length=max_length)
+        admission = PairAdmission(rid, tuple(prompt), sampling, proposer, k, max_length=max_length,
+                                  fixed_num_draft_tokens=fixed_k)  # fmt: skip
         self.client.admit(admission)
 
     def readmit(self, rid: str, k: int, sampling: SamplingParams) -> None:

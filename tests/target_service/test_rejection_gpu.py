@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from specdec.runner.runner import on_device
 from tests.target_service.helpers import random_batch
 from tests.target_service.test_rejection_exactness import (
     P_NEXT,
@@ -17,12 +18,21 @@ from tests.target_service.test_rejection_exactness import (
 from tests.target_service.test_rejection_kernels import assert_same, ks, run_both
 
 pytestmark = pytest.mark.gpu
+# the kernels on the first GPU and, where there is one, on another (a target placed on cuda:1)
+DEVICES = [
+    "cuda:0",
+    pytest.param("cuda:1", marks=pytest.mark.skipif(
+        torch.cuda.device_count() < 2, reason="needs two GPUs")),
+]  # fmt: skip
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("q_form", ["dense", "sparse", "none"])
-def test_large_batches_equal_reference(q_form: str) -> None:
+def test_large_batches_equal_reference(q_form: str, device: str) -> None:
     b = random_batch(ks(256, 8, 1), 151936, q_form, seed=4, greedy_fraction=0.2, support=64)
-    ref, tri = run_both(b, torch.device("cuda"))
+    with on_device(torch.device(device)):  # as the target's engine runs its sampler
+        ref, tri = run_both(b, torch.device(device))
+    assert tri.token_ids.device == torch.device(device)
     differ = (ref.token_ids != tri.token_ids).any(dim=1).nonzero().flatten().tolist()
     detail = [
         (i, int(b.k[i]), b.params[i], ref.token_ids[i].tolist(), tri.token_ids[i].tolist())

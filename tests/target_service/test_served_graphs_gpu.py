@@ -74,7 +74,8 @@ def _run(
                 torch.cuda.set_sync_debug_mode("error")
             asks = [ProposeEntry(rid, step, tuple(new[rid]), len(tokens[rid]), ks[rid])
                     for rid in prompts]  # fmt: skip
-            block, errors, d_times = draft.propose_timed(asks)
+            proposal = draft.propose_timed(asks)
+            block, errors, d_times = proposal.block, proposal.errors, proposal.times
             assert not errors
             verdicts, t_times = target.verify_timed(block)
             assert not verdicts.errors, verdicts.errors

@@ -26,7 +26,7 @@ from specdec.pb.specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 from specdec.pb.specdec.v1 import generate_pb2 as specdec_dot_v1_dot_generate__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\x1a\x19specdec/v1/generate.proto\"\x89\x02\n\x0eVerifyResponse\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12\r\n\x05steps\x18\x03 \x03(\x04\x12\x14\n\x0cnum_accepted\x18\x04 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x05 \x03(\r\x12\x19\n\x11\x63ommitted_lengths\x18\x06 \x03(\r\x12\x15\n\rnum_token_ids\x18\x07 \x03(\r\x12\x11\n\ttoken_ids\x18\x08 \x03(\x05\x12\'\n\x06\x65rrors\x18\t \x03(\x0b\x32\x17.specdec.v1.VerifyError\x12&\n\x06timing\x18\n \x01(\x0b\x32\x16.specdec.v1.StepTimingJ\x04\x08\x01\x10\x02R\x07results\"E\n\x0bVerifyError\x12\r\n\x05index\x18\x01 \x01(\r\x12\'\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x18.specdec.v1.RequestError\"\xd3\x01\n\x0cServeControl\x12\'\n\x05\x61\x64mit\x18\x01 \x01(\x0b\x32\x16.specdec.v1.ServeAdmitH\x00\x12-\n\x07release\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.ReleaseRequestH\x00\x12\x35\n\x0fset_speculation\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SetSpeculationH\x00\x12)\n\tset_draft\x18\x04 \x01(\x0b\x32\x14.specdec.v1.SetDraftH\x00\x42\t\n\x07\x63ontrol\"\x8d\x01\n\nServeAdmit\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.specdec.v1.AdmitRequest\x12&\n\x08proposer\x18\x02 \x01(\x0e\x32\x14.specdec.v1.Proposer\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x12\n\nmax_length\x18\x04 \x01(\r\"f\n\x0eSetSpeculation\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x08proposer\x18\x02 \x01(\x0e\x32\x14.specdec.v1.Proposer\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\"E\n\x08SetDraft\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12(\n\x07records\x18\x02 \x03(\x0b\x32\x17.specdec.v1.DraftRecord\"G\n\x0b\x44raftRecord\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\tnext_step\x18\x03 \x01(\x04\"\xee\x01\n\nServeEvent\x12+\n\x07started\x18\x01 \x01(\x0b\x32\x18.specdec.v1.ServeStartedH\x00\x12%\n\x04step\x18\x02 \x01(\x0b\x32\x15.specdec.v1.ServeStepH\x00\x12-\n\x08\x61\x64mitted\x18\x03 \x01(\x0b\x32\x19.specdec.v1.ServeAdmittedH\x00\x12+\n\ndraft_down\x18\x04 \x01(\x0b\x32\x15.specdec.v1.DraftDownH\x00\x12\'\n\x08\x64raft_up\x18\x05 \x01(\x0b\x32\x13.specdec.v1.DraftUpH\x00\x42\x07\n\x05\x65vent\"[\n\x0cServeStarted\x12%\n\x06target\x18\x01 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\x12$\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\"\x96\x02\n\tServeStep\x12,\n\x08verdicts\x18\x01 \x01(\x0b\x32\x1a.specdec.v1.VerifyResponse\x12\x0f\n\x07\x64raft_s\x18\x02 \x01(\x01\x12\x13\n\x0btransport_s\x18\x03 \x01(\x01\x12\x10\n\x08verify_s\x18\x04 \x01(\x01\x12\x11\n\tsampler_s\x18\x05 \x01(\x01\x12\x0e\n\x06step_s\x18\x06 \x01(\x01\x12\x10\n\x08\x64raft_up\x18\x07 \x01(\x08\x12\x0f\n\x07graphed\x18\x08 \x01(\x08\x12\x18\n\x10\x64raft_ahead_hits\x18\t \x01(\r\x12\x1a\n\x12\x64raft_ahead_misses\x18\n \x01(\r\x12\'\n\tproposers\x18\x0b \x03(\x0e\x32\x14.specdec.v1.Proposer\"\xba\x01\n\rServeAdmitted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ommitted_length\x18\x02 \x01(\r\x12\x11\n\tnext_step\x18\x03 \x01(\x04\x12\'\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x18.specdec.v1.RequestError\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12,\n\x08verdicts\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.VerifyResponse\"\x1c\n\tDraftDown\x12\x0f\n\x07message\x18\x01 \x01(\t\"/\n\x07\x44raftUp\x12$\n\x05\x64raft\x18\x01 \x01(\x0b\x32\x15.specdec.v1.ModelInfo2\xda\x02\n\rTargetService\x12<\n\x05\x41\x64mit\x12\x18.specdec.v1.AdmitRequest\x1a\x19.specdec.v1.AdmitResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.specdec.v1.GetModelInfoRequest\x1a\x15.specdec.v1.ModelInfo\x12@\n\x06Verify\x12\x16.specdec.v1.DraftBlock\x1a\x1a.specdec.v1.VerifyResponse(\x01\x30\x01\x12=\n\x05Serve\x12\x18.specdec.v1.ServeControl\x1a\x16.specdec.v1.ServeEvent(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/target.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\x1a\x19specdec/v1/generate.proto\"\x89\x02\n\x0eVerifyResponse\x12\x13\n\x0brequest_ids\x18\x02 \x03(\t\x12\r\n\x05steps\x18\x03 \x03(\x04\x12\x14\n\x0cnum_accepted\x18\x04 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x05 \x03(\r\x12\x19\n\x11\x63ommitted_lengths\x18\x06 \x03(\r\x12\x15\n\rnum_token_ids\x18\x07 \x03(\r\x12\x11\n\ttoken_ids\x18\x08 \x03(\x05\x12\'\n\x06\x65rrors\x18\t \x03(\x0b\x32\x17.specdec.v1.VerifyError\x12&\n\x06timing\x18\n \x01(\x0b\x32\x16.specdec.v1.StepTimingJ\x04\x08\x01\x10\x02R\x07results\"E\n\x0bVerifyError\x12\r\n\x05index\x18\x01 \x01(\r\x12\'\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x18.specdec.v1.RequestError\"\xd3\x01\n\x0cServeControl\x12\'\n\x05\x61\x64mit\x18\x01 \x01(\x0b\x32\x16.specdec.v1.ServeAdmitH\x00\x12-\n\x07release\x18\x02 \x01(\x0b\x32\x1a.specdec.v1.ReleaseRequestH\x00\x12\x35\n\x0fset_speculation\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SetSpeculationH\x00\x12)\n\tset_draft\x18\x04 \x01(\x0b\x32\x14.specdec.v1.SetDraftH\x00\x42\t\n\x07\x63ontrol\"\xad\x01\n\nServeAdmit\x12)\n\x07request\x18\x01 \x01(\x0b\x32\x18.specdec.v1.AdmitRequest\x12&\n\x08proposer\x18\x02 \x01(\x0e\x32\x14.specdec.v1.Proposer\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\x12\x12\n\nmax_length\x18\x04 \x01(\r\x12\x1e\n\x16\x66ixed_num_draft_tokens\x18\x05 \x01(\x08\"f\n\x0eSetSpeculation\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12&\n\x08proposer\x18\x02 \x01(\x0e\x32\x14.specdec.v1.Proposer\x12\x18\n\x10num_draft_tokens\x18\x03 \x01(\r\"E\n\x08SetDraft\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12(\n\x07records\x18\x02 \x03(\x0b\x32\x17.specdec.v1.DraftRecord\"G\n\x0b\x44raftRecord\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x11\n\tnext_step\x18\x03 \x01(\x04\"\xee\x01\n\nServeEvent\x12+\n\x07started\x18\x01 \x01(\x0b\x32\x18.specdec.v1.ServeStartedH\x00\x12%\n\x04step\x18\x02 \x01(\x0b\x32\x15.specdec.v1.ServeStepH\x00\x12-\n\x08\x61\x64mitted\x18\x03 \x01(\x0b\x32\x19.specdec.v1.ServeAdmittedH\x00\x12+\n\ndraft_down\x18\x04 \x01(\x0b\x32\x15.specdec.v1.DraftDownH\x00\x12\'\n\x08\x64raft_up\x18\x05 \x01(\x0b\x32\x13.specdec.v1.DraftUpH\x00\x42\x07\n\x05\x65vent\"[\n\x0cServeStarted\x12%\n\x06target\x18\x01 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\x12$\n\x05\x64raft\x18\x02 \x01(\x0b\x32\x15.specdec.v1.ModelInfo\"\x96\x02\n\tServeStep\x12,\n\x08verdicts\x18\x01 \x01(\x0b\x32\x1a.specdec.v1.VerifyResponse\x12\x0f\n\x07\x64raft_s\x18\x02 \x01(\x01\x12\x13\n\x0btransport_s\x18\x03 \x01(\x01\x12\x10\n\x08verify_s\x18\x04 \x01(\x01\x12\x11\n\tsampler_s\x18\x05 \x01(\x01\x12\x0e\n\x06step_s\x18\x06 \x01(\x01\x12\x10\n\x08\x64raft_up\x18\x07 \x01(\x08\x12\x0f\n\x07graphed\x18\x08 \x01(\x08\x12\x18\n\x10\x64raft_ahead_hits\x18\t \x01(\r\x12\x1a\n\x12\x64raft_ahead_misses\x18\n \x01(\r\x12\'\n\tproposers\x18\x0b \x03(\x0e\x32\x14.specdec.v1.Proposer\"\xba\x01\n\rServeAdmitted\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10\x63ommitted_length\x18\x02 \x01(\r\x12\x11\n\tnext_step\x18\x03 \x01(\x04\x12\'\n\x05\x65rror\x18\x04 \x01(\x0b\x32\x18.specdec.v1.RequestError\x12\x11\n\tprefill_s\x18\x05 \x01(\x01\x12,\n\x08verdicts\x18\x06 \x01(\x0b\x32\x1a.specdec.v1.VerifyResponse\"\x1c\n\tDraftDown\x12\x0f\n\x07message\x18\x01 \x01(\t\"/\n\x07\x44raftUp\x12$\n\x05\x64raft\x18\x01 \x01(\x0b\x32\x15.specdec.v1.ModelInfo2\xda\x02\n\rTargetService\x12<\n\x05\x41\x64mit\x12\x18.specdec.v1.AdmitRequest\x1a\x19.specdec.v1.AdmitResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.specdec.v1.GetModelInfoRequest\x1a\x15.specdec.v1.ModelInfo\x12@\n\x06Verify\x12\x16.specdec.v1.DraftBlock\x1a\x1a.specdec.v1.VerifyResponse(\x01\x30\x01\x12=\n\x05Serve\x12\x18.specdec.v1.ServeControl\x1a\x16.specdec.v1.ServeEvent(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -40,25 +40,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SERVECONTROL']._serialized_start=431
   _globals['_SERVECONTROL']._serialized_end=642
   _globals['_SERVEADMIT']._serialized_start=645
-  _globals['_SERVEADMIT']._serialized_end=786
-  _globals['_SETSPECULATION']._serialized_start=788
-  _globals['_SETSPECULATION']._serialized_end=890
-  _globals['_SETDRAFT']._serialized_start=892
-  _globals['_SETDRAFT']._serialized_end=961
-  _globals['_DRAFTRECORD']._serialized_start=963
-  _globals['_DRAFTRECORD']._serialized_end=1034
-  _globals['_SERVEEVENT']._serialized_start=1037
-  _globals['_SERVEEVENT']._serialized_end=1275
-  _globals['_SERVESTARTED']._serialized_start=1277
-  _globals['_SERVESTARTED']._serialized_end=1368
-  _globals['_SERVESTEP']._serialized_start=1371
-  _globals['_SERVESTEP']._serialized_end=1649
-  _globals['_SERVEADMITTED']._serialized_start=1652
-  _globals['_SERVEADMITTED']._serialized_end=1838
-  _globals['_DRAFTDOWN']._serialized_start=1840
-  _globals['_DRAFTDOWN']._serialized_end=1868
-  _globals['_DRAFTUP']._serialized_start=1870
-  _globals['_DRAFTUP']._serialized_end=1917
-  _globals['_TARGETSERVICE']._serialized_start=1920
-  _globals['_TARGETSERVICE']._serialized_end=2266
+  _globals['_SERVEADMIT']._serialized_end=818
+  _globals['_SETSPECULATION']._serialized_start=820
+  _globals['_SETSPECULATION']._serialized_end=922
+  _globals['_SETDRAFT']._serialized_start=924
+  _globals['_SETDRAFT']._serialized_end=993
+  _globals['_DRAFTRECORD']._serialized_start=995
+  _globals['_DRAFTRECORD']._serialized_end=1066
+  _globals['_SERVEEVENT']._serialized_start=1069
+  _globals['_SERVEEVENT']._serialized_end=1307
+  _globals['_SERVESTARTED']._serialized_start=1309
+  _globals['_SERVESTARTED']._serialized_end=1400
+  _globals['_SERVESTEP']._serialized_start=1403
+  _globals['_SERVESTEP']._serialized_end=1681
+  _globals['_SERVEADMITTED']._serialized_start=1684
+  _globals['_SERVEADMITTED']._serialized_end=1870
+  _globals['_DRAFTDOWN']._serialized_start=1872
+  _globals['_DRAFTDOWN']._serialized_end=1900
+  _globals['_DRAFTUP']._serialized_start=1902
+  _globals['_DRAFTUP']._serialized_end=1949
+  _globals['_TARGETSERVICE']._serialized_start=1952
+  _globals['_TARGETSERVICE']._serialized_end=2298
 # @@protoc_insertion_point(module_scope)

@@ -51,16 +51,18 @@ class ServeControl(_message.Message):
     def __init__(self, admit: _Optional[_Union[ServeAdmit, _Mapping]] = ..., release: _Optional[_Union[_common_pb2.ReleaseRequest, _Mapping]] = ..., set_speculation: _Optional[_Union[SetSpeculation, _Mapping]] = ..., set_draft: _Optional[_Union[SetDraft, _Mapping]] = ...) -> None: ...
 
 class ServeAdmit(_message.Message):
-    __slots__ = ("request", "proposer", "num_draft_tokens", "max_length")
+    __slots__ = ("request", "proposer", "num_draft_tokens", "max_length", "fixed_num_draft_tokens")
     REQUEST_FIELD_NUMBER: _ClassVar[int]
     PROPOSER_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    FIXED_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request: _common_pb2.AdmitRequest
     proposer: _generate_pb2.Proposer
     num_draft_tokens: int
     max_length: int
-    def __init__(self, request: _Optional[_Union[_common_pb2.AdmitRequest, _Mapping]] = ..., proposer: _Optional[_Union[_generate_pb2.Proposer, str]] = ..., num_draft_tokens: _Optional[int] = ..., max_length: _Optional[int] = ...) -> None: ...
+    fixed_num_draft_tokens: bool
+    def __init__(self, request: _Optional[_Union[_common_pb2.AdmitRequest, _Mapping]] = ..., proposer: _Optional[_Union[_generate_pb2.Proposer, str]] = ..., num_draft_tokens: _Optional[int] = ..., max_length: _Optional[int] = ..., fixed_num_draft_tokens: _Optional[bool] = ...) -> None: ...
 
 class SetSpeculation(_message.Message):
     __slots__ = ("request_id", "proposer", "num_draft_tokens")

@@ -1,0 +1,71 @@
+"""Device activity spans (specdec.runner.trace): off by default, and on, each span is the
+interval its StepClock measured, placed on the Unix clock inside the host's own bounds."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import e2e_timeline
+from specdec.runner import trace
+from specdec.runner.timing import StepClock
+
+
+@pytest.fixture
+def traced(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    monkeypatch.setenv(trace.ENV, str(tmp_path))
+    monkeypatch.setattr(trace.Trace, "_by_device", {})
+    yield tmp_path
+
+
+def _timed(device: torch.device) -> tuple[float, float, float]:
+    """A clock around some work: (host time before, measured seconds, host time after)."""
+    x = torch.randn(512, 512, device=device)
+    clock = StepClock(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    before = time.time()
+    clock.mark()
+    for _ in range(20):
+        x = (x @ x).tanh()
+    clock.mark()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    after = time.time()
+    return before, clock.seconds(0, 1, "work"), after
+
+
+def _check(directory: Path, device: torch.device) -> None:
+    before, seconds, after = _timed(device)
+    [process] = e2e_timeline.read(directory)
+    assert process["device"] == str(device)
+    [[name, start, end]] = process["spans"]
+    assert name == "work"
+    assert end - start == pytest.approx(seconds, abs=2e-5)
+    slack = 1e-3  # the anchor's own synchronisation
+    assert before - slack <= start <= end <= after + slack
+    assert seconds > 0
+
+
+def test_off_by_default(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(trace.ENV, raising=False)
+    monkeypatch.setattr(trace.Trace, "_by_device", {})
+    _timed(torch.device("cpu"))
+    assert trace.Trace._by_device == {}
+    assert not list(tmp_path.iterdir())
+
+
+def test_cpu_span(traced: Path) -> None:
+    _check(traced, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_span(traced: Path) -> None:
+    _check(traced, torch.device("cuda", torch.cuda.current_device()))
+    [process] = e2e_timeline.read(traced)
+    assert process["gpu"] != "cpu"

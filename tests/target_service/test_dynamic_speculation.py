@@ -1,0 +1,148 @@
+"""Dynamic speculation (target_service.speculation): the k that maximises committed tokens per
+second from the measured acceptance and step times, 0 where speculation does not pay, with
+probes that find out when it pays again; through the hub, greedy output still equals
+target-only and a seeded sampled request keeps its k and its tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench.local import LocalPair
+from specdec.runner import ModelRunner
+from specdec.sampling_params import SamplingParams
+from target_service.speculation import MIN_DRAFTS, KChooser
+from target_service.synthetic import SyntheticAcceptance
+from tests.draft_service.models import TOKENIZER_VOCAB, greedy_reference
+from tests.target_service.hub_helpers import Driver, hub_services
+
+
+def _steps(
+    chooser: KChooser, n: int, rate: float, base: float, per_token: float, plain: float, b: int = 1
+) -> list[int]:
+    """n steps of a batch of b at the chooser's own choices, each request accepting the
+    expected share of drafts; the chosen k of each step."""
+    chosen = []
+    for _ in range(n):
+        k = chooser.choose(b, 4)
+        chosen.append(k)
+        accepted = round(sum(rate**j for j in range(1, k + 1)))  # E[accepted] at this k
+        step_s = base + k * per_token if k else plain
+        chooser.observe(b, [k] * b, [accepted] * b, step_s, k * per_token)
+    return chosen
+
+
+def test_speculates_at_full_k_until_it_has_measured() -> None:
+    chooser = KChooser(max_k=8)
+    assert chooser.choose(1, 4) == 4 and chooser.acceptance() is None
+    chooser.observe(1, [4], [4], 0.012, 0.004)
+    assert chooser.choose(1, 4) == 4, f"fewer than {MIN_DRAFTS} drafts seen"
+
+
+def test_expected_tokens_from_acceptance_per_position() -> None:
+    chooser = KChooser(max_k=4)
+    for _ in range(40):  # half the first drafts accepted, then every one after an accept
+        chooser.observe(2, [4, 4], [0, 4], 0.01, 0.004)
+    rates = chooser.acceptance()
+    assert rates is not None
+    assert rates == pytest.approx([0.5, 1.0, 1.0, 1.0])
+    assert chooser.expected_tokens(0) == 1.0
+    assert chooser.expected_tokens(3) == pytest.approx(1 + 0.5 * 3)
+
+
+def test_the_best_k_by_tokens_per_second() -> None:
+    # a = 0.5 per position, a step 10 ms + 1 ms per drafted token, 8 ms without drafts:
+    # E(k)/T(k) = 1/8, 1.5/11, 1.75/12, 1.875/13, 1.9375/14 per ms: k = 2 is best
+    chooser = KChooser(max_k=4)
+    for _ in range(30):
+        chooser.observe(1, [4], [0], 0.014, 0.004)
+        chooser.observe(1, [0], [0], 0.008, 0.0)
+    chooser.drafted = [100.0, 50.0, 25.0, 12.5]  # half accepted at each position
+    chooser.accepted = [50.0, 25.0, 12.5, 6.25]
+    assert chooser.choose(1, 4) == 2
+    assert chooser.choose(1, 1) == 1, "a request's own k is the upper bound"
+
+
+def test_turns_off_where_it_does_not_pay_and_probes() -> None:
+    chooser = KChooser(max_k=4, probe_every=8)
+    chosen = _steps(chooser, 64, rate=0.0, base=0.012, per_token=0.001, plain=0.008)
+    off = chosen.index(0)
+    assert chosen[:off] == [4] * off and off <= 20, chosen
+    tail = chosen[off:]
+    assert [i for i, k in enumerate(tail) if k] == list(range(7, len(tail), 8)), chosen
+
+
+def test_turns_back_on_when_acceptance_returns() -> None:
+    chooser = KChooser(max_k=4, probe_every=4)
+    assert _steps(chooser, 40, 0.0, 0.012, 0.001, 0.008)[-4:].count(0) >= 3
+    chosen = _steps(chooser, 120, 1.0, 0.012, 0.001, 0.008)
+    assert chosen[-10:] == [4] * 10, chosen
+
+
+def test_large_batches_measure_their_own_step_times() -> None:
+    """The same acceptance pays at batch 1 and not at batch 32, where verify costs more."""
+    chooser = KChooser(max_k=4)
+    for _ in range(30):
+        chooser.observe(1, [4], [0], 0.014, 0.004)  # base 10 ms, 1 ms per drafted token
+        chooser.observe(1, [0], [0], 0.008, 0.0)
+        chooser.observe(32, [4] * 32, [0] * 32, 0.038, 0.008)  # base 30 ms, 2 ms per token
+        chooser.observe(32, [0] * 32, [0] * 32, 0.008, 0.0)
+    chooser.drafted = [100.0, 50.0, 25.0, 12.5]  # half accepted at each position
+    chooser.accepted = [50.0, 25.0, 12.5, 6.25]
+    assert chooser.choose(1, 4) == 2
+    assert chooser.choose(32, 4) == 0  # at most 1.94 tokens per 38 ms against 1 per 8 ms
+    with pytest.raises(ValueError, match="max_k must be >= 1"):
+        KChooser(max_k=0)
+
+
+def _prompt(seed: int) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(2, TOKENIZER_VOCAB, (5 + seed % 3,), generator=gen).tolist()
+
+
+@pytest.fixture(scope="module")
+def dynamic(checkpoints: tuple[Path, Path]) -> Iterator[LocalPair]:
+    with hub_services(*checkpoints, dynamic_speculation=True) as s:
+        yield s
+
+
+def test_greedy_equals_target_only_and_a_seeded_request_keeps_its_k(
+    dynamic: LocalPair, checkpoints: tuple[Path, Path], reference: ModelRunner
+) -> None:
+    seeded = SamplingParams(0.8, seed=5)
+    driver = Driver(dynamic.target_address, max_new_tokens=24)
+    for i in range(3):
+        driver.admit(f"greedy{i}", _prompt(i), "draft", 4)
+    driver.admit("seeded", _prompt(9), "draft", 3, sampling=seeded, fixed_k=True)
+    driver.run()
+    driver.client.close()
+    for i in range(3):
+        rec = driver.records[f"greedy{i}"]
+        assert rec.generated == greedy_reference(reference, rec.prompt, len(rec.generated))
+    steps = [e.num_draft_tokens for e in driver.records["seeded"].events][1:]
+    assert steps == [3] * len(steps) and steps
+    with hub_services(*checkpoints) as fixed:  # dynamic speculation off
+        plain = Driver(fixed.target_address, max_new_tokens=24)
+        plain.admit("seeded", _prompt(9), "draft", 3, sampling=seeded)
+        plain.run()
+        plain.client.close()
+    assert driver.records["seeded"].generated == plain.records["seeded"].generated
+
+
+def test_the_hub_stops_drafting_what_is_never_accepted(checkpoints: tuple[Path, Path]) -> None:
+    """BENCHMARKING ONLY synthetic acceptance of 0: after its first measurements the hub runs
+    k = 0, with a probe at the request's k every PROBE_EVERY steps."""
+    never = SyntheticAcceptance(num_draft_tokens=4, mean_acceptance_length=1.0)
+    with hub_services(*checkpoints, dynamic_speculation=True, synthetic=never) as svc:
+        driver = Driver(svc.target_address, max_new_tokens=90)
+        driver.admit("a", _prompt(1), "draft", 4)
+        driver.run(timeout_s=120)
+        driver.client.close()
+    ks = [e.num_draft_tokens for e in driver.records["a"].events][1:]
+    assert all(e.num_accepted == 0 for e in driver.records["a"].events)
+    assert ks[:16] == [4] * 16, "k = 4 until MIN_DRAFTS first drafts are seen"
+    tail = ks[20:]
+    assert tail.count(0) >= len(tail) - 3 and 4 in tail, ks
