@@ -37,14 +37,16 @@ MISLEADING = [
 ]
 
 
-def _start(checkpoints: tuple[Path, Path], log: Path) -> tuple[subprocess.Popen[str], str]:
+def _start(
+    checkpoints: tuple[Path, Path], log: Path, grace_s: float = GRACE_S
+) -> tuple[subprocess.Popen[str], str]:
     target, draft = checkpoints
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RAY_ADDRESS")}
     env["PYTHONPATH"] = str(ROOT)
     cmd = [sys.executable, "-m", "specdec", "serve", "--target", str(target), "--draft",
-           str(draft), "--device", "cpu", "--sampler-impl", "torch", "--max-seq-len", "128",
+           str(draft), "--device", "cpu", "--sampler-impl", "torch", "--max-seq-len", "256",
            "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--grace-s",
-           str(GRACE_S), "--num-cpus", "4"]  # fmt: skip
+           str(grace_s), "--num-cpus", "4"]  # fmt: skip
     with log.open("w") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err,
                                 text=True, start_new_session=True)  # fmt: skip
@@ -122,6 +124,30 @@ def test_debug_shows_ray_s_and_grpc_core_s_lines(monkeypatch: pytest.MonkeyPatch
     assert ray_logging_level() == logging.DEBUG and notice.level == logging.NOTSET
     root.setLevel(logging.WARNING)
     assert ray_logging_level() == logging.WARNING
+
+
+def test_a_request_still_running_when_the_grace_period_ends_is_cancelled(
+    checkpoints: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """--grace-s 0.5: the scheduler ends what still runs right away; the stream ends with
+    finish reason "cancelled" and the tokens so far, and serve exits 0."""
+    proc, address = _start(checkpoints, tmp_path / "stderr.log", grace_s=0.5)
+    try:
+        processes = descendants(proc.pid)
+        tokens, final = 0, None
+        with Client(address) as client:
+            for delta in client.generate([5, 6, 7, 8], max_tokens=240, temperature=0.0,
+                                         ignore_eos=True, proposer="off"):  # fmt: skip
+                if final is None and tokens == 0:
+                    os.killpg(proc.pid, signal.SIGTERM)
+                tokens += len(delta.token_ids)
+                final = delta
+        assert final is not None and final.finish_reason == "cancelled" and 0 < tokens < 240
+        assert proc.wait(timeout=30) == 0
+        _all_gone(processes, 10.0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
 
 
 def _children(pid: int) -> list[int]:
