@@ -73,9 +73,10 @@ def run_in_child(argv: Sequence[str], log_level: str) -> int:
 
 
 def follow_parent() -> None:
-    """In the child: SIGTERM (the graceful stop) when the parent dies; at once if it already
-    has."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    """In the child: SIGTERM (the graceful stop) when the parent dies (Linux); at once if it
+    already has."""
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
     if str(os.getppid()) != os.environ.get(PARENT_ENV):
         os.kill(os.getpid(), signal.SIGTERM)
