@@ -74,9 +74,11 @@ def run_in_child(argv: Sequence[str], log_level: str) -> int:
 
 def follow_parent() -> None:
     """In the child: SIGTERM (the graceful stop) when the parent dies (Linux); at once if it
-    already has."""
+    already has. The variable naming the parent is dropped, so that Ray's processes (and a
+    `specdec serve` started from one) do not take themselves for this child."""
+    parent = os.environ.pop(PARENT_ENV, None)
     if sys.platform.startswith("linux"):
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-    if str(os.getppid()) != os.environ.get(PARENT_ENV):
+    if str(os.getppid()) != parent:
         os.kill(os.getpid(), signal.SIGTERM)
