@@ -2,7 +2,7 @@
 drafted ahead for (draft_service.ahead), with its acceptance, per fan-out F and temperature.
 
 The demo pair (trained here on CPU and cached, `specdec demo`) serves the Python prompts through
-both services over real gRPC on loopback (`orchestrator.local`, one process), k = 4. A hit is an
+both services over real gRPC on loopback (`bench.local`, one process), k = 4. A hit is an
 ask answered from a chain drafted ahead; every other ask is drafted after its verdict as in
 lock-step. Greedy output is checked against draft-ahead off (it must be identical).
 
@@ -19,10 +19,10 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from bench.local import local_pair
 from draft_service.config import DraftConfig
 from orchestrator.demo import PROMPTS
 from orchestrator.demo_models import DemoBudget, build_demo_models
-from orchestrator.local import local_pair
 from specdec.runner import RunnerConfig
 from specdec.sampling_params import SamplingParams
 from target_service.config import TargetConfig

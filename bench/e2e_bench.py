@@ -1,5 +1,5 @@
 """The whole served system, measured: `specdec serve` driven by its client, and the draft and
-target services in their own processes driven over gRPC by `orchestrator.pipeline.Pipeline`,
+target services in their own processes driven over gRPC by `bench.pipeline.Pipeline`,
 against the same run's in-process graph times.
 
     PYTHONPATH=. python bench/e2e_bench.py --out bench/results      # GPU: 8B target, 1B draft

@@ -1,6 +1,6 @@
 """How the system benchmark drives requests: a small `Driver` protocol, so that the
 orchestrator's client can be measured by the same loop later, and its lock-step
-implementation over `orchestrator.pipeline.Pipeline`.
+implementation over `bench.pipeline.Pipeline`.
 
 A step's split (`StepOutcome.split`, seconds) comes from the services' own `StepTiming`:
 transport is each call's round trip minus the service's time, a service's Python is its time
@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from orchestrator.pipeline import Pipeline
+from bench.pipeline import Pipeline
 from specdec.sampling_params import SamplingParams
 from specdec.serving.client import make_channel
 

@@ -42,6 +42,7 @@ from bench import e2e_timeline
 from bench.e2e_driver import prompts
 from bench.e2e_report import TTFT_PARTS
 from bench.e2e_services import REPO, Service, child_env, free_port, wait_serving
+from orchestrator.ray_start import descendants
 from specdec.client import Client
 
 TARGET_ONLY = "target_only"
@@ -120,8 +121,10 @@ def serve_env(trace_dir: Path) -> dict[str, str]:
 
 def stop_serve(service: Service, timeout_s: float = STOP_TIMEOUT_S) -> str:
     """SIGTERM (serve stops its actors and shuts its local Ray cluster down), then SIGKILL to
-    the whole process group; the group is swept either way. Says how it ended."""
+    the whole process group and to every process below it (the orchestrator and Ray's
+    processes have a session of their own); swept either way. Says how it ended."""
     process = service.process
+    below = descendants(process.pid)
     how = f"had exited (code {process.poll()})"
     if process.poll() is None:
         start = time.monotonic()
@@ -132,7 +135,10 @@ def stop_serve(service: Service, timeout_s: float = STOP_TIMEOUT_S) -> str:
         if process.poll() is None:
             how = f"killed: still running {timeout_s:.0f} s after SIGTERM"
     with suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, signal.SIGKILL)  # what is left of it: Ray's processes
+        os.killpg(process.pid, signal.SIGKILL)
+    for pid in below:  # what is left of it: Ray's processes
+        with suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
     if process.poll() is None:
         process.wait()
     return how

@@ -16,6 +16,7 @@ import argparse
 import importlib.metadata
 import json
 import logging
+import os
 import sys
 import tomllib
 from collections.abc import Callable, Sequence
@@ -34,6 +35,7 @@ from orchestrator.config import (
 )
 from orchestrator.demo import add_demo_args, run_demo
 from orchestrator.generate_cli import add_generate_args, run_generate
+from orchestrator.supervisor import follow_parent, is_child, run_in_child
 from specdec.defaults import default_of
 from specdec.serving.auth import read_api_key_file
 
@@ -204,8 +206,10 @@ def _tls_args(parser: argparse.ArgumentParser) -> None:
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--config", type=Path,
                         help="TOML or JSON file whose keys are these flags' names")  # fmt: skip
-    parser.add_argument("--log-level", default="INFO",
-                        help="DEBUG, INFO, WARNING or ERROR")  # fmt: skip
+    parser.add_argument("--log-level", default="INFO", type=str.upper,
+                        choices=["DEBUG", "INFO", "WARNING", "ERROR"],
+                        help="INFO: this program's own lines; DEBUG adds Ray's and grpc "
+                             "core's")  # fmt: skip
     for add in (_services_args, _placement_args, _scheduler_args, _server_args, _tls_args):
         add(parser)
 
@@ -293,7 +297,12 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
+    """The orchestrator runs in a child process of its own session (`orchestrator.supervisor`
+    says why); this process relays signals to it."""
+    if not is_child():
+        return run_in_child(args.argv, args.log_level)
+    follow_parent()
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")
     try:
         config = serve_config(args)
     except ValueError as e:
@@ -312,6 +321,10 @@ def run_serve(args: argparse.Namespace) -> int:
         url = f"http://{config.host}:{orchestrator.http_port}/v1"
         print(f"{PROG}: OpenAI-compatible HTTP API on {url}", flush=True)
     orchestrator.serve_until_signal()
+    if orchestrator.ray_stuck:  # Ray's exit handler would wait 60 s for its stopped GCS
+        logging.shutdown()
+        sys.stdout.flush()
+        os._exit(1)
     return 0
 
 
@@ -362,6 +375,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    args.argv = list(sys.argv[1:] if argv is None else argv)
     return int(args.func(args))
 
 

@@ -76,6 +76,34 @@ class TextTokenizer:
     def decode(self, token_ids: Sequence[int], *, skip_special_tokens: bool = True) -> str:
         return str(self._backend.decode(list(token_ids), skip_special_tokens=skip_special_tokens))
 
+    def vocab(self) -> dict[str, int]:
+        """Every token (added ones included) and its id."""
+        if self._fast:
+            return dict(self._backend.get_vocab(with_added_tokens=True))
+        return dict(self._backend.get_vocab())
+
+
+def check_shared_tokenizer(target_dir: str | Path, draft_dir: str | Path) -> None:
+    """Raises ValueError unless the two checkpoints' tokenizers have the same vocabulary. It
+    reads only their tokenizer files, so a mismatched pair is refused before any model loads
+    (the services' own check, after loading, came 32 s into an 8B target's start)."""
+    vocabs = []
+    for role, path in (("target", target_dir), ("draft", draft_dir)):
+        try:
+            vocabs.append(TextTokenizer.from_dir(path).vocab())
+        except (OSError, ValueError) as e:
+            raise ValueError(
+                f"The {role}'s tokenizer in {str(path)!r} could not be read: {e}"
+            ) from e
+    target, draft = vocabs
+    if target != draft:
+        differ = sorted(set(target.items()) ^ set(draft.items()))[:3]
+        raise ValueError(
+            f"Refusing the draft {str(draft_dir)!r} for the target {str(target_dir)!r}: their "
+            f"tokenizers differ ({len(draft)} and {len(target)} ids; e.g. "
+            f"{', '.join(f'{t!r}: {i}' for t, i in differ)}); draft and target must share one."
+        )
+
 
 def eos_token_ids(model_dir: str | Path) -> tuple[int, ...]:
     """The checkpoint's EOS ids: generation_config.json's, else config.json's; () if none."""

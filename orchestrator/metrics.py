@@ -1,7 +1,8 @@
 """Prometheus metrics of the orchestrator, named as vLLM names its own with a `specdec:` prefix.
 
 Speculative decoding (counters labelled `model_pair` and `proposer`, fed from every step's
-verdicts; a step with no draft tokens is not a draft):
+verdicts, each under the proposer that drafted it; a step with no draft tokens is not a
+draft):
 
     specdec:spec_decode_num_drafts_total                 steps that verified >= 1 draft token
     specdec:spec_decode_num_draft_tokens_total           draft tokens verified
@@ -11,10 +12,12 @@ verdicts; a step with no draft tokens is not a draft):
 Acceptance rate and mean acceptance length, one PromQL expression each:
 
     sum by (model_pair, proposer) (rate(specdec:spec_decode_num_accepted_tokens_total[5m]))
-      / sum by (model_pair, proposer) (rate(specdec:spec_decode_num_draft_tokens_total[5m]))
+      / (sum by (model_pair, proposer) (rate(specdec:spec_decode_num_draft_tokens_total[5m])) > 0)
 
     1 + sum by (model_pair, proposer) (rate(specdec:spec_decode_num_accepted_tokens_total[5m]))
-      / sum by (model_pair, proposer) (rate(specdec:spec_decode_num_drafts_total[5m]))
+      / (sum by (model_pair, proposer) (rate(specdec:spec_decode_num_drafts_total[5m])) > 0)
+
+(`/ (x > 0)`: a proposer idle in the window has no value instead of NaN.)
 
 Requests: histograms specdec:time_to_first_token_seconds, specdec:time_per_output_token_seconds,
 specdec:e2e_request_latency_seconds, specdec:request_queue_time_seconds (arrival until sent to a
@@ -163,16 +166,18 @@ class Metrics:
         ).labels(self.model_pair)
 
     def on_step(self, report: StepReport, proposer_of: Callable[[str], str | None]) -> None:
-        """Counts one hub step's drafts and timings; `proposer_of` maps a request to its proposer
-        (None for a request the orchestrator no longer holds: its verdict is dropped, no
-        response carries it, so it is not counted either)."""
+        """Counts one hub step's drafts and timings. Each verdict is counted under the proposer
+        that drafted it, which the hub names (the request's proposer may have changed since:
+        a SetSpeculation sent while the step ran); `proposer_of` maps a request to its proposer
+        now, used only where the hub named none, and None for a request the orchestrator no
+        longer holds (its verdict is dropped, no response carries it, so it is not counted)."""
         for event in report.events:
             if event.error is not None or event.num_draft_tokens == 0:
                 continue
-            proposer = proposer_of(event.request_id)
-            if proposer is None:
+            current = proposer_of(event.request_id)
+            if current is None:
                 continue
-            labels = (self.model_pair, proposer)
+            labels = (self.model_pair, event.proposer or current)
             self._drafts.labels(*labels).inc()
             self._draft_tokens.labels(*labels).inc(event.num_draft_tokens)
             self._accepted.labels(*labels).inc(event.num_accepted)
@@ -216,9 +221,6 @@ class Metrics:
     def set_queue(self, running: int, waiting: int) -> None:
         self._running.set(running)
         self._waiting.set(waiting)
-
-    def set_draft_up(self, up: bool) -> None:
-        self._draft_up.set(1 if up else 0)
 
 
 def start_metrics_server(

@@ -37,6 +37,11 @@ PROPOSERS: dict[str, int] = {
     "ngram": generate_pb2.PROPOSER_NGRAM,
     "off": generate_pb2.PROPOSER_OFF,
 }
+NAMES: dict[int, Proposer] = {
+    generate_pb2.PROPOSER_DRAFT: "draft",
+    generate_pb2.PROPOSER_NGRAM: "ngram",
+    generate_pb2.PROPOSER_OFF: "off",
+}
 _CLOSE = object()
 
 
@@ -108,6 +113,7 @@ class StepEvent:
     num_draft_tokens: int  # drafts verified this step (k_i actually proposed)
     num_accepted: int
     error: RequestError | None = None
+    proposer: Proposer | None = None  # the one that drafted this step; None: not told
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,18 +133,22 @@ class StepReport:
 
     @classmethod
     def from_pb(cls, pb: target_pb2.ServeStep) -> StepReport:
-        return cls(step_events(pb.verdicts), pb.draft_s, pb.transport_s, pb.verify_s,
+        return cls(step_events(pb.verdicts, pb.proposers), pb.draft_s, pb.transport_s, pb.verify_s,
                    pb.sampler_s, pb.step_s, pb.draft_up, pb.graphed, pb.draft_ahead_hits,
                    pb.draft_ahead_misses)  # fmt: skip
 
 
-def step_events(pb: target_pb2.VerifyResponse) -> tuple[StepEvent, ...]:
+def step_events(
+    pb: target_pb2.VerifyResponse, proposers: Sequence[int] = ()
+) -> tuple[StepEvent, ...]:
+    """The verdicts as events; `proposers` (ServeStep.proposers) name who drafted each."""
     v = VerifyResponse.from_pb(pb)
     errors = v.errors
+    names = [NAMES.get(p) for p in proposers] if len(proposers) == len(v) else [None] * len(v)
     return tuple(
         StepEvent(
             rid, v.steps[i], () if i in errors else tuple(v.token_ids[i]),
-            v.num_draft_tokens[i], v.num_accepted[i], errors.get(i),
+            v.num_draft_tokens[i], v.num_accepted[i], errors.get(i), names[i],
         )
         for i, rid in enumerate(v.request_ids)
     )  # fmt: skip

@@ -81,20 +81,34 @@ class PairPlacement:
     draft_info: ModelInfo | None = None
 
 
+def ray_logging_level() -> int:
+    """Ray's own loggers' level: WARNING while this program logs at INFO, since Ray's INFO
+    lines read as errors on a clean start ("Failed to get node info ... Deadline Exceeded"
+    while its raylet registers, before a retry that succeeds); the same as this program's
+    otherwise. Its notice that token authentication is on (a default, nothing to act on) shows
+    at DEBUG only."""
+    level = logging.getLogger().getEffectiveLevel()
+    notice = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    notice.setLevel(logging.NOTSET if level <= logging.DEBUG else logging.ERROR)
+    return logging.WARNING if level == logging.INFO else level
+
+
 def connect(config: PlacementConfig, services_per_pair: int) -> bool:
     """Joins `config.address` (or RAY_ADDRESS), else starts a local cluster; returns whether
     this process started the cluster (and should shut it down)."""
     if ray.is_initialized():
         return False
     address = config.address or os.environ.get("RAY_ADDRESS")
+    level = ray_logging_level()
     if address:
-        ray.init(address=address, log_to_driver=True)
+        ray.init(address=address, log_to_driver=True, logging_level=level)
         return False
     # logical CPUs: one per service even on a small machine (the services mostly wait)
     num_cpus = config.num_cpus or max(os.cpu_count() or 1, services_per_pair * config.pairs)
     start_local_cluster(
         ray.init, ray.shutdown, config.ray_start_timeout_s,
         num_cpus=num_cpus, num_gpus=config.num_gpus, include_dashboard=False,
+        logging_level=level,
     )  # fmt: skip
     return True
 

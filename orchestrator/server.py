@@ -21,12 +21,13 @@ import ray
 
 from orchestrator.chat import ChatTemplate
 from orchestrator.config import ServeConfig
-from orchestrator.detokenizer import TextTokenizer, eos_token_ids
+from orchestrator.detokenizer import TextTokenizer, check_shared_tokenizer, eos_token_ids
 from orchestrator.frontend import Backend, Frontend
 from orchestrator.metrics import Metrics, start_metrics_server
 from orchestrator.pair import PairClient
 from orchestrator.placement import PairPlacement, Placement, connect
 from orchestrator.ports import bind, port_error, probe
+from orchestrator.ray_start import descendants, stop_processes
 from orchestrator.requests import Served, served_model_pb
 from orchestrator.scheduler import Scheduler
 from orchestrator.servicer import SERVICE_NAME, GenerateServicer, add_to_server
@@ -50,6 +51,9 @@ log = logging.getLogger(__name__)
 # RESOURCE_EXHAUSTED (max_concurrent_calls), so this backlog only buffers a burst.
 MAX_PENDING_CALLS = 1 << 16
 MIN_WINDOW_BYTES = 64 * 1024  # HTTP/2's default stream window
+# seconds Ray may take past the services' grace to stop them and the local cluster: 2 to 4 s on
+# a CPU machine, more where actors hold GPUs
+RAY_STOP_S = 20.0
 
 
 class ApiServerConfig(ServerConfig):
@@ -158,6 +162,7 @@ class Orchestrator:
         self._owns_ray = False
         self._stopped = threading.Event()
         self._done = threading.Event()
+        self.ray_stuck = False  # Ray did not answer the stop (see _stop_ray)
 
     @property
     def port(self) -> int:
@@ -165,8 +170,12 @@ class Orchestrator:
 
     def start(self) -> int:
         """Binds every port, places and connects every pair, then SERVING; returns the gRPC
-        port. A port that cannot be bound raises PortError before Ray is touched; any failure
-        stops what had started."""
+        port. A draft whose tokenizer differs from the target's is refused (ValueError) before
+        anything starts; a port that cannot be bound raises PortError before Ray is touched;
+        any failure stops what had started."""
+        services = self.config.services
+        if services.draft is not None:
+            check_shared_tokenizer(services.target, services.draft)
         try:
             port = self._bind()
             self._owns_ray = connect(self.config.placement, self.placement.services_per_pair)
@@ -316,13 +325,34 @@ class Orchestrator:
             self._http.join(grace + 1.0)
         for client in self.clients:
             client.close()
-        self.placement.stop(min(grace, 5.0))
-        if self._owns_ray and ray.is_initialized():
-            ray.shutdown()
+        self._stop_ray(min(grace, 5.0))
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
         self._done.set()
+
+    def _stop_ray(self, grace_s: float) -> None:
+        """Stops the services and a Ray cluster this process started, within RAY_STOP_S more.
+        Where Ray's processes were stopped from outside (a SIGTERM to every process of a
+        systemd unit with KillMode=control-group, or of the session), Ray's calls wait 60 s for
+        its GCS and then end the process: past the deadline this process's Ray processes are
+        stopped instead, and `ray_stuck` tells the command to exit at once."""
+        done = threading.Event()
+
+        def stop() -> None:
+            self.placement.stop(grace_s)
+            if self._owns_ray and ray.is_initialized():
+                ray.shutdown()
+            done.set()
+
+        threading.Thread(target=stop, name="stop-ray", daemon=True).start()
+        if done.wait(grace_s + RAY_STOP_S):
+            return
+        self.ray_stuck = True
+        log.warning("Ray did not answer within %.0f s of the stop (were its processes stopped "
+                    "from outside?); stopping them", grace_s + RAY_STOP_S)  # fmt: skip
+        if self._owns_ray:
+            stop_processes(descendants())
 
     def wait(self) -> None:
         self.server.wait()

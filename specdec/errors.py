@@ -25,12 +25,6 @@ class UnknownRequestError(SpecdecError, KeyError):
     grpc_code = "NOT_FOUND"
 
 
-class StaleProposalError(SpecdecError):
-    """A proposal whose step or committed length does not match the request's state."""
-
-    grpc_code = "FAILED_PRECONDITION"
-
-
 class CheckpointError(SpecdecError, ValueError):
     """A model directory that is missing, corrupt, unsupported or too large for the device."""
 

@@ -304,6 +304,7 @@ class Hub:
             verify_s=verify_s, sampler_s=sampler_s, step_s=time.perf_counter() - start,
             draft_up=self._draft.up, graphed=graphed,
             draft_ahead_hits=group.ahead_hits, draft_ahead_misses=group.ahead_misses,
+            proposers=_proposers(group, verdicts),  # type: ignore[arg-type]
         )  # fmt: skip
         self._emit(step=step)
         self._record(verdicts)
@@ -419,6 +420,13 @@ class Hub:
                 req.tokens.extend(verdicts.token_ids[i])
                 req.next_step = verdicts.steps[i] + 1
         self._release(failed)
+
+
+def _proposers(group: _Group, verdicts: VerifyResponse) -> list[int]:
+    """Each verdict's proposer as it drafted the step: controls apply between steps."""
+    proposer = {r.request_id: r.proposer for r in group.requests}
+    ids = {name: pb for pb, name in PROPOSERS.items()}
+    return [ids[proposer[rid]] for rid in verdicts.request_ids]
 
 
 class HubServicer(TargetServicer):

@@ -38,6 +38,12 @@ def spec_rate(name: str) -> str:
     return rate(f"specdec:spec_decode_{name}_total", SPEC, BY_PAIR_PROPOSER)
 
 
+def per(denominator: str) -> str:
+    """`/ per(x)` divides only where x is above 0: an idle proposer or pair (0 / 0) shows no
+    data instead of NaN."""
+    return f"({denominator} > 0)"
+
+
 def by_proposer(expr: str, legend: str = "") -> tuple[tuple[str, str], ...]:
     return ((expr, "{{model_pair}} {{proposer}}" + legend),)
 
@@ -52,7 +58,7 @@ def quantiles(histogram: str) -> tuple[tuple[str, str], ...]:
 
 def mean_per_step(part: str) -> tuple[str, str]:
     metric = f"specdec:step_{part}seconds"
-    expr = f"{rate(metric + '_sum')} / {rate(metric + '_count')}"
+    expr = f"{rate(metric + '_sum')} / {per(rate(metric + '_count'))}"
     return expr, f"{{{{model_pair}}}} {part.rstrip('_') or 'whole step'}"
 
 
@@ -79,7 +85,7 @@ SPECULATION = (
         "Acceptance rate",
         "Draft tokens accepted / draft tokens verified, by model pair and proposer.",
         "percentunit",
-        by_proposer(f"{spec_rate('num_accepted_tokens')} / {spec_rate('num_draft_tokens')}"),
+        by_proposer(f"{spec_rate('num_accepted_tokens')} / {per(spec_rate('num_draft_tokens'))}"),
         max=1,
     ),
     PanelSpec(
@@ -87,7 +93,7 @@ SPECULATION = (
         "Tokens a draft step yields: 1 + accepted draft tokens / drafts (the target's own token "
         "included).",
         "none",
-        by_proposer(f"1 + {spec_rate('num_accepted_tokens')} / {spec_rate('num_drafts')}"),
+        by_proposer(f"1 + {spec_rate('num_accepted_tokens')} / {per(spec_rate('num_drafts'))}"),
     ),
     PanelSpec(
         "Acceptance by draft position",
@@ -95,7 +101,8 @@ SPECULATION = (
         "acceptance rate. Falls with the position, since a rejection ends the draft.",
         "percentunit",
         by_proposer(
-            f"{PER_POSITION} / on (model_pair, proposer) group_left {spec_rate('num_drafts')}",
+            f"{PER_POSITION} / on (model_pair, proposer) group_left () "
+            f"{per(spec_rate('num_drafts'))}",
             " position {{position}}",
         ),
         max=1,
@@ -105,7 +112,7 @@ SPECULATION = (
         "There is no metric of the k each step chose: this is derived as draft tokens verified "
         "/ drafts, the mean k of the steps that drafted (shorter near a request's end).",
         "none",
-        by_proposer(f"{spec_rate('num_draft_tokens')} / {spec_rate('num_drafts')}"),
+        by_proposer(f"{spec_rate('num_draft_tokens')} / {per(spec_rate('num_drafts'))}"),
     ),
 )
 REQUESTS = (

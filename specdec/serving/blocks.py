@@ -86,10 +86,6 @@ class DraftProposal:
     def num_draft_tokens(self) -> int:
         return len(self.draft_token_ids)
 
-    @property
-    def q_form(self) -> int:
-        return _Q_FORMS[type(self.q)]
-
 
 _Q_FORMS: dict[type, int] = {type(None): Q_NONE, DenseQ: Q_DENSE, SparseQ: Q_SPARSE}
 _FORM_NAMES = {Q_DENSE: "dense", Q_SPARSE: "sparse"}
@@ -245,10 +241,6 @@ class DraftBlock:
             return self.draft_token_ids
         return list(chain.from_iterable([self.tokens(i) for i in entries]))
 
-    def q(self, i: int) -> DraftQ:
-        """Entry i's q (a copy of its rows, unless it is the only entry of its form)."""
-        return self.q_rows(self.q_forms[i], [i])
-
     def q_rows(self, form: int, entries: list[int]) -> DraftQ:
         """q of `entries` (ascending, all of q form `form`), their rows concatenated: the
         block's own tensors when `entries` are all its entries of that form."""
@@ -261,15 +253,6 @@ class DraftBlock:
         if isinstance(q, DenseQ):
             return DenseQ(q.probs[index])
         return SparseQ(q.token_ids[index], q.probs[index])
-
-    def proposal(self, i: int) -> DraftProposal:
-        """Entry i as one DraftProposal (tests, debugging); ValueError if it is malformed."""
-        if i in self.errors:
-            raise ValueError(self.errors[i])
-        return DraftProposal(
-            self.request_ids[i], self.steps[i], self.committed_lengths[i],
-            tuple(self.tokens(i)), self.q(i),
-        )  # fmt: skip
 
 
 def _concat_sparse(sparse: list[SparseQ]) -> SparseQ:

@@ -3,8 +3,7 @@
 `VerifyResponse` is the domain form of the message of the same name: its columns, position i
 answering entry i of the block: the target's engine fills the columns in place and the driver
 reads them back the same way, with no object per verdict (~1 to 3 us of Python each way at
-batch 32, bench/results/transport_notes.md). `VerifyResult` is one position of it, for code
-that wants a verdict as one object (`VerifyResponse.result`).
+batch 32, bench/results/transport_notes.md).
 """
 
 from __future__ import annotations
@@ -15,22 +14,6 @@ from itertools import accumulate, chain, pairwise
 
 from specdec.pb import target_pb2
 from specdec.serving.messages import RequestError
-
-
-@dataclass(slots=True)
-class VerifyResult:
-    """The verdict for one request of a block (one position of a `specdec.v1.VerifyResponse`)."""
-
-    request_id: str
-    step: int
-    token_ids: tuple[int, ...] = ()
-    accepted: tuple[bool, ...] = ()
-    committed_length: int = 0
-    error: RequestError | None = None
-
-    @property
-    def num_accepted(self) -> int:
-        return sum(self.accepted)
 
 
 @dataclass(slots=True)
@@ -108,14 +91,3 @@ class VerifyResponse:
             if error is not None:
                 errors[e.index] = error
         return cls(rids, steps, token_ids, accepted, ks, lengths, errors)
-
-    def result(self, i: int) -> VerifyResult:
-        """Verdict i as one object."""
-        a, k = self.num_accepted[i], self.num_draft_tokens[i]
-        return VerifyResult(
-            self.request_ids[i], self.steps[i], tuple(self.token_ids[i]),
-            (True,) * a + (False,) * (k - a), self.committed_lengths[i], self.errors.get(i),
-        )  # fmt: skip
-
-    def results(self) -> list[VerifyResult]:
-        return [self.result(i) for i in range(len(self.request_ids))]

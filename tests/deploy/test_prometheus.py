@@ -95,6 +95,28 @@ def test_alert_unit_tests_pass_and_fail_on_an_edited_threshold(tmp_path: Path) -
     assert done.returncode != 0 and "SpecdecAcceptanceCollapsed" in done.stdout + done.stderr
 
 
+GUARDED = {  # each recording rule's denominator, divided by only where above 0
+    "specdec:spec_decode_acceptance_rate:rate5m": "specdec:spec_decode_num_draft_tokens:rate5m",
+    "specdec:spec_decode_mean_acceptance_length:rate5m": "specdec:spec_decode_num_drafts:rate5m",
+    "specdec:spec_decode_acceptance_per_pos:rate5m": "specdec:spec_decode_num_drafts:rate5m",
+}
+
+
+@pytest.mark.parametrize("record", GUARDED)
+def test_an_idle_pair_has_no_acceptance_series_rather_than_nan(tmp_path: Path, record: str) -> None:
+    """The unit tests expect no acceptance series for the pair that steps without drafting; a
+    rule without its guard would record NaN (0 / 0) there, and they fail."""
+    groups = yaml.safe_load((PROM / "rules.yml").read_text())["groups"]
+    (rule,) = [r for g in groups for r in g["rules"] if r.get("record") == record]
+    guarded = f"({GUARDED[record]} > 0)"
+    assert rule["expr"].count(guarded) == 1
+    rule["expr"] = rule["expr"].replace(guarded, GUARDED[record])
+    (tmp_path / "rules.yml").write_text(yaml.safe_dump({"groups": groups}))
+    shutil.copy(PROM / "rules_test.yml", tmp_path)
+    done = promtool("test", "rules", "rules_test.yml", cwd=tmp_path)
+    assert done.returncode != 0 and "NaN" in done.stdout + done.stderr, done.stdout
+
+
 def monitor_objects() -> dict[str, dict[str, Any]]:
     return {o["kind"]: o for o in yaml.safe_load_all((PROM / "monitor.yaml").read_text())}
 
@@ -390,16 +412,26 @@ def has_a_number(result: list[dict[str, Any]]) -> bool:
     return any(math.isfinite(float(s["value"][1])) for s in result)
 
 
+def nan_series(result: list[dict[str, Any]]) -> list[dict[str, str]]:
+    return [s["metric"] for s in result if math.isnan(float(s["value"][1]))]
+
+
 def test_every_dashboard_query_returns_data(live: Live) -> None:
     dashboard = json.loads(render.DASHBOARD.read_text())
     queries = [q for p in render.panels(dashboard) for q in p.queries]
     assert len(queries) >= 15
-    empty = [
-        q.expr
-        for q in queries
-        if not has_a_number(query(live.prometheus, render.substitute(q.expr, "5m")))
-    ]
+    results = {q.expr: query(live.prometheus, render.substitute(q.expr, "5m")) for q in queries}
+    empty = [expr for expr, result in results.items() if not has_a_number(result)]
     assert not empty, f"no data for {empty}"
+    nan = {expr: nan_series(result) for expr, result in results.items() if nan_series(result)}
+    assert not nan, f"NaN series (an idle proposer or pair divided by 0): {nan}"
+    # "off" never drafts: the panels that divide by its drafts show no data for it
+    off = {"proposer": "off"}
+    for panel in render.panels(dashboard):
+        for q in panel.queries:
+            if "num_drafts_total" in q.expr or "num_draft_tokens_total" in q.expr:
+                result = query(live.prometheus, render.substitute(q.expr, "5m", off))
+                assert result == [], (panel.title, result)
     for variable in dashboard["templating"]["list"]:
         if variable["type"] == "query":  # label_values(metric, label)
             metric, label = variable["query"].removeprefix("label_values(")[:-1].split(", ")
@@ -414,7 +446,11 @@ def test_every_rule_returns_data_and_the_alerts_agree_with_it(live: Live) -> Non
     for rule in rules:
         if "record" in rule:
             assert has_a_number(query(live.prometheus, rule["expr"])), rule["expr"]
-            assert has_a_number(query(live.prometheus, rule["record"])), rule["record"]
+            recorded = query(live.prometheus, rule["record"])
+            assert has_a_number(recorded), rule["record"]
+            assert not nan_series(recorded), (rule["record"], nan_series(recorded))
+            if "acceptance" in rule["record"]:  # "off" never drafts: no series, not 0 / 0
+                assert {s["metric"]["proposer"] for s in recorded} == {"draft", "ngram"}
         else:
             old, new = ALERT_FIRING_EDITS[rule["alert"]]
             assert rule["expr"].count(old) == 1

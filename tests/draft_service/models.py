@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
+from bench.local import LocalPair, local_pair
 from draft_service.config import DraftConfig
-from orchestrator.local import LocalPair, local_pair
 from specdec.runner import ForwardItem, ModelRunner, RunnerConfig
 from specdec.serving.server import ServerConfig
 from target_service.config import TargetConfig
@@ -48,7 +48,7 @@ def services(
     server: ServerConfig | None = None,
     sampler_impl: str = "auto",
 ) -> Iterator[LocalPair]:
-    """Both services on free loopback ports (`orchestrator.local`); `server` configures the
+    """Both services on free loopback ports (`bench.local`); `server` configures the
     target's. sampler_impl "torch" runs the rejection sampler's pure-torch implementation
     (bit-equal to the kernels, tested in test_rejection_kernels): the Triton interpreter costs
     about 1 s per step on CPU."""

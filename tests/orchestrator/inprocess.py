@@ -1,5 +1,5 @@
 """The client API (`orchestrator.server.Orchestrator`) in this process, in front of a pair
-started by `orchestrator.local` instead of Ray: the same server, scheduler and hub stream as
+started by `bench.local` instead of Ray: the same server, scheduler and hub stream as
 `specdec serve`, seconds to start instead of a Ray cluster's minute."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from bench.local import LocalPair
 from orchestrator.config import ServeConfig
-from orchestrator.local import LocalPair
 from orchestrator.placement import PairPlacement
 from orchestrator.server import Orchestrator
 

@@ -204,3 +204,46 @@ def test_serve_refuses_a_grpc_port_in_use(checkpoints: tuple[Path, Path]) -> Non
     assert f"127.0.0.1:{port} (--port {port}): the port is in use" in out.stderr
     assert "Stop what uses it, or pass another port to --port" in out.stderr
     assert "ray" not in out.stderr.lower(), out.stderr
+
+
+def test_a_draft_with_another_tokenizer_is_refused_before_any_model_loads(
+    checkpoints: tuple[Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tokenizers are compared from their files first: neither Ray nor a service (which
+    loads the models) is started for a mismatched pair, in process or from the command line."""
+    import shutil
+
+    import orchestrator.server
+    from orchestrator.server import Orchestrator
+    from tests.specdec._runner_models import tiny_tokenizer
+
+    target, draft = checkpoints
+    other = tmp_path / "other-draft"
+    shutil.copytree(draft, other)
+    tok = tiny_tokenizer()
+    tok.add_tokens(["extra-word"])
+    tok.save_pretrained(str(other))
+
+    def must_not_run(*_args: object, **_kw: object) -> None:
+        raise AssertionError("Ray was started (and the models loaded) for a mismatched pair")
+
+    monkeypatch.setattr(orchestrator.server, "connect", must_not_run)
+    monkeypatch.setattr(orchestrator.server.Placement, "start", must_not_run)
+    config = serve_config(parse_args(["serve", "--target", str(target), "--draft", str(other)]))
+    with pytest.raises(
+        ValueError,
+        match=r"Refusing the draft .* their tokenizers differ \(251 and"
+        r" 250 ids; e\.g\. 'extra-word': 250\); draft and target must share one",
+    ):
+        Orchestrator(config).start()
+    from orchestrator.detokenizer import check_shared_tokenizer
+
+    check_shared_tokenizer(target, draft)  # padded embedding sizes differ; the vocabulary not
+    out = subprocess.run(
+        [sys.executable, "-m", "specdec", "serve", "--target", str(target), "--draft",
+         str(other), "--port", "0", "--metrics-port", "-1"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert out.returncode == 2, out.stderr
+    assert "Refusing the draft" in out.stderr and "Traceback" not in out.stderr
+    assert "Started a local Ray instance" not in out.stderr

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from orchestrator.local import LocalPair
+from bench.local import LocalPair
 from orchestrator.pair import PairAdmission, PairClient, StepReport
 from specdec.sampling_params import SamplingParams
 from tests.draft_service.models import build_checkpoints

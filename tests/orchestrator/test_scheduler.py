@@ -317,3 +317,46 @@ def test_the_admissions_first_verdict_is_applied_and_can_finish_the_request(make
     sched.post_step(0, step(event("more", 1, 9, 10)))
     eventually(more.done.is_set)
     assert more.tokens == [8, 9, 10] and more.error is None
+
+
+def test_a_verdict_is_counted_under_the_proposer_that_drafted_it(make) -> None:  # type: ignore[no-untyped-def]
+    """The request switches to "off" while a step drafted by the draft model is in flight: that
+    step's verdict still counts under "draft" (the hub names its proposer), and "off" shows no
+    drafts, as it never drafts."""
+    from orchestrator.metrics import Metrics
+
+    metrics = Metrics("pair")
+    sched, [pair] = make([1], max_queue=1, observer=metrics)
+    job = FakeJob("a", max_tokens=10)
+    sched.submit(job)
+    eventually(lambda: pair.admitted == ["a"])
+    assert sched.set_speculation("a", "off", 0) and job.proposer == "off"
+    drafted = StepEvent("a", 0, (5, 6), 3, 1, None, "draft")  # drafted before the switch
+    after = StepEvent("a", 1, (7,), 0, 0, None, "off")
+    sched.post_step(0, step(drafted))
+    sched.post_step(0, step(after))
+    eventually(lambda: job.tokens == [5, 6, 7])
+
+    def value(name: str, proposer: str) -> float | None:
+        labels = {"model_pair": "pair", "proposer": proposer}
+        return metrics.registry.get_sample_value(f"specdec:spec_decode_{name}_total", labels)
+
+    assert [value(n, "draft") for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")] \
+        == [1, 3, 1]  # fmt: skip
+    assert [value(n, "off") for n in ("num_drafts", "num_draft_tokens", "num_accepted_tokens")] \
+        == [0, 0, 0]  # fmt: skip
+
+
+def test_step_report_reads_each_verdict_s_proposer() -> None:
+    from specdec.pb import target_pb2
+    from specdec.pb.specdec.v1 import generate_pb2
+    from specdec.serving.verdicts import VerifyResponse
+
+    verdicts = VerifyResponse.pending(["a", "b", "c"], [4, 5, 6])
+    ids = [generate_pb2.PROPOSER_DRAFT, generate_pb2.PROPOSER_NGRAM, generate_pb2.PROPOSER_OFF]
+    report = StepReport.from_pb(target_pb2.ServeStep(verdicts=verdicts.to_pb(), proposers=ids))
+    assert [(e.request_id, e.proposer) for e in report.events] == [
+        ("a", "draft"), ("b", "ngram"), ("c", "off")
+    ]  # fmt: skip
+    unnamed = StepReport.from_pb(target_pb2.ServeStep(verdicts=verdicts.to_pb()))
+    assert [e.proposer for e in unnamed.events] == [None, None, None]

@@ -27,7 +27,7 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.pipeline import Pipeline
+from bench.pipeline import Pipeline
 from specdec.client import Client
 from specdec.sampling_params import SamplingParams
 

@@ -18,7 +18,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
 
-from specdec.errors import CacheFullError, StaleProposalError
+from specdec.errors import CacheFullError, CheckpointError
 from specdec.serving.client import LockstepStream, make_channel
 from specdec.serving.server import Server, ServerConfig
 from tests.certs import issue, load, localhost_names, self_signed_localhost
@@ -31,7 +31,7 @@ def _call(request: bytes, context: grpc.ServicerContext) -> bytes:
     errors: dict[bytes, Exception] = {
         b"value": ValueError("field x must be > 0, got -1."),
         b"full": CacheFullError("the KV cache is full."),
-        b"stale": StaleProposalError("step 3 is stale."),
+        b"checkpoint": CheckpointError("the checkpoint is gone."),
         b"bug": ZeroDivisionError("oops"),
     }
     if request in errors:
@@ -86,7 +86,7 @@ def test_reflection_lists_services(server: Server) -> None:
     [
         (b"value", grpc.StatusCode.INVALID_ARGUMENT, "field x must be > 0"),
         (b"full", grpc.StatusCode.RESOURCE_EXHAUSTED, "KV cache is full"),
-        (b"stale", grpc.StatusCode.FAILED_PRECONDITION, "step 3 is stale"),
+        (b"checkpoint", grpc.StatusCode.FAILED_PRECONDITION, "the checkpoint is gone"),
         (b"bug", grpc.StatusCode.INTERNAL, "ZeroDivisionError"),
         (b"abort", grpc.StatusCode.PERMISSION_DENIED, "no"),
     ],

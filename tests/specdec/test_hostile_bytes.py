@@ -23,9 +23,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from bench.local import LocalPair
+from bench.pipeline import Pipeline
 from orchestrator.config import ServeConfig, ServiceConfig
-from orchestrator.local import LocalPair
-from orchestrator.pipeline import Pipeline
 from specdec.pb import common_pb2, draft_pb2_grpc, target_pb2_grpc
 from specdec.sampling_params import SamplingParams
 from specdec.serving.client import make_channel

@@ -20,6 +20,7 @@ from specdec.serving.blocks import DraftBlock, DraftProposal, SparseQ, block_to_
 from specdec.serving.client import make_channel
 from specdec.serving.messages import AdmitRequest, ProposeEntry
 from specdec.serving.verdicts import VerifyResponse
+from tests.specdec.entries import proposal
 
 U32_MAX, U64_MAX = 2**32 - 1, 2**64 - 1
 
@@ -94,7 +95,7 @@ def test_draft_block_entry_ranges_fail_only_their_entry(
     parsed = DraftBlock.from_pb(pb)
     assert list(parsed.errors) == [1]
     assert re.match(match, parsed.errors[1])
-    assert parsed.proposal(2).draft_token_ids == (0, 1)
+    assert proposal(parsed, 2).draft_token_ids == (0, 1)
 
 
 def test_draft_block_num_draft_tokens_out_of_range_is_the_blocks_error() -> None:

@@ -34,7 +34,8 @@ from specdec.serving.messages import (
     RequestError,
     check_compatible,
 )
-from specdec.serving.verdicts import VerifyResponse, VerifyResult
+from specdec.serving.verdicts import VerifyResponse
+from tests.specdec.entries import VerifyResult, proposal, results
 
 
 def test_error_reason_mirrors_proto_enum() -> None:
@@ -93,7 +94,7 @@ def _q(kind: str, k: int, vocab: int = 11, support: int = 4) -> DenseQ | SparseQ
 def _round_trip(proposals: list[DraftProposal]) -> list[DraftProposal]:
     wire = block_to_pb(proposals).SerializeToString()
     parsed = DraftBlock.from_pb(common_pb2.DraftBlock.FromString(wire))
-    return [parsed.proposal(i) for i in range(len(parsed))]
+    return [proposal(parsed, i) for i in range(len(parsed))]
 
 
 @pytest.mark.parametrize("kinds", [["dense"], ["sparse"], ["none"], ["sparse", "none", "dense"]])
@@ -194,8 +195,8 @@ def test_malformed_entry_is_only_that_entrys_error(mutate, match) -> None:  # ty
     parsed = DraftBlock.from_pb(pb)
     assert list(parsed.errors) == [2] and re.match(match, parsed.errors[2])
     with pytest.raises(ValueError, match=match):
-        parsed.proposal(2)
-    last = parsed.proposal(3)
+        proposal(parsed, 2)
+    last = proposal(parsed, 3)
     assert isinstance(last.q, SparseQ) and last.request_id == "r3"
     assert parsed.sparse is not None and torch.equal(last.q.probs, parsed.sparse.probs[6:8])
 
@@ -218,7 +219,7 @@ def test_verdicts_round_trip_as_columns() -> None:
     assert list(pb.num_accepted) == [2, 0, 0, 0] and list(pb.token_ids) == [5, 6, 9, 7, 4]
     assert [e.index for e in pb.errors] == [1, 2]
     back = VerifyResponse.from_pb(pb)
-    assert back.results() == [
+    assert results(back) == [
         VerifyResult("a", 3, (5, 6, 9), (True, True, False), 40),
         VerifyResult("b", 1, error=err),
         VerifyResult("c", 0, (7,), (False,), 12, dup_err),
@@ -352,7 +353,7 @@ def test_parsed_block_locates_each_entrys_tokens_and_q_rows() -> None:
     assert torch.equal(subset.probs, parsed.sparse.probs[[0, 1, 5]])
     assert torch.equal(subset.token_ids, parsed.sparse.token_ids[[0, 1, 5]])
     for i, p in enumerate(proposals):
-        back = parsed.proposal(i)
+        back = proposal(parsed, i)
         assert (back.request_id, back.step, back.draft_token_ids) == (f"r{i}", i, p.draft_token_ids)
         if p.q is not None and back.q is not None:
             assert torch.equal(back.q.probs, p.q.probs)

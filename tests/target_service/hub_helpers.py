@@ -1,7 +1,7 @@
 """The orchestrator's part in the hub tests: a `Driver` over a real `PairClient` that records
 each request's committed tokens, applies every verdict once by (request id, step), admits
 requests as steps go by and releases each one once it has enough tokens; and the services
-with their engines, on loopback ports (`orchestrator.local`)."""
+with their engines, on loopback ports (`bench.local`)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from orchestrator.local import LocalPair, local_pair
+from bench.local import LocalPair, local_pair
 from orchestrator.pair import Admitted, PairAdmission, PairClient, Proposer, StepEvent, StepReport
 from specdec.sampling_params import SamplingParams
 from specdec.serving.messages import RequestError
@@ -25,7 +25,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 @contextmanager
 def hub_services(target_dir: Path, draft_dir: Path, **target_options: Any) -> Iterator[LocalPair]:
-    """Draft and target services (`orchestrator.local`); the target's hub uses the draft. The
+    """Draft and target services (`bench.local`); the target's hub uses the draft. The
     rejection sampler runs its pure-torch implementation (bit-equal to the kernels; the Triton
     interpreter costs about 1 s per step on a CPU). `target_options`: more TargetConfig
     fields."""

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator.local import LocalPair
+from bench.local import LocalPair
 from specdec.runner import ModelRunner
 from specdec.sampling_params import SamplingParams
 from target_service.speculation import MIN_DRAFTS, KChooser

@@ -15,7 +15,7 @@ import grpc
 import pytest
 import torch
 
-from orchestrator.local import LocalPair
+from bench.local import LocalPair
 from orchestrator.pair import Admitted, StepReport
 from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
 from specdec.pb.specdec.v1 import generate_pb2
@@ -342,3 +342,25 @@ def test_a_seeded_output_does_not_depend_on_a_retry(
     retried.client.close()
     assert rec.generated[:n] == clean.records["seeded"].generated[:n]
     assert len(calls) > 3, "the request ran on after its retry"
+
+
+def test_each_verdict_names_the_proposer_that_drafted_it(svc: LocalPair) -> None:
+    """A request switched from the draft model to "off" mid-generation: its verdicts name
+    "draft" up to the step the switch reached the hub and "off" from then on, and every verdict
+    that verified drafts names the proposer that made them."""
+    driver = Driver(svc.target_address, max_new_tokens=40)
+    driver.admit("d", _prompt(0), "draft", 3)
+    driver.admit("n", _prompt(1), "ngram", 3)
+
+    def on_step(n: int) -> None:
+        if n == 3:
+            driver.client.set_speculation("d", "off", 0)
+
+    driver.run(on_step)
+    driver.client.close()
+    d = [(e.proposer, e.num_draft_tokens) for e in driver.records["d"].events[1:]]
+    switched = next((i for i, (p, _) in enumerate(d) if p == "off"), None)
+    assert switched is not None, d
+    assert switched >= 2 and d[:switched] == [("draft", 3)] * switched, d
+    assert d[switched:] == [("off", 0)] * (len(d) - switched), d
+    assert {e.proposer for e in driver.records["n"].events[1:]} == {"ngram"}

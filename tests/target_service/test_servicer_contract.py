@@ -11,9 +11,9 @@ import grpc
 import pytest
 import torch
 
+from bench.local import LocalPair
 from draft_service.config import DraftConfig
 from draft_service.server import start as start_draft
-from orchestrator.local import LocalPair
 from specdec.errors import CheckpointError
 from specdec.pb import common_pb2, draft_pb2, draft_pb2_grpc, target_pb2_grpc
 from specdec.sampling_params import SamplingParams
@@ -21,7 +21,7 @@ from specdec.serving.blocks import DenseQ, DraftProposal, DraftQ, SparseQ, block
 from specdec.serving.client import LockstepStream, make_channel
 from specdec.serving.messages import AdmitRequest, ErrorReason
 from specdec.serving.server import ServerConfig
-from specdec.serving.verdicts import VerifyResponse, VerifyResult
+from specdec.serving.verdicts import VerifyResponse
 from target_service.config import TargetConfig
 from target_service.server import start as start_target
 from tests.draft_service.models import (
@@ -31,6 +31,7 @@ from tests.draft_service.models import (
     services,
 )
 from tests.specdec._runner_models import tiny_tokenizer
+from tests.specdec.entries import VerifyResult, results
 
 PROMPT = [5, 17, 42, 9, 77]
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
@@ -98,7 +99,7 @@ def _verify(
     pb = block_to_pb(block) if isinstance(block, list) else block
     with LockstepStream(target.Verify) as stream:
         response = stream(pb)
-    return VerifyResponse.from_pb(response).results()
+    return results(VerifyResponse.from_pb(response))
 
 
 def test_any_order_and_k_2_0_1_each_against_its_own_q(

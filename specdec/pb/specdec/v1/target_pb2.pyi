@@ -115,7 +115,7 @@ class ServeStarted(_message.Message):
     def __init__(self, target: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., draft: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
 
 class ServeStep(_message.Message):
-    __slots__ = ("verdicts", "draft_s", "transport_s", "verify_s", "sampler_s", "step_s", "draft_up", "graphed", "draft_ahead_hits", "draft_ahead_misses")
+    __slots__ = ("verdicts", "draft_s", "transport_s", "verify_s", "sampler_s", "step_s", "draft_up", "graphed", "draft_ahead_hits", "draft_ahead_misses", "proposers")
     VERDICTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_S_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_S_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,7 @@ class ServeStep(_message.Message):
     GRAPHED_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AHEAD_HITS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AHEAD_MISSES_FIELD_NUMBER: _ClassVar[int]
+    PROPOSERS_FIELD_NUMBER: _ClassVar[int]
     verdicts: VerifyResponse
     draft_s: float
     transport_s: float
@@ -136,7 +137,8 @@ class ServeStep(_message.Message):
     graphed: bool
     draft_ahead_hits: int
     draft_ahead_misses: int
-    def __init__(self, verdicts: _Optional[_Union[VerifyResponse, _Mapping]] = ..., draft_s: _Optional[float] = ..., transport_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., sampler_s: _Optional[float] = ..., step_s: _Optional[float] = ..., draft_up: _Optional[bool] = ..., graphed: _Optional[bool] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ...) -> None: ...
+    proposers: _containers.RepeatedScalarFieldContainer[_generate_pb2.Proposer]
+    def __init__(self, verdicts: _Optional[_Union[VerifyResponse, _Mapping]] = ..., draft_s: _Optional[float] = ..., transport_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., sampler_s: _Optional[float] = ..., step_s: _Optional[float] = ..., draft_up: _Optional[bool] = ..., graphed: _Optional[bool] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., proposers: _Optional[_Iterable[_Union[_generate_pb2.Proposer, str]]] = ...) -> None: ...
 
 class ServeAdmitted(_message.Message):
     __slots__ = ("request_id", "committed_length", "next_step", "error", "prefill_s", "verdicts")

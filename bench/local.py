@@ -14,7 +14,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from orchestrator.pipeline import Pipeline
+from bench.pipeline import Pipeline
 from specdec.serving.client import make_channel
 
 if TYPE_CHECKING:

@@ -25,6 +25,7 @@ from tests.draft_service.models import (
     next_token_logits,
     services,
 )
+from tests.specdec.entries import results
 
 
 def _prompts(n: int, seed: int = 0) -> list[list[int]]:
@@ -88,7 +89,7 @@ def test_sampled_tokens_follow_target_distribution(
                 seed = 1000 + start + i
                 params = SamplingParams(SAMPLING.temperature, SAMPLING.top_k, SAMPLING.top_p, seed)
                 pipe.admit(rid, prompt, params)
-            for result in pipe.step(dict.fromkeys(ids, 2)).results():
+            for result in results(pipe.step(dict.fromkeys(ids, 2))):
                 assert result.error is None, result.error
                 counts[result.token_ids[0]] += 1
                 accepted += result.accepted[0]
