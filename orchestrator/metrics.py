@@ -36,7 +36,9 @@ counter specdec:steps_total, specdec:eager_steps_total (steps with a forward tha
 no captured CUDA graph fitted; every step on a CPU); gauge specdec:draft_up. Draft-ahead:
 counters specdec:draft_ahead_hits_total (draft asks answered from drafts made ahead for their
 verdict, no forward) and specdec:draft_ahead_misses_total (asks that had drafts made ahead but
-none for their verdict); hit rate = hits / (hits + misses).
+none for their verdict); hit rate = hits / (hits + misses). Histogram
+specdec:step_num_draft_tokens: the k of each step that serves draft-model requests (its largest;
+0 where it drafted none), which `--dynamic-speculation` chooses per step.
 
 Every metric lives in the Metrics object's own CollectorRegistry, never the global one.
 """
@@ -67,6 +69,9 @@ E2E_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 4
                120.0, 240.0, 480.0)  # fmt: skip
 STEP_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015,
                 0.02, 0.03, 0.05, 0.1, 0.25, 0.5, 1.0)  # fmt: skip
+
+
+K_BUCKETS = (0, 1, 2, 3, 4, 5, 6, 8, 10, 12, 16)
 
 
 class Metrics:
@@ -158,6 +163,12 @@ class Metrics:
             "step on a CPU.",
         ).labels(self.model_pair)
         self._draft_up = self._gauge("draft_up", "1 while the draft service is up.")
+        self._step_k = self._histogram(
+            "step_num_draft_tokens",
+            "Draft tokens per request in a step that serves draft-model requests (the largest "
+            "k of the step; 0 where it drafted none): the k dynamic speculation chooses.",
+            K_BUCKETS,
+        )
         self._ahead_hits = self._counter(
             "draft_ahead_hits", "Draft asks answered from drafts made ahead for their verdict."
         ).labels(self.model_pair)
@@ -171,11 +182,14 @@ class Metrics:
         a SetSpeculation sent while the step ran); `proposer_of` maps a request to its proposer
         now, used only where the hub named none, and None for a request the orchestrator no
         longer holds (its verdict is dropped, no response carries it, so it is not counted)."""
+        step_k: int | None = None  # the step's k for the draft model's requests
         for event in report.events:
-            if event.error is not None or event.num_draft_tokens == 0:
-                continue
             current = proposer_of(event.request_id)
-            if current is None:
+            if event.error is not None or current is None:
+                continue
+            if (event.proposer or current) == "draft":
+                step_k = max(step_k or 0, event.num_draft_tokens)
+            if event.num_draft_tokens == 0:
                 continue
             labels = (self.model_pair, event.proposer or current)
             self._drafts.labels(*labels).inc()
@@ -184,6 +198,8 @@ class Metrics:
             for pos in range(event.num_accepted):
                 self._accepted_per_pos.labels(*labels, str(pos)).inc()
         self._steps.inc()
+        if step_k is not None:
+            self._step_k.observe(step_k)
         if report.draft_s > 0 or report.draft_ahead_hits:  # the draft service served the step
             self._step_draft.observe(report.draft_s)
             self._step_transport.observe(report.transport_s)

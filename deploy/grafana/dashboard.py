@@ -109,10 +109,13 @@ SPECULATION = (
     ),
     PanelSpec(
         "Chosen k (draft tokens per draft)",
-        "There is no metric of the k each step chose: this is derived as draft tokens verified "
-        "/ drafts, the mean k of the steps that drafted (shorter near a request's end).",
+        "The mean k of the steps that drafted, per proposer (draft tokens verified / drafts; "
+        "shorter near a request's end), and the k of each step serving draft-model requests "
+        "(p50 / p90 / p99 of specdec:step_num_draft_tokens: what --dynamic-speculation "
+        "chooses, 0 where it turned speculation off).",
         "none",
-        by_proposer(f"{spec_rate('num_draft_tokens')} / {per(spec_rate('num_drafts'))}"),
+        by_proposer(f"{spec_rate('num_draft_tokens')} / {per(spec_rate('num_drafts'))}")
+        + quantiles("step_num_draft_tokens"),
     ),
 )
 REQUESTS = (

@@ -49,9 +49,10 @@ def test_the_panels_the_dashboard_promises() -> None:
             assert p["description"] and p["datasource"]["uid"] == "${datasource}"
             assert all(t["expr"] and t["refId"] for t in p["targets"])
     chosen_k = next(p for p in board["panels"] if p["title"].startswith("Chosen k"))
-    assert "no metric" in chosen_k["description"]
     assert "num_draft_tokens_total" in chosen_k["targets"][0]["expr"]
     assert "num_drafts_total" in chosen_k["targets"][0]["expr"]
+    assert all("step_num_draft_tokens_bucket" in t["expr"] for t in chosen_k["targets"][1:])
+    assert len(chosen_k["targets"]) == 4
 
 
 @pytest.fixture(scope="module")

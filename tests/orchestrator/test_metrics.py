@@ -131,6 +131,21 @@ def test_draft_ahead_counters(served) -> None:
     assert _value(s, "specdec:step_transport_seconds_sum") == pytest.approx(0.0009)
 
 
+def test_the_step_k_of_draft_model_requests(served) -> None:
+    """Each step serving draft-model requests adds its largest k: 3 in the first step (the
+    ngram request's 4 is not the draft's), 3 in the second (the failed verdict and the
+    released request's do not count); a step at k = 0 counts 0; an ngram-only step nothing."""
+    metrics, port = served
+    plain = Report((StepEvent("a", 2, (7,), 0, 0),), 0.0, 0.0, 0.003, 0.0001, 0.004, True, True)
+    ngram = Report((StepEvent("c", 1, (7,), 2, 0),), 0.0, 0.0, 0.003, 0.0001, 0.004, True, True)
+    for report in [*REPORTS, plain, ngram]:
+        metrics.on_step(report, PROPOSERS.get)
+    s = _scrape(port)
+    assert _value(s, "specdec:step_num_draft_tokens_count") == 3
+    assert _value(s, "specdec:step_num_draft_tokens_sum") == 6
+    assert _value(s, "specdec:step_num_draft_tokens_bucket", le="0.0") == 1
+
+
 def _final(prompt: int, completion: int, ttft: float, e2e: float, reason: int):
     timing = generate_pb2.Timing(
         time_to_first_token_s=ttft, e2e_s=e2e, queue_s=ttft / 4, admission_s=ttft / 2,
