@@ -8,7 +8,6 @@ import sys
 from functools import partial
 
 from draft_service.config import DraftConfig
-from draft_service.ngram import NgramConfig
 from draft_service.server import start
 from specdec.serving.cli import (
     add_runner_args,
@@ -18,6 +17,7 @@ from specdec.serving.cli import (
     serve,
     server_config,
 )
+from specdec.serving.ngram import NgramConfig
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from draft_service.ngram import NgramConfig
 from specdec.runner import RunnerConfig
+from specdec.serving.ngram import NgramConfig
 from specdec.serving.server import ServerConfig
 
 MAX_NUM_DRAFT_TOKENS = 64

@@ -19,7 +19,6 @@ import torch
 
 from draft_service import ahead
 from draft_service.config import DraftConfig
-from draft_service.ngram import propose_ngram
 from draft_service.sampling import sample_draft
 from specdec.errors import CacheFullError, InvalidInputError
 from specdec.runner import ForwardItem, ModelRunner
@@ -45,6 +44,7 @@ from specdec.serving.checks import (
     unknown_request,
 )
 from specdec.serving.messages import AdmitRequest, ModelInfo, ProposeEntry, RequestError
+from specdec.serving.ngram import propose_ngram
 
 log = logging.getLogger(__name__)
 

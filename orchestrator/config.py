@@ -15,9 +15,8 @@ from typing import Literal
 
 from specdec.message_limits import request_bytes, served_seq_len
 from specdec.serving.auth import check_api_key
+from specdec.serving.proposers import PROPOSERS, Proposer
 
-Proposer = Literal["draft", "ngram", "off"]
-PROPOSERS: tuple[str, ...] = ("draft", "ngram", "off")
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 MAX_NUM_DRAFT_TOKENS = 64  # the services' own ceiling

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from specdec.client import DEFAULT_ADDRESS, Client, GenerateOutput, SpecdecClientError
+from specdec.serving.proposers import PROPOSERS
 
 ADDRESS_ENV = "SPECDEC_ADDRESS"
 
@@ -31,9 +32,7 @@ def add_generate_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--top-k", type=int, default=0, help="0 disables top-k")
     parser.add_argument("--top-p", type=float, help="nucleus mass in (0, 1]")
     parser.add_argument("--seed", type=int, help="seed of the request (default: random)")
-    parser.add_argument(
-        "--proposer", choices=("draft", "ngram", "off"), help="where drafts come from"
-    )
+    parser.add_argument("--proposer", choices=PROPOSERS, help="where drafts come from")
     parser.add_argument("-k", "--num-draft-tokens", type=int, dest="num_draft_tokens",
                         help="draft tokens per step (default: the server's)")  # fmt: skip
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")

@@ -57,9 +57,9 @@ from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 
 from orchestrator.pair import StepReport
 from specdec.pb.specdec.v1 import generate_pb2
+from specdec.serving.proposers import PROPOSERS
 
 PREFIX = "specdec:"
-PROPOSER_NAMES = ("draft", "ngram", "off")
 # Seconds; vLLM's request-latency buckets, and step buckets from 0.5 ms (a small verify step).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
@@ -93,7 +93,7 @@ class Metrics:
             "Draft tokens accepted at each position of the draft.",
             (*spec, "position"),
         )
-        for proposer in PROPOSER_NAMES:  # the series exist (at 0) before the first draft
+        for proposer in PROPOSERS:  # the series exist (at 0) before the first draft
             for counter in (self._drafts, self._draft_tokens, self._accepted):
                 counter.labels(model_pair, proposer)
         self._define_request_metrics()

@@ -18,35 +18,23 @@ import queue
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import grpc
 
 from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
-from specdec.pb.specdec.v1 import generate_pb2
 from specdec.sampling_params import SamplingParams
 from specdec.serving.client import make_channel
 from specdec.serving.messages import ModelInfo, RequestError, sampling_to_pb
+from specdec.serving.proposers import FROM_PB, TO_PB, Proposer
 from specdec.serving.verdicts import VerifyResponse
 
 log = logging.getLogger(__name__)
 
-Proposer = Literal["draft", "ngram", "off"]
-PROPOSERS: dict[str, int] = {
-    "draft": generate_pb2.PROPOSER_DRAFT,
-    "ngram": generate_pb2.PROPOSER_NGRAM,
-    "off": generate_pb2.PROPOSER_OFF,
-}
-NAMES: dict[int, Proposer] = {
-    generate_pb2.PROPOSER_DRAFT: "draft",
-    generate_pb2.PROPOSER_NGRAM: "ngram",
-    generate_pb2.PROPOSER_OFF: "off",
-}
 _CLOSE = object()
 
 
 def _check_speculation(proposer: str, num_draft_tokens: int) -> None:
-    if proposer not in PROPOSERS:
+    if proposer not in TO_PB:
         raise ValueError(f"proposer must be 'draft', 'ngram' or 'off', got {proposer!r}.")
     if num_draft_tokens < 0:
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}.")
@@ -84,7 +72,7 @@ class PairAdmission:
                 sampling=sampling_to_pb(self.sampling),
                 first_step=self.first_step,
             ),
-            proposer=PROPOSERS[self.proposer],  # type: ignore[arg-type]
+            proposer=TO_PB[self.proposer],
             num_draft_tokens=self.num_draft_tokens,
             max_length=self.max_length,
             fixed_num_draft_tokens=self.fixed_num_draft_tokens,
@@ -144,7 +132,7 @@ def step_events(
     """The verdicts as events; `proposers` (ServeStep.proposers) name who drafted each."""
     v = VerifyResponse.from_pb(pb)
     errors = v.errors
-    names = [NAMES.get(p) for p in proposers] if len(proposers) == len(v) else [None] * len(v)
+    names = [FROM_PB.get(p) for p in proposers] if len(proposers) == len(v) else [None] * len(v)
     return tuple(
         StepEvent(
             rid, v.steps[i], () if i in errors else tuple(v.token_ids[i]),
@@ -247,7 +235,7 @@ class PairClient:
         _check_speculation(proposer, num_draft_tokens)
         pb = target_pb2.SetSpeculation(
             request_id=request_id,
-            proposer=PROPOSERS[proposer],  # type: ignore[arg-type]
+            proposer=TO_PB[proposer],
             num_draft_tokens=num_draft_tokens,
         )
         self._send(target_pb2.ServeControl(set_speculation=pb))

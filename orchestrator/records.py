@@ -20,15 +20,11 @@ from orchestrator.detokenizer import IncrementalDetokenizer
 from orchestrator.pair import StepEvent
 from specdec.pb.specdec.v1 import generate_pb2
 from specdec.serving.messages import RequestError
+from specdec.serving.proposers import TO_PB
 
 MAX_STOP_STRINGS = 16
 MAX_STOP_STRING_LEN = 256
 MAX_STOP_TOKEN_IDS = 64
-PROPOSERS = {
-    "draft": generate_pb2.PROPOSER_DRAFT,
-    "ngram": generate_pb2.PROPOSER_NGRAM,
-    "off": generate_pb2.PROPOSER_OFF,
-}
 
 
 class FinishReason(IntEnum):
@@ -177,8 +173,8 @@ class RequestRecord:
     ) -> None:
         if not prompt_ids:
             raise ValueError("the prompt must hold at least one token.")
-        if proposer not in PROPOSERS:
-            raise ValueError(f"proposer must be one of {sorted(PROPOSERS)}, got {proposer!r}.")
+        if proposer not in TO_PB:
+            raise ValueError(f"proposer must be one of {sorted(TO_PB)}, got {proposer!r}.")
         self.request_id = request_id
         self.prompt_ids = tuple(prompt_ids)
         self.criteria = criteria
@@ -314,7 +310,7 @@ class RequestRecord:
             num_draft_tokens=c.num_draft_tokens,
             num_accepted_tokens=c.num_accepted,
             num_accepted_tokens_per_pos=c.accepted_per_pos,
-            proposer=PROPOSERS[self.proposer],  # type: ignore[arg-type]
+            proposer=TO_PB[self.proposer],
             num_draft_tokens_per_step=self.num_draft_tokens,
         )
 

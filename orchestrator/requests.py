@@ -23,14 +23,9 @@ from specdec.message_limits import MAX_CHARS_PER_TOKEN, max_prompt_chars
 from specdec.pb.specdec.v1 import generate_pb2
 from specdec.sampling_params import SamplingParams
 from specdec.serving.messages import ModelInfo
+from specdec.serving.proposers import FROM_PB, TO_PB
 
 MAX_REQUEST_ID_LEN = 128
-PROPOSER_NAMES = {
-    generate_pb2.PROPOSER_DRAFT: "draft",
-    generate_pb2.PROPOSER_NGRAM: "ngram",
-    generate_pb2.PROPOSER_OFF: "off",
-}
-PROPOSER_ENUMS = {name: value for value, name in PROPOSER_NAMES.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,8 +82,8 @@ def speculation_of(spec: generate_pb2.Speculation, served: Served) -> tuple[str,
     the field for settings this server cannot run."""
     if spec.proposer == generate_pb2.PROPOSER_DEFAULT:
         proposer = served.default_proposer
-    elif spec.proposer in PROPOSER_NAMES:
-        proposer = PROPOSER_NAMES[spec.proposer]
+    elif spec.proposer in FROM_PB:
+        proposer = FROM_PB[spec.proposer]
     else:
         raise ValueError(
             f"speculation.proposer {spec.proposer} is not a known Proposer (DEFAULT, DRAFT, "
@@ -315,7 +310,7 @@ def served_model_pb(
         draft_model=draft_dir or "",
         vocab_size=served.vocab_size,
         max_seq_len=served.max_seq_len,
-        default_proposer=PROPOSER_ENUMS[served.default_proposer],  # type: ignore[arg-type]
+        default_proposer=TO_PB[served.default_proposer],
         default_num_draft_tokens=served.default_num_draft_tokens,
         max_num_draft_tokens=served.max_num_draft_tokens,
         eos_token_ids=served.eos_token_ids,

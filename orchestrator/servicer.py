@@ -17,9 +17,9 @@ from typing import Any
 import grpc
 
 from orchestrator.frontend import Frontend
-from orchestrator.records import PROPOSERS
 from orchestrator.requests import Job, deadline_of, speculation_of
 from specdec.pb.specdec.v1 import generate_pb2, generate_pb2_grpc
+from specdec.serving.proposers import TO_PB
 
 SERVICE_NAME = generate_pb2.DESCRIPTOR.services_by_name["GenerateService"].full_name
 
@@ -65,7 +65,7 @@ class GenerateServicer(generate_pb2_grpc.GenerateServiceServicer):
             )
         return generate_pb2.SetSpeculationResponse(
             request_id=rid,
-            proposer=PROPOSERS[proposer],  # type: ignore[arg-type]
+            proposer=TO_PB[proposer],
             num_draft_tokens=k,
         )
 

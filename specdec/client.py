@@ -25,14 +25,10 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specdec.pb.specdec.v1 import generate_pb2, generate_pb2_grpc
 from specdec.serving.auth import API_KEY_ENV
+from specdec.serving.proposers import TO_PB
 
 DEFAULT_ADDRESS = "localhost:50050"
-PROPOSERS = {
-    "default": generate_pb2.PROPOSER_DEFAULT,
-    "draft": generate_pb2.PROPOSER_DRAFT,
-    "ngram": generate_pb2.PROPOSER_NGRAM,
-    "off": generate_pb2.PROPOSER_OFF,
-}
+PROPOSERS = {"default": generate_pb2.PROPOSER_DEFAULT, **TO_PB}  # the server's, or one of them
 _PROPOSER_NAMES = {v: k for k, v in PROPOSERS.items()}
 
 
@@ -226,7 +222,7 @@ def build_request(
         if opt is not None:
             setattr(request, name, opt)
     if proposer is not None:
-        request.speculation.proposer = PROPOSERS[proposer]  # type: ignore[assignment]
+        request.speculation.proposer = PROPOSERS[proposer]
     if num_draft_tokens is not None:
         request.speculation.num_draft_tokens = num_draft_tokens
     return request
@@ -244,7 +240,7 @@ def build_set_speculation(
         raise ValueError(f"num_draft_tokens must be >= 0, got {num_draft_tokens}.")
     request = generate_pb2.SetSpeculationRequest(request_id=request_id)
     if proposer is not None:
-        request.speculation.proposer = PROPOSERS[proposer]  # type: ignore[assignment]
+        request.speculation.proposer = PROPOSERS[proposer]
     if num_draft_tokens is not None:
         request.speculation.num_draft_tokens = num_draft_tokens
     return request

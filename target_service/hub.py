@@ -38,12 +38,12 @@ from dataclasses import dataclass, field, replace
 
 import grpc
 
-from draft_service.ngram import NgramConfig, propose_ngram
 from specdec.errors import CacheFullError, InvalidInputError
 from specdec.pb import common_pb2, draft_pb2, target_pb2
-from specdec.pb.specdec.v1 import generate_pb2
 from specdec.serving.blocks import Q_NONE, DraftBlock
 from specdec.serving.messages import AdmitRequest, ErrorReason, RequestError
+from specdec.serving.ngram import NgramConfig, propose_ngram
+from specdec.serving.proposers import FROM_PB, TO_PB
 from specdec.serving.status import status_for
 from specdec.serving.verdicts import VerifyResponse
 from target_service.engine import TargetEngine
@@ -53,11 +53,6 @@ from target_service.speculation import KChooser
 
 log = logging.getLogger(__name__)
 
-PROPOSERS: dict[int, str] = {
-    generate_pb2.PROPOSER_DRAFT: "draft",
-    generate_pb2.PROPOSER_NGRAM: "ngram",
-    generate_pb2.PROPOSER_OFF: "off",
-}
 _STOP = object()
 
 
@@ -97,7 +92,7 @@ def request_error(exc: BaseException) -> RequestError:
 
 def _speculation(proposer: int, num_draft_tokens: int, limit: int) -> tuple[str, int]:
     """("draft" | "ngram" | "off", k); ValueError naming the field."""
-    name = PROPOSERS.get(proposer)
+    name = FROM_PB.get(proposer)
     if name is None:
         raise InvalidInputError(
             f"proposer must be PROPOSER_DRAFT, PROPOSER_NGRAM or PROPOSER_OFF, got {proposer} "
@@ -425,8 +420,7 @@ class Hub:
 def _proposers(group: _Group, verdicts: VerifyResponse) -> list[int]:
     """Each verdict's proposer as it drafted the step: controls apply between steps."""
     proposer = {r.request_id: r.proposer for r in group.requests}
-    ids = {name: pb for pb, name in PROPOSERS.items()}
-    return [ids[proposer[rid]] for rid in verdicts.request_ids]
+    return [TO_PB[proposer[rid]] for rid in verdicts.request_ids]
 
 
 class HubServicer(TargetServicer):

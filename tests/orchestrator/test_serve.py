@@ -29,12 +29,12 @@ from specdec.client import Client, SpecdecClientError
 from specdec.pb import common_pb2, draft_pb2_grpc, target_pb2_grpc
 from specdec.pb.specdec.v1 import generate_pb2 as pb
 from specdec.pb.specdec.v1 import generate_pb2_grpc
+from specdec.serving.proposers import TO_PB
 from tests.draft_service.models import build_checkpoints
 from tests.specdec._runner_models import TOKENIZER_VOCAB
 
 MAX_REQUESTS = 16
 MAX_QUEUE = 16
-PROPOSERS = {"draft": pb.PROPOSER_DRAFT, "ngram": pb.PROPOSER_NGRAM, "off": pb.PROPOSER_OFF}
 PROMPTS = ([5, 6, 7, 8], [9, 10, 9, 10, 9, 10, 11], [100, 37, 200, 4, 17])
 
 
@@ -109,7 +109,7 @@ def request(
         max_tokens=n,
         ignore_eos=True,
         temperature=kw.pop("temperature", 0.0),
-        speculation=pb.Speculation(proposer=PROPOSERS[proposer], num_draft_tokens=k),
+        speculation=pb.Speculation(proposer=TO_PB[proposer], num_draft_tokens=k),
         **kw,
     )
 
@@ -145,7 +145,7 @@ def test_greedy_equals_target_only(stack: Stack, proposer: str) -> None:
         tokens, steps, final = stream(stack.stub, request(prompt, 40, proposer, k=4))
         assert tokens == oracle(stack.target_dir, tuple(prompt), 40)
         assert final.finish_reason == pb.FINISH_REASON_LENGTH
-        assert final.usage.proposer == PROPOSERS[proposer]
+        assert final.usage.proposer == TO_PB[proposer]
         drafted = sum(s.num_draft_tokens for s in steps)
         assert final.usage.num_draft_tokens == drafted
         if proposer == "off":
@@ -209,7 +209,7 @@ def test_metrics_counters_equal_the_responses(stack: Stack) -> None:
         return sum(after[k] - before.get(k, 0.0) for k in keys)
 
     for proposer in ("draft", "ngram"):
-        mine = [f.usage for f in finals if f.usage.proposer == PROPOSERS[proposer]]
+        mine = [f.usage for f in finals if f.usage.proposer == TO_PB[proposer]]
         prefix = "specdec:spec_decode_num_"
         assert delta(prefix + "drafts_total", proposer=proposer) == sum(u.num_drafts for u in mine)
         assert delta(prefix + "draft_tokens_total", proposer=proposer) == sum(

@@ -16,6 +16,8 @@ TORCH_FREE_MODULES = (
     "specdec.pb",
     "specdec.serving.messages",
     "specdec.serving.verdicts",
+    "specdec.serving.proposers",
+    "specdec.serving.ngram",
     "specdec.client",
     "orchestrator",
     "orchestrator.cli",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from draft_service.ngram import NgramConfig, propose_ngram
+from specdec.serving.ngram import NgramConfig, propose_ngram
 
 
 @pytest.mark.parametrize(
