@@ -11,7 +11,9 @@ the actors stop, and a Ray cluster this process started shuts down.
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -27,6 +29,8 @@ from orchestrator.metrics import Metrics, start_metrics_server
 from orchestrator.pair import PairClient
 from orchestrator.placement import PairPlacement, Placement, connect
 from orchestrator.ports import bind, port_error, probe
+from orchestrator.ray_start import descendants
+from orchestrator.reaper import start_reaper, stop_reaper
 from orchestrator.requests import Served, served_model_pb
 from orchestrator.scheduler import Scheduler
 from orchestrator.servicer import SERVICE_NAME, GenerateServicer, add_to_server
@@ -50,6 +54,7 @@ log = logging.getLogger(__name__)
 # RESOURCE_EXHAUSTED (max_concurrent_calls), so this backlog only buffers a burst.
 MAX_PENDING_CALLS = 1 << 16
 MIN_WINDOW_BYTES = 64 * 1024  # HTTP/2's default stream window
+SERVE_RETRY_S = 0.1  # between attempts to open a Serve stream the target still holds
 
 
 class ApiServerConfig(ServerConfig):
@@ -156,6 +161,7 @@ class Orchestrator:
         self.clients: list[PairClient] = []
         self.scheduler: Scheduler | None = None
         self._owns_ray = False
+        self._reaper: subprocess.Popen[bytes] | None = None
         self._stopped = threading.Event()
         self._done = threading.Event()
 
@@ -169,7 +175,10 @@ class Orchestrator:
         stops what had started."""
         try:
             port = self._bind()
+            before = descendants()
             self._owns_ray = connect(self.config.placement, self.placement.services_per_pair)
+            if self._owns_ray:  # the cluster ends with this process, however it ends
+                self._reaper = start_reaper(descendants() - before)
             pairs = self.placement.start()
             self._connect(pairs)
         except BaseException:
@@ -232,7 +241,8 @@ class Orchestrator:
         """A hub stream to pair p's target, linked to its draft (waits for draft_up)."""
         i, linked = p.index, threading.Event()
         tls = self._service_tls()
-        client = PairClient(
+        open_stream = partial(
+            PairClient,
             p.target_address,
             on_step=partial(sched.post_step, i),
             on_admitted=partial(sched.post_admitted, i),
@@ -243,6 +253,17 @@ class Orchestrator:
             tls_server_name=tls.server_name,
             tls_identity=tls.identity,
         )
+        # After a broken stream the target's old hub ends after its current step (it
+        # releases its requests on both services first); until then it refuses a new one.
+        deadline = time.monotonic() + self.config.placement.restart_timeout_s
+        while True:
+            try:
+                client = open_stream()
+                break
+            except ConnectionError as e:
+                if "FAILED_PRECONDITION" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(SERVE_RETRY_S)
         if p.draft_address is not None:
             client.set_draft(p.draft_address, {})
             if not linked.wait(self.config.placement.start_timeout_s) or not client.draft_up:
@@ -269,20 +290,28 @@ class Orchestrator:
             self.frontend.serving = serving
 
     def _recover(self, index: int) -> str:
-        address, _ = self.placement.wait_draft(self.placement.pairs[index])
+        pair = self.placement.pairs[index]
+        old = pair.draft_address
+        address, _ = self.placement.wait_draft(pair)
+        if address != old:
+            self.metrics.on_restart("draft")
         return address
 
     def _reconnect(self, index: int, request_ids: list[str]) -> PairClient:
         """A client to pair `index`'s restarted target. The dead hub could not release its
         requests on the draft, so that is done here before the new hub admits them again."""
         pair = self.placement.pairs[index]
+        old_address = pair.target_address
         self.placement.wait_target(pair)
+        if pair.target_address != old_address:
+            self.metrics.on_restart("target")
         if pair.draft_address is not None and request_ids:
             release_on(pair.draft_address, request_ids, self._service_tls())
         assert self.scheduler is not None
         client = self._client(self.scheduler, pair)
         self.clients[index], old = client, self.clients[index]
         old.close()
+        self.metrics.on_reconnect()
         return client
 
     def model_info(self, served: Served) -> generate_pb2.ServedModelInfo:
@@ -319,6 +348,8 @@ class Orchestrator:
         self.placement.stop(min(grace, 5.0))
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
+        if self._reaper is not None:
+            stop_reaper(self._reaper)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
