@@ -114,10 +114,10 @@ async def one_stream(
                 tokens += out.token_ids
                 steps += [s.step for s in out.steps]
                 final = out if out.finished else final
-        except Exception as e:
+        except Exception as e:  # the stream ends: retrying at once would only spin
             totals.errors += 1
             totals.fail(f"{rid}: {type(e).__name__}: {e}")
-            continue
+            return
         totals.requests += 1
         totals.tokens += len(tokens)
         if steps != list(range(len(steps))):
@@ -156,9 +156,10 @@ def name_of(pid: int) -> str:
         return "?"
     if words[0].startswith("ray::"):
         return words[0].strip()
-    if len(words) > 2 and words[1] == "-m":
-        return f"python -m {' '.join(words[2:4])}"
-    return Path(words[0]).name + ("" if len(words) < 2 else f" {Path(words[1]).name}")
+    if "-m" in words[1:-1]:
+        return f"python -m {' '.join(words[words.index('-m') + 1 :][:2])}"
+    script = next((Path(w).name for w in words[1:] if w.endswith(".py")), None)
+    return f"python {script}" if script else Path(words[0]).name
 
 
 class Memory:
@@ -240,6 +241,8 @@ def serve(paths: dict[str, str], args: argparse.Namespace, log: Path) -> tuple[S
     cmd = [sys.executable, "-m", "specdec", "serve", "--target", paths["target"], "--draft",
            paths["draft"], "--device", "cpu", "--sampler-impl", "torch", "--num-cpus", "4",
            "--max-requests", str(args.max_requests), "--max-queue", str(args.streams),
+           "--max-concurrent-calls", str(args.streams + 8),
+           "--max-workers", str(args.streams + 32),
            "--max-seq-len", "256", "--proposer", "draft",
            "--num-draft-tokens", str(args.num_draft_tokens), "--host", "127.0.0.1",
            "--port", str(port), "--metrics-port", str(metrics_port), "--grace-s", "1"]  # fmt: skip
