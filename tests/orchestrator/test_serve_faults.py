@@ -87,12 +87,13 @@ class Streams:
         self.done: list[tuple[list[int], list[Any]]] = []
         self.arrivals: list[float] = []  # every response's, all workers
         self.errors: list[BaseException] = []
+        self.current = [0] * workers  # tokens of each worker's request in flight
         self._stop = threading.Event()
-        self._threads = [threading.Thread(target=self._work) for _ in range(workers)]
+        self._threads = [threading.Thread(target=self._work, args=(i,)) for i in range(workers)]
         for t in self._threads:
             t.start()
 
-    def _work(self) -> None:
+    def _work(self, worker: int) -> None:
         while not self._stop.is_set():
             tokens: list[int] = []
             steps: list[Any] = []
@@ -101,6 +102,7 @@ class Streams:
                     self.arrivals.append(time.monotonic())
                     tokens += r.token_ids
                     steps += r.steps
+                    self.current[worker] = len(tokens)
             except BaseException as e:
                 self.errors.append(e)
                 return
@@ -135,7 +137,8 @@ def test_stalled_draft_falls_back_then_resumes(stack: Stack) -> None:
     deadline_steps = counter(stack, "draft_fallback_steps_total", reason="deadline")
     streams = Streams(stack, prompt, workers=3)
     try:
-        eventually(lambda: len(streams.done) >= 1 and streams.tokens_since(0) > 0, 120)
+        # every worker mid-request, so that its request spans the stall
+        eventually(lambda: all(20 <= n <= NUM_TOKENS // 2 for n in streams.current), 120)
         stopped_at = time.monotonic()
         os.kill(draft_pid, signal.SIGSTOP)
         try:
