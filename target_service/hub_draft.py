@@ -97,11 +97,6 @@ class DraftSide:
     def stalled(self) -> bool:
         return self._stall is not None
 
-    @property
-    def deadline_s(self) -> float:
-        """The deadline of the next call to the draft."""
-        return self._deadline_s
-
     def poll(self) -> None:
         """Settles the admissions made since the last step (waiting up to the deadline for
         them: a request whose admission is still running decodes at k = 0 meanwhile), and
