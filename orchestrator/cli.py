@@ -96,6 +96,11 @@ def _services_args(parser: argparse.ArgumentParser) -> None:
                    help="the target chooses each step's k (0 included) from the measured "
                         "acceptance and step times; a request's k is the upper bound, and a "
                         "sampled request with its own seed keeps its k")  # fmt: skip
+    g.add_argument("--draft-deadline-ms", type=float, metavar="MS",
+                   default=d("draft_deadline_s") * 1e3,
+                   help="a draft that has not answered a step's Propose after this long (or "
+                        "10 times its median round trip, if longer) is given up for that step: "
+                        "its requests decode at k = 0 until it answers again")  # fmt: skip
     b = parser.add_argument_group(
         "benchmarking only", "The served output is NOT distributed as the target's."
     )
@@ -261,7 +266,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             max_num_draft_tokens=args.max_num_draft_tokens, q_form=args.q_form,
             support_size=args.support_size, sampler_impl=args.sampler_impl,
             cuda_graph_batch_sizes=tuple(args.cuda_graph_batch_sizes),
-            draft_ahead=args.draft_ahead,
+            draft_ahead=args.draft_ahead, draft_deadline_s=args.draft_deadline_ms / 1e3,
             dynamic_speculation=args.dynamic_speculation,
             synthetic_hit_rate=args.synthetic_hit_rate,
             # hypotheses for up to 8 requests at the served k

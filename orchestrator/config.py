@@ -89,6 +89,9 @@ class ServiceConfig:
     draft_ahead_slots: int = 0
     # the target chooses each step's k (target_service.speculation)
     dynamic_speculation: bool = False
+    # the hub's deadline for each Propose: past it the step goes on at k = 0 and the draft is
+    # resynchronised once it answers again (TargetConfig.draft_deadline_s)
+    draft_deadline_s: float = 0.3
     # BENCHMARKING ONLY: the target's acceptance test replaced by a synthetic mean acceptance
     # length L for k = synthetic_num_draft_tokens (target_service.synthetic); the output is
     # then NOT distributed as the target's. Both None (the default) or both set.
@@ -115,6 +118,10 @@ class ServiceConfig:
         _check_model_dir("target", self.target)
         if self.draft is not None:
             _check_model_dir("draft", self.draft)
+        if not 0 < self.draft_deadline_s <= 3600:
+            raise ValueError(
+                f"draft_deadline_s must be in (0, 3600] seconds, got {self.draft_deadline_s}."
+            )
         if not 0 <= self.draft_ahead <= 16:
             raise ValueError(f"draft_ahead must be in [0, 16], got {self.draft_ahead}.")
         if self.draft_ahead and (self.draft is None or self.draft_ahead_slots < 1):

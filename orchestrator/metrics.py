@@ -40,6 +40,13 @@ none for their verdict); hit rate = hits / (hits + misses). Histogram
 specdec:step_num_draft_tokens: the k of each step that serves draft-model requests (its largest;
 0 where it drafted none), which `--dynamic-speculation` chooses per step.
 
+Faults: counters specdec:draft_fallback_steps_total{reason} (steps in which PROPOSER_DRAFT
+requests ran at k = 0 because of the draft: reason "deadline", it did not answer in time and
+has not since; "unavailable", it is down) and specdec:draft_fallback_requests_total{reason}
+(those requests, once per step), specdec:service_restarts_total{role} (a draft or target
+service came back at a new address after Ray restarted it), specdec:serve_reconnects_total (a
+pair's Serve stream to its target broke and was opened again).
+
 Every metric lives in the Metrics object's own CollectorRegistry, never the global one.
 """
 
@@ -60,6 +67,8 @@ from specdec.pb.specdec.v1 import generate_pb2
 from specdec.serving.proposers import PROPOSERS
 
 PREFIX = "specdec:"
+FALLBACK_REASONS = ("deadline", "unavailable")
+SERVICE_ROLES = ("draft", "target")
 # Seconds; vLLM's request-latency buckets, and step buckets from 0.5 ms (a small verify step).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
                 7.5, 10.0, 20.0, 40.0, 80.0)  # fmt: skip
@@ -175,6 +184,32 @@ class Metrics:
         self._ahead_misses = self._counter(
             "draft_ahead_misses", "Draft asks with drafts made ahead, none for their verdict."
         ).labels(self.model_pair)
+        self._define_fault_metrics()
+
+    def _define_fault_metrics(self) -> None:
+        pair = self.model_pair
+        self._fallback_steps = self._counter(
+            "draft_fallback_steps",
+            "Steps in which draft requests ran at k = 0 because of the draft service.",
+            ("model_pair", "reason"),
+        )
+        self._fallback_requests = self._counter(
+            "draft_fallback_requests",
+            "Draft requests run at k = 0 because of the draft service, once per step.",
+            ("model_pair", "reason"),
+        )
+        for reason in FALLBACK_REASONS:  # the series exist (at 0) before the first fault
+            self._fallback_steps.labels(pair, reason)
+            self._fallback_requests.labels(pair, reason)
+        self._restarts = self._counter(
+            "service_restarts", "Services back at a new address after a restart.",
+            ("model_pair", "role"),
+        )  # fmt: skip
+        for role in SERVICE_ROLES:
+            self._restarts.labels(pair, role)
+        self._reconnects = self._counter(
+            "serve_reconnects", "Serve streams to a target opened again after breaking."
+        ).labels(pair)
 
     def on_step(self, report: StepReport, proposer_of: Callable[[str], str | None]) -> None:
         """Counts one hub step's drafts and timings. Each verdict is counted under the proposer
@@ -211,6 +246,19 @@ class Metrics:
         self._draft_up.set(1 if report.draft_up else 0)
         if not report.graphed:
             self._eager_steps.inc()
+        if report.fallback and report.num_fallback_requests:
+            self._fallback_steps.labels(self.model_pair, report.fallback).inc()
+            self._fallback_requests.labels(self.model_pair, report.fallback).inc(
+                report.num_fallback_requests
+            )
+
+    def on_restart(self, role: str) -> None:
+        """A "draft" or "target" service is back at a new address."""
+        self._restarts.labels(self.model_pair, role).inc()
+
+    def on_reconnect(self) -> None:
+        """A pair's Serve stream was opened again."""
+        self._reconnects.inc()
 
     def on_first_token(self, time_to_first_token_s: float) -> None:
         self._ttft.observe(time_to_first_token_s)

@@ -30,6 +30,10 @@ from specdec.serving.verdicts import VerifyResponse
 
 log = logging.getLogger(__name__)
 
+FALLBACKS: dict[int, str] = {
+    target_pb2.DRAFT_FALLBACK_DEADLINE: "deadline",
+    target_pb2.DRAFT_FALLBACK_UNAVAILABLE: "unavailable",
+}
 _CLOSE = object()
 
 
@@ -118,12 +122,17 @@ class StepReport:
     graphed: bool = False  # every forward of the step replayed a captured CUDA graph
     draft_ahead_hits: int = 0  # the draft's asks answered from drafts made ahead
     draft_ahead_misses: int = 0  # asks with drafts made ahead, none for their verdict
+    # why PROPOSER_DRAFT requests ran at k = 0 ("deadline", "unavailable"; "" if none did),
+    # and how many
+    fallback: str = ""
+    num_fallback_requests: int = 0
 
     @classmethod
     def from_pb(cls, pb: target_pb2.ServeStep) -> StepReport:
         return cls(step_events(pb.verdicts, pb.proposers), pb.draft_s, pb.transport_s, pb.verify_s,
                    pb.sampler_s, pb.step_s, pb.draft_up, pb.graphed, pb.draft_ahead_hits,
-                   pb.draft_ahead_misses)  # fmt: skip
+                   pb.draft_ahead_misses, FALLBACKS.get(pb.draft_fallback, ""),
+                   pb.num_fallback_requests)  # fmt: skip
 
 
 def step_events(

@@ -63,6 +63,10 @@ class ServiceActor:
         """The GPUs Ray gave this actor (its CUDA_VISIBLE_DEVICES)."""
         return [str(i) for i in ray.get_gpu_ids()]
 
+    def pid(self) -> int:
+        """This actor's process id (fault tests signal it)."""
+        return os.getpid()
+
     def stop(self, grace_s: float) -> None:
         self._server.stop(grace_s)
 

@@ -26,6 +26,11 @@ STOP_GRACE_S = 5.0
 
 def descendants(pid: int | None = None) -> set[int]:
     """The process ids below `pid` (default: this process), from /proc."""
+    return descendants_of({os.getpid() if pid is None else pid})
+
+
+def descendants_of(roots: set[int]) -> set[int]:
+    """The process ids below any of `roots`, from one pass over /proc."""
     parents: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
@@ -36,7 +41,7 @@ def descendants(pid: int | None = None) -> set[int]:
             continue  # it ended while we looked
         ppid = int(stat.rsplit(")", 1)[1].split()[1])  # after the (command) field
         parents.setdefault(ppid, []).append(int(entry.name))
-    found, todo = set(), [os.getpid() if pid is None else pid]
+    found, todo = set(), list(roots)
     while todo:
         for child in parents.get(todo.pop(), []):
             if child not in found:

@@ -11,7 +11,9 @@ the actors stop, and a Ray cluster this process started shuts down.
 from __future__ import annotations
 
 import logging
+import subprocess
 import threading
+import time
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -28,6 +30,7 @@ from orchestrator.pair import PairClient
 from orchestrator.placement import PairPlacement, Placement, connect
 from orchestrator.ports import bind, port_error, probe
 from orchestrator.ray_start import descendants, stop_processes
+from orchestrator.reaper import start_reaper, stop_reaper
 from orchestrator.requests import Served, served_model_pb
 from orchestrator.scheduler import Scheduler
 from orchestrator.servicer import SERVICE_NAME, GenerateServicer, add_to_server
@@ -54,6 +57,7 @@ MIN_WINDOW_BYTES = 64 * 1024  # HTTP/2's default stream window
 # seconds Ray may take past the services' grace to stop them and the local cluster: 2 to 4 s on
 # a CPU machine, more where actors hold GPUs
 RAY_STOP_S = 20.0
+SERVE_RETRY_S = 0.1  # between attempts to open a Serve stream the target still holds
 
 
 class ApiServerConfig(ServerConfig):
@@ -160,6 +164,7 @@ class Orchestrator:
         self.clients: list[PairClient] = []
         self.scheduler: Scheduler | None = None
         self._owns_ray = False
+        self._reaper: subprocess.Popen[bytes] | None = None
         self._stopped = threading.Event()
         self._done = threading.Event()
         self.ray_stuck = False  # Ray did not answer the stop (see _stop_ray)
@@ -178,7 +183,10 @@ class Orchestrator:
             check_shared_tokenizer(services.target, services.draft)
         try:
             port = self._bind()
+            before = descendants()
             self._owns_ray = connect(self.config.placement, self.placement.services_per_pair)
+            if self._owns_ray:  # the cluster ends with this process, however it ends
+                self._reaper = start_reaper(descendants() - before)
             pairs = self.placement.start()
             self._connect(pairs)
         except BaseException:
@@ -241,7 +249,8 @@ class Orchestrator:
         """A hub stream to pair p's target, linked to its draft (waits for draft_up)."""
         i, linked = p.index, threading.Event()
         tls = self._service_tls()
-        client = PairClient(
+        open_stream = partial(
+            PairClient,
             p.target_address,
             on_step=partial(sched.post_step, i),
             on_admitted=partial(sched.post_admitted, i),
@@ -252,6 +261,17 @@ class Orchestrator:
             tls_server_name=tls.server_name,
             tls_identity=tls.identity,
         )
+        # After a broken stream the target's old hub ends after its current step (it
+        # releases its requests on both services first); until then it refuses a new one.
+        deadline = time.monotonic() + self.config.placement.restart_timeout_s
+        while True:
+            try:
+                client = open_stream()
+                break
+            except ConnectionError as e:
+                if "FAILED_PRECONDITION" not in str(e) or time.monotonic() > deadline:
+                    raise
+                time.sleep(SERVE_RETRY_S)
         if p.draft_address is not None:
             client.set_draft(p.draft_address, {})
             if not linked.wait(self.config.placement.start_timeout_s) or not client.draft_up:
@@ -278,20 +298,28 @@ class Orchestrator:
             self.frontend.serving = serving
 
     def _recover(self, index: int) -> str:
-        address, _ = self.placement.wait_draft(self.placement.pairs[index])
+        pair = self.placement.pairs[index]
+        old = pair.draft_address
+        address, _ = self.placement.wait_draft(pair)
+        if address != old:
+            self.metrics.on_restart("draft")
         return address
 
     def _reconnect(self, index: int, request_ids: list[str]) -> PairClient:
         """A client to pair `index`'s restarted target. The dead hub could not release its
         requests on the draft, so that is done here before the new hub admits them again."""
         pair = self.placement.pairs[index]
+        old_address = pair.target_address
         self.placement.wait_target(pair)
+        if pair.target_address != old_address:
+            self.metrics.on_restart("target")
         if pair.draft_address is not None and request_ids:
             release_on(pair.draft_address, request_ids, self._service_tls())
         assert self.scheduler is not None
         client = self._client(self.scheduler, pair)
         self.clients[index], old = client, self.clients[index]
         old.close()
+        self.metrics.on_reconnect()
         return client
 
     def model_info(self, served: Served) -> generate_pb2.ServedModelInfo:
@@ -326,6 +354,8 @@ class Orchestrator:
         for client in self.clients:
             client.close()
         self._stop_ray(min(grace, 5.0))
+        if self._reaper is not None:
+            stop_reaper(self._reaper)
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()

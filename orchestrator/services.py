@@ -112,6 +112,7 @@ def start_service(role: str, config: ServiceConfig) -> tuple[Any, ModelInfo]:
             server,
             max_num_draft_tokens=config.max_num_draft_tokens,
             sampler_impl=config.sampler_impl,
+            draft_deadline_s=config.draft_deadline_s,
             synthetic=synthetic_acceptance(config),
             dynamic_speculation=config.dynamic_speculation,
             draft_tls_root_cert=config.tls_root_cert,

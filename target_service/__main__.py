@@ -44,6 +44,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="how long to wait for the draft at --draft-address",
     )
     parser.add_argument(
+        "--draft-deadline-ms",
+        type=float,
+        default=d("draft_deadline_s") * 1e3,
+        help="a Propose the draft has not answered after this long (or 10 times its median "
+        "round trip, if longer) is given up: that step decodes at k = 0",
+    )
+    parser.add_argument(
         "--draft-tls-root-cert",
         type=Path,
         default=d("draft_tls_root_cert"),
@@ -126,6 +133,7 @@ def target_config(args: argparse.Namespace) -> TargetConfig:
         max_support_size=args.max_support_size,
         draft_address=args.draft_address,
         draft_wait_s=args.draft_wait_s,
+        draft_deadline_s=args.draft_deadline_ms / 1e3,
         draft_tls_root_cert=args.draft_tls_root_cert,
         draft_tls_server_name=args.draft_tls_server_name,
         draft_tls_client_cert=args.draft_tls_client_cert,

@@ -28,6 +28,10 @@ class TargetConfig:
     # Address of the draft service to check at start-up (tokenizer compatibility); optional.
     draft_address: str | None = None
     draft_wait_s: float = 30.0
+    # A Propose the draft has not answered after this long (or DEADLINE_FACTOR times the median
+    # recent round trip, where longer) is given up: the step goes on at k = 0 and the draft is
+    # resynchronised once it answers again (target_service.hub_draft).
+    draft_deadline_s: float = 0.3
     # TLS of the hub's channel to its draft: the CA (PEM) it trusts and, since the draft
     # listens on a node IP, the name it checks in the draft's certificate. Plaintext if None.
     draft_tls_root_cert: Path | None = None
@@ -62,6 +66,10 @@ class TargetConfig:
             )
         if self.draft_wait_s < 0:
             raise ValueError(f"draft_wait_s must be >= 0, got {self.draft_wait_s}.")
+        if not 0 < self.draft_deadline_s <= 3600:
+            raise ValueError(
+                f"draft_deadline_s must be in (0, 3600] seconds, got {self.draft_deadline_s}."
+            )
         if self.draft_tls_server_name is not None and self.draft_tls_root_cert is None:
             raise ValueError("draft_tls_server_name needs draft_tls_root_cert (TLS to the draft).")
         if (self.draft_tls_client_cert is None) != (self.draft_tls_client_key is None):

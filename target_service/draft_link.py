@@ -5,11 +5,16 @@ A failed Propose (any status: the stream is over either way) or an Admit/Release
 the service unreachable raises `DraftDown`; the hub then runs every request at k = 0 until it
 is given a new draft service. An Admit the service answers with an error (a full cache, a
 prompt past its max_seq_len) only concerns that request.
+
+A call that outlives the deadline the hub gives it raises `DraftStalled`: a Propose stream is
+cancelled by a watchdog thread (a stream has no deadline per message), so nothing the draft
+answers late is ever read; `probe` then tells when the service answers again.
 """
 
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 from collections.abc import Sequence
 
@@ -19,11 +24,51 @@ from specdec.pb import common_pb2, draft_pb2, draft_pb2_grpc
 from specdec.serving.client import LockstepStream, make_channel
 from specdec.serving.messages import AdmitRequest, ModelInfo
 
-_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+_DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+# How often the watchdog looks at the Propose call in flight: the deadline is kept to this
+# much. Polling, not a wake-up per step: a thread woken each step competes for the GIL.
+WATCH_PERIOD_S = 0.02
 
 
 class DraftDown(Exception):
     """The draft service failed or cannot be reached."""
+
+
+class DraftStalled(Exception):
+    """The draft service did not answer within the deadline (it may still be alive)."""
+
+
+class _Watchdog:
+    """Cancels the Propose call in flight once its deadline has passed."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._call: LockstepStream | None = None
+        self._deadline = 0.0
+        self.fired = False
+        self._closed = threading.Event()
+        threading.Thread(target=self._watch, name="draft-watchdog", daemon=True).start()
+
+    def arm(self, call: LockstepStream, deadline_s: float) -> None:
+        with self._lock:
+            self._call, self._deadline, self.fired = call, time.monotonic() + deadline_s, False
+
+    def disarm(self) -> bool:
+        """Whether it cancelled the call (maybe just after its answer arrived)."""
+        with self._lock:
+            self._call = None
+            return self.fired
+
+    def close(self) -> None:
+        self._closed.set()
+
+    def _watch(self) -> None:
+        while not self._closed.wait(WATCH_PERIOD_S):
+            with self._lock:
+                if self._call is not None and time.monotonic() >= self._deadline:
+                    self.fired = True
+                    self._call.cancel()
+                    self._call = None
 
 
 def _describe(e: grpc.RpcError) -> str:
@@ -39,8 +84,25 @@ class PendingAdmits:
         self._futures = futures
         self._address = address
 
+    def done(self, timeout_s: float) -> bool:
+        """Whether every call has ended, waiting up to `timeout_s` for them."""
+        end = time.monotonic() + timeout_s
+        for _, future in self._futures:
+            try:
+                future.exception(timeout=max(0.0, end - time.monotonic()))
+            except grpc.FutureTimeoutError:
+                return False
+            except grpc.FutureCancelledError:
+                pass
+        return True
+
+    def cancel(self) -> None:
+        for _, future in self._futures:
+            future.cancel()
+
     def wait(self) -> dict[str, str | None]:
-        """Each request's error message (None: admitted); DraftDown if the service is gone."""
+        """Each request's error message (None: admitted); DraftDown if the service is gone,
+        DraftStalled if it did not answer within the calls' timeout."""
         out: dict[str, str | None] = {}
         down: grpc.RpcError | None = None
         for adm, future in self._futures:
@@ -48,11 +110,14 @@ class PendingAdmits:
                 future.result()
                 out[adm.request_id] = None
             except grpc.RpcError as e:
-                if e.code() in _DOWN:  # type: ignore[attr-defined]
+                if e.code() in (*_DOWN, grpc.StatusCode.DEADLINE_EXCEEDED):  # type: ignore[attr-defined]
                     down = e
                 out[adm.request_id] = _describe(e)
         if down is not None:
-            raise DraftDown(f"Admit on the draft service at {self._address}: {_describe(down)}")
+            message = f"Admit on the draft service at {self._address}: {_describe(down)}"
+            if down.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # type: ignore[attr-defined]
+                raise DraftStalled(message)
+            raise DraftDown(message)
         return out
 
 
@@ -87,44 +152,72 @@ class DraftLink:
         self.info = ModelInfo.from_pb(pb)
         self._propose = LockstepStream(self._stub.Propose)
         self._broken = False
+        self._watchdog = _Watchdog()
 
     def propose(
-        self, entries: Sequence[draft_pb2.ProposeEntry]
+        self, entries: Sequence[draft_pb2.ProposeEntry], deadline_s: float
     ) -> tuple[draft_pb2.ProposeResponse, float]:
-        """The drafts for `entries` and the round trip's wall time in seconds."""
+        """The drafts for `entries` and the round trip's wall time in seconds; DraftStalled
+        after `deadline_s` without an answer (the stream is then cancelled: `reopen` starts
+        another)."""
         start = time.perf_counter()
+        self._watchdog.arm(self._propose, deadline_s)
         try:
             response = self._propose(draft_pb2.ProposeBlock(entries=entries))
         except grpc.RpcError as e:
             self._broken = True
+            if self._watchdog.disarm():
+                raise DraftStalled(
+                    f"The draft service at {self.address} did not answer a Propose within "
+                    f"{deadline_s * 1e3:.0f} ms."
+                ) from e
             raise DraftDown(
                 f"Propose on the draft service at {self.address}: {_describe(e)}"
             ) from e
         except StopIteration as e:
+            self._watchdog.disarm()
             self._broken = True
             raise DraftDown(f"The draft service at {self.address} ended the Propose stream.") from e
+        if self._watchdog.disarm():  # cancelled just after the answer came: it is whole
+            self.reopen()
         return response, time.perf_counter() - start
 
-    def start_admit(self, admissions: Sequence[AdmitRequest]) -> PendingAdmits:
-        futures = [
-            (a, self._stub.Admit.future(a.to_pb(), timeout=self.timeout_s)) for a in admissions
-        ]
+    def reopen(self) -> None:
+        """A new Propose stream in place of one that was cancelled."""
+        self._propose = LockstepStream(self._stub.Propose)
+        self._broken = False
+
+    def probe(self) -> grpc.Future:
+        """A call that completes once the service serves again (or fails if it is gone): a
+        Release of nothing, which waits for the engine as a Propose would (GetModelInfo is
+        answered by a process whose engine is stuck)."""
+        return self._stub.Release.future(common_pb2.ReleaseRequest())  # type: ignore[no-any-return]
+
+    def start_admit(
+        self, admissions: Sequence[AdmitRequest], timeout_s: float | None = None
+    ) -> PendingAdmits:
+        """Admit calls, each with `timeout_s` (default: the link's)."""
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        futures = [(a, self._stub.Admit.future(a.to_pb(), timeout=timeout)) for a in admissions]
         return PendingAdmits(futures, self.address)
 
-    def release(self, request_ids: Sequence[str]) -> None:
-        """Frees the requests' KV on the draft; DraftDown if the service is gone."""
+    def release(self, request_ids: Sequence[str], timeout_s: float | None = None) -> None:
+        """Frees the requests' KV on the draft; DraftDown if the service is gone, DraftStalled
+        if it did not answer within `timeout_s` (default: the link's)."""
         pb = common_pb2.ReleaseRequest(request_ids=request_ids)
         try:
-            self._stub.Release(pb, timeout=self.timeout_s)
+            self._stub.Release(pb, timeout=self.timeout_s if timeout_s is None else timeout_s)
         except grpc.RpcError as e:
+            message = f"Release on the draft service at {self.address}: {_describe(e)}"
+            if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # type: ignore[attr-defined]
+                raise DraftStalled(message) from e
             if e.code() in _DOWN:  # type: ignore[attr-defined]
-                raise DraftDown(
-                    f"Release on the draft service at {self.address}: {_describe(e)}"
-                ) from e
+                raise DraftDown(message) from e
             raise
 
     def close(self, graceful: bool = True) -> None:
         """Ends the Propose stream (cleanly if `graceful` and it still works) and the channel."""
+        self._watchdog.close()
         if graceful and not self._broken:
             # it may have failed meanwhile: closing the channel below is then all that is left
             with contextlib.suppress(grpc.RpcError):

@@ -20,7 +20,9 @@ only (ERROR_REASON_STEP_FAILED) and the loop goes on. If the draft service fails
 proposed again at k = 0 (nothing was committed), a draft_down event goes out, and draft
 requests run at k = 0 until set_draft names a new draft service: the hub admits them there
 from the orchestrator's records plus the tokens it committed after them, and speculation
-resumes.
+resumes. If the draft does not answer within its deadline, the step goes on at k = 0 the same
+way, but the draft is only stalled: the hub resynchronises it by itself once it answers again
+(`target_service.hub_draft`). Each step reports why draft requests ran at k = 0, and how many.
 
 A step's state lives in a `_Group`, so that two groups in flight (the draft proposing for one
 while the target verifies the other) can come without changing the step's parts.
@@ -68,6 +70,8 @@ class _Group:
     draft_graphed: bool = True  # the draft's forwards replayed graphs (or it drafted nothing)
     ahead_hits: int = 0  # the draft's asks answered from drafts made ahead, and those missed
     ahead_misses: int = 0
+    fallback: int = target_pb2.DRAFT_FALLBACK_NONE  # why draft requests ran at k = 0, and how many
+    num_fallback: int = 0
 
 
 class _Refused(Exception):
@@ -237,8 +241,8 @@ class Hub:
             verdicts=verdicts.to_pb() if verdicts else None,
         )  # fmt: skip
         self._emit(admitted=admitted)  # the first token goes out before the draft is waited for
-        if pending is not None:
-            self._draft.settle(pending, [req])
+        if pending is not None:  # settled at the next step, up to the draft's deadline
+            self._draft.defer(pending, [req])
 
     def _prefill(self, adm: AdmitRequest) -> VerifyResponse | None:
         """A new request (step 0) gets its first token decoded in its prefill's forward: the
@@ -300,6 +304,8 @@ class Hub:
             draft_up=self._draft.up, graphed=graphed,
             draft_ahead_hits=group.ahead_hits, draft_ahead_misses=group.ahead_misses,
             proposers=_proposers(group, verdicts),  # type: ignore[arg-type]
+            draft_fallback=group.fallback,  # type: ignore[arg-type]
+            num_fallback_requests=group.num_fallback,
         )  # fmt: skip
         self._emit(step=step)
         self._record(verdicts)
@@ -339,10 +345,12 @@ class Hub:
         self._propose(retry)
         group.block, group.draft_s, group.transport_s = retry.block, 0.0, 0.0
         group.draft_graphed = True
+        group.fallback, group.num_fallback = retry.fallback, retry.num_fallback
         return DraftBlock.from_pb(group.block, max_support_size=limit)
 
     def _propose(self, group: _Group) -> None:
         """Fills group.block: the draft's proposals, then the local entries (ngram, k = 0)."""
+        self._draft.poll()
         asks = [r for r in group.requests if r.on_draft]
         answer = self._draft.propose(asks, [self._ask(r) for r in asks]) if asks else None
         served: set[str] = set()
@@ -355,7 +363,15 @@ class Hub:
             group.draft_graphed = response.timing.graphed or response.timing.forward_s == 0
             group.ahead_hits = response.draft_ahead_hits
             group.ahead_misses = response.draft_ahead_misses
-        self._append_local(group.block, [r for r in group.requests if r.request_id not in served])
+        local = [r for r in group.requests if r.request_id not in served]
+        self._append_local(group.block, local)
+        fallen = sum(r.proposer == "draft" for r in local)
+        if fallen and (self._draft.stalled or not self._draft.up):
+            group.num_fallback = fallen
+            group.fallback = (
+                target_pb2.DRAFT_FALLBACK_DEADLINE if self._draft.stalled
+                else target_pb2.DRAFT_FALLBACK_UNAVAILABLE
+            )  # fmt: skip
 
     def _ask(self, r: HubRequest) -> draft_pb2.ProposeEntry:
         return draft_pb2.ProposeEntry(

@@ -5,13 +5,26 @@ A request admitted to the draft service has `on_draft`; `told` of its tokens are
 so the next ask carries the rest as new_token_ids. When the draft service fails every request
 loses `on_draft` (they run at k = 0) until `replace` admits them to a new one: from the
 orchestrator's record where it fits, and the next ask tops up what was committed after it.
+
+A draft that misses its deadline (a Propose, Admit or Release not answered in time: a stopped
+or overloaded process, a cut link) is *stalled*, not down: every request loses `on_draft` and
+runs at k = 0, nothing more is sent there but one probe, and each step looks whether the probe
+has been answered. Once it has, the draft is resynchronised: the requests it may still hold are
+released there (whatever it did with the late call, nothing it answered was read), every
+PROPOSER_DRAFT request is admitted again from the target's tokens, and speculation resumes. A
+probe that fails makes the draft down. The deadline is `TargetConfig.draft_deadline_s`, or
+DEADLINE_FACTOR times the median of the recent round trips where that is longer, so that a
+loaded draft answering slowly but steadily is not taken for a stalled one.
 """
 
 from __future__ import annotations
 
 import logging
+import statistics
+import time
+from collections import deque
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -19,9 +32,11 @@ from specdec.pb import draft_pb2, target_pb2
 from specdec.sampling_params import SamplingParams
 from specdec.serving.messages import AdmitRequest, ModelInfo, check_compatible
 from target_service.config import TargetConfig
-from target_service.draft_link import DraftDown, DraftLink, PendingAdmits
+from target_service.draft_link import DraftDown, DraftLink, DraftStalled, PendingAdmits
 
 log = logging.getLogger(__name__)
+DEADLINE_FACTOR = 10.0  # the deadline is at least this many times the median round trip
+ROUND_TRIPS = 64  # the recent Propose round trips that median is taken over
 
 
 @dataclass(slots=True)
@@ -48,6 +63,16 @@ class HubRequest:
 Emit = Callable[..., None]  # ServeEvent fields, e.g. emit(draft_down=...)
 
 
+@dataclass(slots=True)
+class _Stall:
+    """A draft that missed its deadline: the probe waiting for its answer, and the requests
+    it may still hold."""
+
+    probe: grpc.Future
+    held: set[str] = field(default_factory=set)
+    since: float = field(default_factory=time.monotonic)
+
+
 class DraftSide:
     """The current draft service (or none) of a hub whose requests are `requests`."""
 
@@ -60,10 +85,44 @@ class DraftSide:
     ):
         self._config, self._target, self._requests, self._emit = config, target, requests, emit
         self.link: DraftLink | None = None
+        self._stall: _Stall | None = None
+        self._admitting: list[tuple[PendingAdmits, list[HubRequest]]] = []  # not settled yet
+        self._round_trips: deque[float] = deque(maxlen=ROUND_TRIPS)
+        self._deadline_s = config.draft_deadline_s
 
     @property
     def up(self) -> bool:
         return self.link is not None
+
+    @property
+    def stalled(self) -> bool:
+        return self._stall is not None
+
+    def poll(self) -> None:
+        """Settles the admissions made since the last step (waiting up to the deadline for
+        them: a request whose admission is still running decodes at k = 0 meanwhile), and
+        resynchronises a stalled draft that has answered its probe (or, if the probe failed,
+        takes it as down); called at every step."""
+        end = time.monotonic() + self._deadline_s
+        for item in list(self._admitting):
+            if item[0].done(max(0.0, end - time.monotonic())):
+                self._admitting.remove(item)
+                self.settle(*item)
+        stall = self._stall
+        if stall is None or not stall.probe.done():
+            return
+        self._stall = None
+        error = stall.probe.exception()
+        if error is not None:
+            self.down(f"The draft service stalled and then failed: {error}")
+            return
+        assert self.link is not None
+        reqs = [r for r in self._requests.values() if r.proposer == "draft"]
+        log.warning("the draft service answered again after %.2f s; resynchronising %d "
+                    "request(s)", time.monotonic() - stall.since, len(reqs))  # fmt: skip
+        self.link.reopen()
+        self._release_ids(sorted(stall.held), self.link.timeout_s)
+        self.admit(reqs, {})
 
     def connect(self, address: str) -> str | None:
         """Connects to the draft service at `address` and checks its tokenizer; else why not."""
@@ -90,6 +149,8 @@ class DraftSide:
         """Leaves the current draft service for the one at `address` (none if empty) and admits
         every PROPOSER_DRAFT request there; answers draft_up or draft_down."""
         self.release([r for r in self._requests.values() if r.on_draft])
+        old = self.link.address if self.link is not None else None
+        held = sorted(self._stall.held) if self._stall is not None else []
         self.close()
         if not address:
             return
@@ -97,6 +158,8 @@ class DraftSide:
         if failure is not None:
             self._emit(draft_down=target_pb2.DraftDown(message=failure))
             return
+        if address == old:  # the same service, back from a stall: it may hold them still
+            self._release_ids(held, self.link.timeout_s if self.link else None)
         self.admit([r for r in self._requests.values() if r.proposer == "draft"], records)
         if self.link is not None:
             self._emit(draft_up=target_pb2.DraftUp(draft=self.link.info.to_pb()))
@@ -109,10 +172,33 @@ class DraftSide:
         self.close(graceful=False)
         self._emit(draft_down=target_pb2.DraftDown(message=message))
 
+    def _stalled(self, message: str, held: list[str]) -> None:
+        """The draft missed a deadline: every request runs at k = 0 until it answers."""
+        assert self.link is not None
+        if self._stall is None:
+            log.warning("draft service stalled, requests run at k = 0 until it answers: %s",
+                        message)  # fmt: skip
+            self._stall = _Stall(self.link.probe())
+        self._stall.held.update(held)
+        for pending, _ in self._admitting:
+            pending.cancel()
+            self._stall.held.update(a.request_id for a in pending.admissions)
+        self._admitting.clear()
+        for r in self._requests.values():
+            if r.on_draft:
+                self._stall.held.add(r.request_id)
+                r.on_draft = False
+
     def close(self, graceful: bool = True) -> None:
         if self.link is not None:
-            self.link.close(graceful)
+            self.link.close(graceful and self._stall is None)
             self.link = None
+        if self._stall is not None:
+            self._stall.probe.cancel()
+            self._stall = None
+        for pending, _ in self._admitting:
+            pending.cancel()
+        self._admitting.clear()
         for r in self._requests.values():
             r.on_draft = False
 
@@ -123,10 +209,17 @@ class DraftSide:
         draft service failed (it is down now)."""
         assert self.link is not None
         try:
-            response, round_trip = self.link.propose(entries)
+            response, round_trip = self.link.propose(entries, self._deadline_s)
         except DraftDown as e:
             self.down(str(e))
             return None
+        except DraftStalled as e:
+            self._stalled(str(e), [])
+            return None
+        self._round_trips.append(round_trip)
+        if len(self._round_trips) % 16 == 0:
+            typical = DEADLINE_FACTOR * statistics.median(self._round_trips)
+            self._deadline_s = max(self._config.draft_deadline_s, typical)
         served = set(response.block.request_ids)
         for r, entry in zip(asks, entries, strict=True):
             if r.request_id in served:
@@ -139,11 +232,17 @@ class DraftSide:
 
     def start_admit(self, admission: AdmitRequest) -> PendingAdmits | None:
         """Admits a new request while the target prefills it; `settle` finishes."""
-        return None if self.link is None else self.link.start_admit([admission])
+        if self.link is None or self._stall is not None:
+            return None  # a stalled draft gets it when it is resynchronised
+        return self.link.start_admit([admission], self._admit_timeout_s())
+
+    def _admit_timeout_s(self) -> float:
+        """An admission prefills, which takes longer than a step: the deadline's multiple."""
+        return min(self.link.timeout_s if self.link else 0.0, DEADLINE_FACTOR * self._deadline_s)
 
     def admit(self, reqs: list[HubRequest], records: Mapping[str, target_pb2.DraftRecord]) -> None:
         """Admits running requests from their records (or the target's tokens)."""
-        if self.link is None or not reqs:
+        if self.link is None or self._stall is not None or not reqs:
             return
         admissions = []
         for r in reqs:
@@ -152,13 +251,22 @@ class DraftSide:
             admissions.append(AdmitRequest(r.request_id, tuple(tokens), r.sampling, r.next_step))
         self.settle(self.link.start_admit(admissions), reqs)
 
+    def defer(self, pending: PendingAdmits, reqs: list[HubRequest]) -> None:
+        """Settles `pending` at the next step (`poll`): the hub does not wait for it before."""
+        self._admitting.append((pending, reqs))
+
     def settle(self, pending: PendingAdmits, reqs: list[HubRequest]) -> None:
         """Waits for draft admissions: `reqs` admitted there go on the draft, the others run at
-        k = 0; admissions of requests not in `reqs` (their target admission failed) are undone."""
+        k = 0; admissions of requests not in `reqs` (their target admission failed, or they
+        were released meanwhile) are undone."""
+        reqs = [r for r in reqs if self._requests.get(r.request_id) is r]
         try:
             errors = pending.wait()
         except DraftDown as e:
             self.down(str(e))
+            return
+        except DraftStalled as e:  # whichever of them were admitted are released on its return
+            self._stalled(str(e), [a.request_id for a in pending.admissions])
             return
         told = {a.request_id: len(a.prompt_token_ids) for a in pending.admissions}
         wanted = {r.request_id for r in reqs}
@@ -173,18 +281,27 @@ class DraftSide:
 
     def release(self, reqs: list[HubRequest]) -> None:
         """Frees the requests' KV on the draft service; they run at k = 0 if they stay."""
+        gone = {r.request_id for r in reqs}
+        for item in [i for i in self._admitting if gone & {a.request_id for a in i[0].admissions}]:
+            self._admitting.remove(item)  # settled now: what it admitted is undone if released
+            self.settle(*item)
         ids = [r.request_id for r in reqs if r.on_draft]
         for r in reqs:
             r.on_draft = False
         self._release_ids(ids)
 
-    def _release_ids(self, request_ids: list[str]) -> None:
+    def _release_ids(self, request_ids: list[str], timeout_s: float | None = None) -> None:
         if not request_ids or self.link is None:
             return
+        if self._stall is not None:  # released when it answers again
+            self._stall.held.update(request_ids)
+            return
         try:
-            self.link.release(request_ids)
+            self.link.release(request_ids, self._deadline_s if timeout_s is None else timeout_s)
         except DraftDown as e:
             self.down(str(e))
+        except DraftStalled as e:
+            self._stalled(str(e), request_ids)
         except grpc.RpcError as e:
             log.warning("release on the draft service failed: %s", e)
 

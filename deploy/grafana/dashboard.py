@@ -197,7 +197,46 @@ STEPS = (
         max=1,
     ),
 )
-ROWS = (("Speculative decoding", SPECULATION), ("Requests", REQUESTS), ("Steps", STEPS))
+FAULTS = (
+    PanelSpec(
+        "Draft requests at k = 0 by reason",
+        "Draft requests that decoded target-only for a step because of the draft service, per "
+        "second: deadline (it did not answer a step within --draft-deadline-ms and has not "
+        "since; the hub resynchronises it once it answers) or unavailable (it is down until "
+        "Ray restarts it). Output is unchanged; only speculation pauses.",
+        "reqps",
+        (
+            (
+                rate("specdec:draft_fallback_requests_total", PAIR, "sum by (model_pair, reason)"),
+                "{{model_pair}} {{reason}}",
+            ),
+        ),
+    ),
+    PanelSpec(
+        "Service restarts and Serve reconnects",
+        "Draft and target services back at a new address after Ray restarted them, by role, "
+        "and Serve streams to a target opened again after breaking, as increases over the "
+        "interval.",
+        "short",
+        (
+            (
+                f"sum by (model_pair, role) (increase(specdec:service_restarts_total{{{PAIR}}}"
+                f"{WINDOW}))",
+                "{{model_pair}} {{role}} restarts",
+            ),
+            (
+                f"sum by (model_pair) (increase(specdec:serve_reconnects_total{{{PAIR}}}{WINDOW}))",
+                "{{model_pair}} Serve reconnects",
+            ),
+        ),
+    ),
+)
+ROWS = (
+    ("Speculative decoding", SPECULATION),
+    ("Requests", REQUESTS),
+    ("Steps", STEPS),
+    ("Faults", FAULTS),
+)
 
 
 def panel(spec: PanelSpec, x: int, y: int) -> timeseries.Panel:

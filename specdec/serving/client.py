@@ -57,11 +57,16 @@ class LockstepStream:
 
     def __init__(self, method: Callable[[Iterator[Any]], Iterator[Any]]):
         self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._responses = method(iter(self._queue.get, _CLOSE))
+        self._responses: Any = method(iter(self._queue.get, _CLOSE))  # a grpc Call too
 
     def __call__(self, message: Any) -> Any:
         self._queue.put(message)
         return next(self._responses)
+
+    def cancel(self) -> None:
+        """Ends the call at once from any thread: a caller waiting for an answer gets an
+        RpcError (CANCELLED)."""
+        self._responses.cancel()
 
     def close(self) -> None:
         self._queue.put(_CLOSE)

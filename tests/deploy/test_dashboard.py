@@ -53,6 +53,16 @@ def test_the_panels_the_dashboard_promises() -> None:
     assert "num_drafts_total" in chosen_k["targets"][0]["expr"]
     assert all("step_num_draft_tokens_bucket" in t["expr"] for t in chosen_k["targets"][1:])
     assert len(chosen_k["targets"]) == 4
+    faults = {p["title"]: [t["expr"] for t in p["targets"]] for p in board["panels"]
+              if p["type"] == "timeseries" and p["gridPos"]["y"] > 0}  # fmt: skip
+    fallback = faults["Draft requests at k = 0 by reason"]
+    assert fallback == [
+        "sum by (model_pair, reason) (rate(specdec:draft_fallback_requests_total"
+        '{model_pair=~"$model_pair"}[$__rate_interval]))'
+    ]
+    restarts = faults["Service restarts and Serve reconnects"]
+    assert "specdec:service_restarts_total" in restarts[0] and "role" in restarts[0]
+    assert "specdec:serve_reconnects_total" in restarts[1]
 
 
 @pytest.fixture(scope="module")

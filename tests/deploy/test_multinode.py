@@ -64,6 +64,29 @@ with Client(address, timeout=120) as client:
 print(json.dumps({"draft_up": model.draft_up, "results": results}))
 """
 
+# Greedy requests back to back for a while, each line of output one finished request; "go"
+# once the first has its first tokens.
+STREAMING = """
+import json, sys, time
+from specdec.client import Client
+
+address, prompt, n = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+end = time.monotonic() + float(sys.argv[4])
+with Client(address, timeout=300) as client:
+    started = False
+    while time.monotonic() < end:
+        tokens, ks, start = [], [], time.monotonic()
+        for out in client.generate(prompt, max_tokens=n, temperature=0, ignore_eos=True,
+                                   proposer="draft", num_draft_tokens=3):
+            tokens += out.token_ids
+            ks += [s.num_draft_tokens for s in out.steps]
+            if not started:
+                started = True
+                print("go", flush=True)
+        print(json.dumps({"tokens": tokens, "ks": ks, "start": start, "end": time.monotonic()}),
+              flush=True)
+"""
+
 PROBE = """
 import json, sys
 import ray
@@ -286,3 +309,59 @@ def test_streaming_greedy_across_nodes_equals_one_machine(served: Served) -> Non
         assert result["chunks"] > 1, "streamed step by step"
         assert result["draft_tokens"] > 0, "the target asked the draft in B"
     assert sum(r["accepted"] for r in out["results"]) > 0, "drafts from B were accepted"
+
+
+CUT_S = 4.0  # well inside Ray's node health check (its GCS gives a silent node 15 s or more)
+
+
+def test_cut_link_runs_target_only_then_speculation_resumes(served: Served) -> None:
+    """Cut the draft node's link (both veth ends down) mid-generation for CUT_S: the hub's
+    Propose misses its deadline and the requests go on target-only; with the link back, the
+    draft answers again, the hub resynchronises it and speculation resumes. Every request's
+    greedy output equals one machine's, none lost or cut short."""
+    net = served.cluster.network
+    prompt = list(PROMPTS[0])
+    cmd = net.exec(net.a, sys.executable, "-c", STREAMING, served.address, json.dumps(prompt),
+                   "100", str(4 * CUT_S + 20))  # fmt: skip
+    client = subprocess.Popen(cmd, cwd=ROOT, env=served.cluster.env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert client.stdout is not None
+    try:
+        assert client.stdout.readline().strip() == "go", (
+            client.stderr.read() if client.stderr else ""
+        )
+        time.sleep(2.0)  # drafting across the link for a while first
+        cut_at = time.monotonic()
+        ends = ((net.a, f"{net.veth}a"), (net.b, f"{net.veth}b"))
+        for ns, dev in ends:
+            run("ip", "-n", ns, "link", "set", dev, "down")
+        try:
+            time.sleep(CUT_S)  # the fault's length, not a wait for an event
+        finally:
+            for ns, dev in ends:
+                run("ip", "-n", ns, "link", "set", dev, "up")
+        back_at = time.monotonic()
+        out, err = client.communicate(timeout=300)
+    finally:
+        stop(client, 10)
+    assert client.returncode == 0, err[-3000:]
+    done = [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+    expected = oracle(served.target_dir, tuple(prompt), 100)
+    assert done and all(d["tokens"] == expected for d in done), "greedy output as one machine's"
+    during = [d for d in done if d["end"] > cut_at and 0 in d["ks"][1:-1]]  # last: k = 0
+    assert during, "some request ran steps at k = 0 while the link was cut"
+    after = [d for d in done if d["start"] > back_at and any(d["ks"][1:])]
+    assert after, "speculation resumed once the link was back"
+    # the hub's log (forwarded by Ray): stalled, never down, and resynchronised by itself
+    deadline = time.monotonic() + 60
+    while "answered again" not in served.log.read_text() and time.monotonic() < deadline:
+        time.sleep(0.5)  # Ray forwards the actors' logs to the serve process when it can
+    text = served.log.read_text()
+    assert "did not answer a Propose within 300 ms" in text, text[-3000:]
+    assert "draft service down" not in text
+    stalled_s = re.search(r"answered again after ([\d.]+) s", text)
+    assert stalled_s, text[-3000:]
+    print(
+        f"\nlink cut {CUT_S:g} s: draft answered again {float(stalled_s[1]):.2f} s after its "
+        f"missed deadline; {len(during)} request(s) ran steps at k = 0 meanwhile"
+    )

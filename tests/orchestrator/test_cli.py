@@ -120,6 +120,16 @@ def test_serve_then_generate_then_sigterm(server: tuple[subprocess.Popen[str], s
     assert proc.wait(timeout=60) == 0
 
 
+def test_draft_deadline_flag(checkpoints: tuple[Path, Path]) -> None:
+    target, draft = checkpoints
+    base = ["serve", "--target", str(target), "--draft", str(draft)]
+    assert serve_config(parse_args(base)).services.draft_deadline_s == 0.3
+    chosen = serve_config(parse_args([*base, "--draft-deadline-ms", "150"])).services
+    assert chosen.draft_deadline_s == pytest.approx(0.15)
+    with pytest.raises(ValueError, match=r"draft_deadline_s must be in \(0, 3600\] seconds"):
+        serve_config(parse_args([*base, "--draft-deadline-ms", "0"]))
+
+
 def test_draft_ahead_sizes_the_draft_slots(checkpoints: tuple[Path, Path]) -> None:
     target, draft = checkpoints
     base = ["serve", "--target", str(target), "--draft", str(draft), "--max-requests", "16"]

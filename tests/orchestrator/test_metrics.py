@@ -146,6 +146,39 @@ def test_the_step_k_of_draft_model_requests(served) -> None:
     assert _value(s, "specdec:step_num_draft_tokens_bucket", le="0.0") == 1
 
 
+def test_fault_counters(served) -> None:
+    """Steps whose draft requests fell back to k = 0 count by reason, once per step and once
+    per request; restarts count by role; every series exists at 0 before the first fault."""
+    metrics, port = served
+    s = _scrape(port)
+    for reason in ("deadline", "unavailable"):
+        assert _value(s, "specdec:draft_fallback_steps_total", reason=reason) == 0
+    assert _value(s, "specdec:service_restarts_total", role="draft") == 0
+    assert _value(s, "specdec:serve_reconnects_total") == 0
+    k0 = (StepEvent("a", 3, (1,), 0, 0), StepEvent("b", 3, (2,), 0, 0))
+    steps = [
+        Report(k0, 0.0, 0.0, 0.003, 0.0001, 0.3, True, fallback="deadline",
+               num_fallback_requests=2),
+        Report(k0, 0.0, 0.0, 0.003, 0.0001, 0.004, True, fallback="deadline",
+               num_fallback_requests=2),
+        Report(k0[:1], 0.0, 0.0, 0.003, 0.0001, 0.004, False, fallback="unavailable",
+               num_fallback_requests=1),
+        REPORTS[0],
+    ]  # fmt: skip
+    for report in steps:
+        metrics.on_step(report, PROPOSERS.get)
+    metrics.on_restart("draft")
+    metrics.on_reconnect()
+    s = _scrape(port)
+    assert _value(s, "specdec:draft_fallback_steps_total", reason="deadline") == 2
+    assert _value(s, "specdec:draft_fallback_requests_total", reason="deadline") == 4
+    assert _value(s, "specdec:draft_fallback_steps_total", reason="unavailable") == 1
+    assert _value(s, "specdec:draft_fallback_requests_total", reason="unavailable") == 1
+    assert _value(s, "specdec:service_restarts_total", role="draft") == 1
+    assert _value(s, "specdec:service_restarts_total", role="target") == 0
+    assert _value(s, "specdec:serve_reconnects_total") == 1
+
+
 def _final(prompt: int, completion: int, ttft: float, e2e: float, reason: int):
     timing = generate_pb2.Timing(
         time_to_first_token_s=ttft, e2e_s=e2e, queue_s=ttft / 4, admission_s=ttft / 2,

@@ -376,6 +376,11 @@ def test_killed_draft_restarts_and_speculation_resumes(stack: Stack) -> None:
     assert any(0 in k and k[0] > 0 for k in ks), "some request ran target-only for a while"
     resumed = [k for k in ks if 0 in k and any(n > 0 for n in k[k.index(0) :])]
     assert resumed, "drafting resumed inside a request that spanned the restart"
+    m = stack.metrics()
+    labels = (("model_pair", stack.orchestrator.config.model_name),)
+    assert m[("specdec:service_restarts_total", (*labels, ("role", "draft")))] >= 1
+    assert m[("specdec:draft_fallback_steps_total", (*labels, ("reason", "unavailable")))] > 0
+    assert m[("specdec:draft_fallback_requests_total", (*labels, ("reason", "unavailable")))] > 0
 
 
 def health(stack: Stack) -> str:
@@ -420,6 +425,10 @@ def test_killed_target_restarts_and_its_requests_finish(stack: Stack) -> None:
         t.join(180)
     assert results == {"draft": expected, "ngram": expected, "off": expected}
     assert pair.target_address != old_address, "a new target process serves the pair"
+    m = stack.metrics()
+    labels = (("model_pair", stack.orchestrator.config.model_name),)
+    assert m[("specdec:service_restarts_total", (*labels, ("role", "target")))] >= 1
+    assert m[("specdec:serve_reconnects_total", labels)] >= 1
     tokens, steps, _ = stream(stack.stub, request(prompt, 20, "draft", 3))
     assert tokens == expected[:20] and any(s.num_accepted for s in steps)
 

@@ -149,6 +149,49 @@ def test_draft_death_changes_no_output_and_speculation_resumes(
         assert not any(own.draft_engine.release([rid]) for rid in driver.records)
 
 
+def test_stalled_draft_runs_target_only_then_resumes_by_itself(
+    checkpoints: tuple[Path, Path], reference: ModelRunner
+) -> None:
+    """The draft's engine held (its Propose, Admit and Release wait) for a few steps: past the
+    deadline the hub runs the draft requests at k = 0 and says why; once the engine is free the
+    hub resynchronises the draft with no set_draft, speculation resumes, and the output is
+    target-only greedy. The late answer is never applied: each verdict comes once, in order."""
+    with hub_services(*checkpoints) as own:
+        driver = Driver(own.target_address, max_new_tokens=40)
+        for i in range(3):
+            driver.admit(f"s{i}", _prompt(40 + i), "draft", 3)
+        engine_lock = own.draft_engine._lock
+        held_at: list[int] = []
+
+        def on_step(n: int) -> None:
+            if n == 3:
+                engine_lock.acquire()
+                held_at.append(n)
+            if n == 5:  # admitted while the draft is stalled: it gets there on the resync
+                driver.admit("joined", _prompt(43), "draft", 3)
+            if n == 10:
+                engine_lock.release()
+                held_at.append(n)
+
+        driver.run(on_step)
+        driver.client.close()
+        _check_outputs(driver, reference)
+        assert held_at == [3, 10] and driver.draft_events == [], "stalled, never down"
+        reports = driver.reports
+        assert all(r.draft_up for r in reports)
+        stalled = [i for i, r in enumerate(reports) if r.fallback == "deadline"]
+        assert stalled and stalled[0] >= 3, [r.fallback for r in reports]  # the hub runs ahead
+        assert stalled == list(range(stalled[0], stalled[-1] + 1)), "one stall, one resync"
+        for i in stalled:
+            assert reports[i].num_fallback_requests in (3, 4)  # 4 once "joined" is in
+            assert all(e.num_draft_tokens == 0 for e in reports[i].events)
+        after = [e for r in reports[stalled[-1] + 1 :] for e in r.events]
+        assert any(e.num_draft_tokens > 0 for e in after), "speculation did not resume"
+        assert any(e.num_draft_tokens > 0 for e in after if e.request_id == "joined")
+        assert not any(r.fallback for r in reports[stalled[-1] + 1 :])
+        assert not any(own.draft_engine.release([rid]) for rid in driver.records)
+
+
 def test_failed_step_fails_only_its_requests(
     svc: LocalPair, reference: ModelRunner, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -1,12 +1,22 @@
 from specdec.pb.specdec.v1 import common_pb2 as _common_pb2
 from specdec.pb.specdec.v1 import generate_pb2 as _generate_pb2
 from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
 from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class DraftFallback(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DRAFT_FALLBACK_NONE: _ClassVar[DraftFallback]
+    DRAFT_FALLBACK_DEADLINE: _ClassVar[DraftFallback]
+    DRAFT_FALLBACK_UNAVAILABLE: _ClassVar[DraftFallback]
+DRAFT_FALLBACK_NONE: DraftFallback
+DRAFT_FALLBACK_DEADLINE: DraftFallback
+DRAFT_FALLBACK_UNAVAILABLE: DraftFallback
 
 class VerifyResponse(_message.Message):
     __slots__ = ("request_ids", "steps", "num_accepted", "num_draft_tokens", "committed_lengths", "num_token_ids", "token_ids", "errors", "timing")
@@ -115,7 +125,7 @@ class ServeStarted(_message.Message):
     def __init__(self, target: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., draft: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
 
 class ServeStep(_message.Message):
-    __slots__ = ("verdicts", "draft_s", "transport_s", "verify_s", "sampler_s", "step_s", "draft_up", "graphed", "draft_ahead_hits", "draft_ahead_misses", "proposers")
+    __slots__ = ("verdicts", "draft_s", "transport_s", "verify_s", "sampler_s", "step_s", "draft_up", "graphed", "draft_ahead_hits", "draft_ahead_misses", "proposers", "draft_fallback", "num_fallback_requests")
     VERDICTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_S_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_S_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +137,8 @@ class ServeStep(_message.Message):
     DRAFT_AHEAD_HITS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AHEAD_MISSES_FIELD_NUMBER: _ClassVar[int]
     PROPOSERS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FALLBACK_FIELD_NUMBER: _ClassVar[int]
+    NUM_FALLBACK_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     verdicts: VerifyResponse
     draft_s: float
     transport_s: float
@@ -138,7 +150,9 @@ class ServeStep(_message.Message):
     draft_ahead_hits: int
     draft_ahead_misses: int
     proposers: _containers.RepeatedScalarFieldContainer[_generate_pb2.Proposer]
-    def __init__(self, verdicts: _Optional[_Union[VerifyResponse, _Mapping]] = ..., draft_s: _Optional[float] = ..., transport_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., sampler_s: _Optional[float] = ..., step_s: _Optional[float] = ..., draft_up: _Optional[bool] = ..., graphed: _Optional[bool] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., proposers: _Optional[_Iterable[_Union[_generate_pb2.Proposer, str]]] = ...) -> None: ...
+    draft_fallback: DraftFallback
+    num_fallback_requests: int
+    def __init__(self, verdicts: _Optional[_Union[VerifyResponse, _Mapping]] = ..., draft_s: _Optional[float] = ..., transport_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., sampler_s: _Optional[float] = ..., step_s: _Optional[float] = ..., draft_up: _Optional[bool] = ..., graphed: _Optional[bool] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., proposers: _Optional[_Iterable[_Union[_generate_pb2.Proposer, str]]] = ..., draft_fallback: _Optional[_Union[DraftFallback, str]] = ..., num_fallback_requests: _Optional[int] = ...) -> None: ...
 
 class ServeAdmitted(_message.Message):
     __slots__ = ("request_id", "committed_length", "next_step", "error", "prefill_s", "verdicts")
