@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 import grpc
 
@@ -23,13 +24,16 @@ SERVICE_NAME = target_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 WARMUP_ID = "__warmup__"
 
 
-def warm_up(engine: TargetEngine) -> None:
-    """One admit → verify → release, so the first real step pays no compile or allocation."""
-    engine.admit(AdmitRequest(WARMUP_ID, (0, 1)))
-    try:
-        engine.verify(DraftBlock.from_pb(block_to_pb([DraftProposal(WARMUP_ID, 0, 2, (1,))])))
-    finally:
-        engine.release([WARMUP_ID])
+def warm_up(engine: TargetEngine, ks: Iterable[int] = (1,)) -> None:
+    """An admit → verify of k draft tokens → release per k, so the first real step at each pays
+    no compile or allocation (the sampler's kernels are compiled per k)."""
+    for k in ks:
+        engine.admit(AdmitRequest(WARMUP_ID, (0, 1)))
+        try:
+            block = [DraftProposal(WARMUP_ID, 0, 2, tuple(range(1, k + 1)))]
+            engine.verify(DraftBlock.from_pb(block_to_pb(block)))
+        finally:
+            engine.release([WARMUP_ID])
 
 
 def check_draft(engine: TargetEngine, config: TargetConfig) -> None:
@@ -70,7 +74,9 @@ def start(config: TargetConfig, runner: ModelRunner | None = None) -> tuple[Serv
     server = build_server(engine, config)
     server.start()
     try:
-        warm_up(engine)
+        # dynamic speculation runs any k up to the limit: compile each before the first request
+        k_max = min(config.max_num_draft_tokens, engine.info.max_seq_len - 3)
+        warm_up(engine, range(1, k_max + 1) if config.dynamic_speculation else (1,))
         if config.draft_address is not None:
             check_draft(engine, config)
     except BaseException:

@@ -105,15 +105,17 @@ class KChooser:
 
     def choose(self, batch: int, upper: int) -> int:
         """This step's k, at most `upper` (the largest k the step's requests ask for), for a
-        batch of `batch` requests: `upper` until acceptance and step times are known, then the
-        best by E(k) / T(k); a step at `upper` every `probe_every` steps below it."""
+        batch of `batch` requests: `upper` until acceptance and speculative step times are
+        known, then one step at 0 to time a step without drafts, then the best by E(k) / T(k);
+        a step at `upper` every `probe_every` steps below it."""
         upper = min(upper, self.max_k)
         times = self._times.get(_bucket(batch))
         if upper < 1 or self.acceptance() is None or times is None or times.base is None:
             return upper
         assert times.per_token is not None
-        plain = times.plain if times.plain is not None else times.base  # not measured yet
-        best, best_rate = 0, 1.0 / plain
+        if times.plain is None:  # one step at k = 0 measures it (else k = 1 could run for good)
+            return 0
+        best, best_rate = 0, 1.0 / times.plain
         for k in range(1, upper + 1):
             rate = self.expected_tokens(k) / (times.base + k * times.per_token)
             if rate > best_rate:

@@ -35,6 +35,17 @@ def _steps(
     return chosen
 
 
+def test_a_step_without_drafts_is_timed_before_it_is_compared() -> None:
+    """With speculation measured and no step at k = 0 yet, the next step runs at 0: guessing
+    its time from a speculative step's would keep k = 1 running where 0 is faster."""
+    chooser = KChooser(max_k=4)
+    for _ in range(30):
+        chooser.observe(1, [4], [0], 0.012, 0.004)  # a_1 = 0: every draft rejected
+    assert chooser.choose(1, 4) == 0
+    chooser.observe(1, [0], [0], 0.006, 0.0)
+    assert chooser.choose(1, 4) == 0, "1 token per 6 ms beats 1 per 9 ms at k = 1"
+
+
 def test_speculates_at_full_k_until_it_has_measured() -> None:
     chooser = KChooser(max_k=8)
     assert chooser.choose(1, 4) == 4 and chooser.acceptance() is None
@@ -71,8 +82,8 @@ def test_turns_off_where_it_does_not_pay_and_probes() -> None:
     chosen = _steps(chooser, 64, rate=0.0, base=0.012, per_token=0.001, plain=0.008)
     off = chosen.index(0)
     assert chosen[:off] == [4] * off and off <= 20, chosen
-    tail = chosen[off:]
-    assert [i for i, k in enumerate(tail) if k] == list(range(7, len(tail), 8)), chosen
+    tail = chosen[off:]  # one step at 0 times a step without drafts, then probes every 8th
+    assert [i for i, k in enumerate(tail) if k] == list(range(8, len(tail), 8)), chosen
 
 
 def test_turns_back_on_when_acceptance_returns() -> None:
@@ -146,3 +157,27 @@ def test_the_hub_stops_drafting_what_is_never_accepted(checkpoints: tuple[Path, 
     assert ks[:16] == [4] * 16, "k = 4 until MIN_DRAFTS first drafts are seen"
     tail = ks[20:]
     assert tail.count(0) >= len(tail) - 3 and 4 in tail, ks
+
+
+def test_the_target_warms_up_every_k_it_may_run() -> None:
+    """Under dynamic speculation any k up to the limit can come: each is verified once before
+    serving, so no request pays a compile (the sampler's kernels are compiled per k)."""
+    from target_service.server import WARMUP_ID, warm_up
+
+    class Engine:
+        def __init__(self) -> None:
+            self.held: set[str] = set()
+            self.verified: list[int] = []
+
+        def admit(self, adm: object) -> None:
+            self.held.add(WARMUP_ID)
+
+        def verify(self, block: object) -> None:
+            self.verified.append(block.num_draft_tokens[0])  # type: ignore[attr-defined]
+
+        def release(self, ids: list[str]) -> None:
+            self.held -= set(ids)
+
+    engine = Engine()
+    warm_up(engine, range(1, 5))  # type: ignore[arg-type]
+    assert engine.verified == [1, 2, 3, 4] and not engine.held
