@@ -109,14 +109,14 @@ def serve_args(
     return out
 
 
-def serve_env(trace_dir: Path) -> dict[str, str]:
+def serve_env(trace_dir: Path | None = None) -> dict[str, str]:
     """The benchmark's environment for `specdec serve`: its own local Ray cluster (no
-    RAY_ADDRESS), no TRITON_INTERPRET (tests set it; Ray would pass it to the actors), and the
-    services' device activity traced into `trace_dir` (bench.e2e_timeline)."""
+    RAY_ADDRESS), no TRITON_INTERPRET (tests set it; Ray would pass it to the actors), and,
+    given `trace_dir`, the services' device activity traced there (bench.e2e_timeline)."""
     env = child_env()
     for name in ("RAY_ADDRESS", "TRITON_INTERPRET"):
         env.pop(name, None)
-    return env | {"SPECDEC_GPU_TRACE": str(trace_dir)}
+    return env if trace_dir is None else env | {"SPECDEC_GPU_TRACE": str(trace_dir)}
 
 
 def stop_serve(service: Service, timeout_s: float = STOP_TIMEOUT_S) -> str:
@@ -414,7 +414,7 @@ def summarise(
         "hub_steps": hub["steps"],
         "tpot_ms_median": statistics.median(f["tpot_ms"] for f in per),
         "tpot_ms_max": max(f["tpot_ms"] for f in per),
-        "tpot_ms_p99": token_gaps[int(0.99 * (len(token_gaps) - 1))],
+        "tpot_ms_p99": token_gaps[int(0.99 * (len(token_gaps) - 1))] if token_gaps else None,
         "client_step_ms_median": client_step,
         "steps_per_s": 1e3 / client_step,
         "tokens_per_s": tokens / (t1 - t0),

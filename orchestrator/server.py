@@ -370,10 +370,14 @@ class Orchestrator:
         done = threading.Event()
 
         def stop() -> None:
-            self.placement.stop(grace_s)
-            if self._owns_ray and ray.is_initialized():
-                ray.shutdown()
-            done.set()
+            try:
+                self.placement.stop(grace_s)
+                if self._owns_ray and ray.is_initialized():
+                    ray.shutdown()
+            except Exception:  # logged; the processes are swept below only if Ray hangs
+                log.exception("stopping the services and the Ray cluster failed")
+            finally:
+                done.set()
 
         threading.Thread(target=stop, name="stop-ray", daemon=True).start()
         if done.wait(grace_s + RAY_STOP_S):

@@ -28,6 +28,7 @@ _DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
 # How often the watchdog looks at the Propose call in flight: the deadline is kept to this
 # much. Polling, not a wake-up per step: a thread woken each step competes for the GIL.
 WATCH_PERIOD_S = 0.02
+PROBE_TIMEOUT_S = 120.0  # a stalled draft silent this long is taken as down
 
 
 class DraftDown(Exception):
@@ -187,11 +188,15 @@ class DraftLink:
         self._propose = LockstepStream(self._stub.Propose)
         self._broken = False
 
-    def probe(self) -> grpc.Future:
-        """A call that completes once the service serves again (or fails if it is gone): a
-        Release of nothing, which waits for the engine as a Propose would (GetModelInfo is
-        answered by a process whose engine is stuck)."""
-        return self._stub.Release.future(common_pb2.ReleaseRequest())  # type: ignore[no-any-return]
+    def probe(self, timeout_s: float = PROBE_TIMEOUT_S) -> grpc.Future:
+        """A call that completes once the service serves again, or fails if it is gone or has
+        not answered within `timeout_s` (a host that vanished without resetting the connection
+        would otherwise hold it for as long as TCP retries): a Release of nothing, which waits
+        for the engine as a Propose would (GetModelInfo is answered by a process whose engine
+        is stuck)."""
+        return self._stub.Release.future(  # type: ignore[no-any-return]
+            common_pb2.ReleaseRequest(), timeout=timeout_s
+        )
 
     def start_admit(
         self, admissions: Sequence[AdmitRequest], timeout_s: float | None = None

@@ -314,9 +314,12 @@ class Hub:
         """The k of this step's draft requests under dynamic speculation, else None."""
         if self._chooser is None:
             return None
-        asked = [r.num_draft_tokens for r in group.requests
-                 if r.proposer == "draft" and not r.fixed_k]  # fmt: skip
-        return self._chooser.choose(len(group.requests), max(asked)) if asked else None
+        drafted = [r for r in group.requests if r.proposer == "draft"]
+        asked = [r.num_draft_tokens for r in drafted if not r.fixed_k]
+        fixed = max((r.num_draft_tokens for r in drafted if r.fixed_k), default=0)
+        if not asked:
+            return None
+        return self._chooser.choose(len(group.requests), max(asked), fixed)
 
     def _observe(self, group: _Group, verdicts: VerifyResponse, step_s: float) -> None:
         """What dynamic speculation learns from a step: its draft requests' k and acceptance,

@@ -105,7 +105,11 @@ class DraftSide:
         takes it as down); called at every step."""
         end = time.monotonic() + self._deadline_s
         for item in list(self._admitting):
-            if item[0].done(max(0.0, end - time.monotonic())):
+            # a seeded sampled request is waited for: at k = 0 meanwhile, its output would
+            # depend on how fast the draft prefilled (a k = 0 step draws other tokens)
+            fixed = any(r.fixed_k for r in item[1])
+            until = time.monotonic() + self._admit_timeout_s() if fixed else end
+            if item[0].done(max(0.0, until - time.monotonic())):
                 self._admitting.remove(item)
                 self.settle(*item)
         stall = self._stall

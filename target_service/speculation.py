@@ -103,16 +103,22 @@ class KChooser:
         k_step = max(ks, default=0)
         self._times.setdefault(_bucket(batch), _Times()).add(k_step, step_s, draft_s)
 
-    def choose(self, batch: int, upper: int) -> int:
+    def choose(self, batch: int, upper: int, fixed: int = 0) -> int:
         """This step's k, at most `upper` (the largest k the step's requests ask for), for a
-        batch of `batch` requests: `upper` until acceptance and speculative step times are
-        known, then one step at 0 to time a step without drafts, then the best by E(k) / T(k);
-        a step at `upper` every `probe_every` steps below it."""
+        batch of `batch` requests of which some keep a k of their own, the largest `fixed`:
+        `upper` until acceptance and speculative step times are known, then one step at 0 to
+        time a step without drafts, then the best by E(k) / T(k); a step at `upper` every
+        `probe_every` steps below it. With `fixed` > 0 the step drafts that many anyway, so
+        a smaller k would save nothing: the best k in [fixed, upper]."""
         upper = min(upper, self.max_k)
         times = self._times.get(_bucket(batch))
         if upper < 1 or self.acceptance() is None or times is None or times.base is None:
             return upper
         assert times.per_token is not None
+        if fixed > 0:
+            per_token, base = times.per_token, times.base
+            ks = range(min(fixed, upper), upper + 1)
+            return max(ks, key=lambda k: self.expected_tokens(k) / (base + k * per_token))
         if times.plain is None:  # one step at k = 0 measures it (else k = 1 could run for good)
             return 0
         best, best_rate = 0, 1.0 / times.plain

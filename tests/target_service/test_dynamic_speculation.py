@@ -46,6 +46,19 @@ def test_a_step_without_drafts_is_timed_before_it_is_compared() -> None:
     assert chooser.choose(1, 4) == 0, "1 token per 6 ms beats 1 per 9 ms at k = 1"
 
 
+def test_a_request_that_keeps_its_k_sets_the_least_k_of_the_step() -> None:
+    """With a seeded sampled request at k = 3 in the batch, every step drafts 3 anyway: the
+    others get the best k of [3, 4], never 0 (which would save nothing), and no k = 0 step
+    is needed to decide it."""
+    chooser = KChooser(max_k=4)
+    for _ in range(30):
+        chooser.observe(2, [4, 4], [0, 4], 0.014, 0.004)  # a_1 = 0.5, then all accepted
+    assert chooser.choose(2, 4, fixed=3) == 4
+    chooser.drafted, chooser.accepted = [100.0] * 4, [100.0, 100.0, 100.0, 0.0]
+    assert chooser.choose(2, 4, fixed=3) == 3, "a 4th token is never accepted"
+    assert chooser.choose(2, 2, fixed=3) == 2, "the others' own k still bounds theirs"
+
+
 def test_speculates_at_full_k_until_it_has_measured() -> None:
     chooser = KChooser(max_k=8)
     assert chooser.choose(1, 4) == 4 and chooser.acceptance() is None
@@ -137,7 +150,7 @@ def test_greedy_equals_target_only_and_a_seeded_request_keeps_its_k(
     assert steps == [3] * len(steps) and steps
     with hub_services(*checkpoints) as fixed:  # dynamic speculation off
         plain = Driver(fixed.target_address, max_new_tokens=24)
-        plain.admit("seeded", _prompt(9), "draft", 3, sampling=seeded)
+        plain.admit("seeded", _prompt(9), "draft", 3, sampling=seeded, fixed_k=True)
         plain.run()
         plain.client.close()
     assert driver.records["seeded"].generated == plain.records["seeded"].generated
