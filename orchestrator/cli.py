@@ -305,6 +305,11 @@ def run_serve(args: argparse.Namespace) -> int:
     """The orchestrator runs in a child process of its own session (`orchestrator.supervisor`
     says why); this process relays signals to it."""
     if not is_child():
+        try:  # bad flags are refused here, on this process's stderr, before any child starts
+            serve_config(args)
+        except ValueError as e:
+            print(f"{PROG} serve: {e}", file=sys.stderr)
+            return 2
         return run_in_child(args.argv, args.log_level)
     follow_parent()
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(name)s %(message)s")

@@ -255,8 +255,11 @@ LEFT_BOUND_S = 30.0  # every process the killed orchestrator started is gone wit
 
 
 def test_sigkill_of_serve_leaves_nothing_running(tmp_path: Path) -> None:
-    """SIGKILL `specdec serve` while it streams: every process below it (the service actors,
-    raylet, gcs_server and Ray's helpers) ends within LEFT_BOUND_S."""
+    """SIGKILL the orchestrator's process of `specdec serve` (the child the command runs it in,
+    `orchestrator.supervisor`) while it streams: the stream fails, the command exits, and every
+    process below it (the service actors, raylet, gcs_server and Ray's helpers) ends within
+    LEFT_BOUND_S. (A SIGKILL of the command's own process stops the orchestrator as SIGTERM
+    does: tests/orchestrator/test_serve_signals.py.)"""
     target, draft = build_checkpoints(tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RAY_ADDRESS")}
     cmd = [sys.executable, "-m", "specdec", "serve", "--target", str(target), "--draft",
@@ -277,8 +280,9 @@ def test_sigkill_of_serve_leaves_nothing_running(tmp_path: Path) -> None:
             below = descendants(proc.pid)
             roles = {_command(p) for p in below}
             assert any("raylet" in c for c in roles) and any("gcs_server" in c for c in roles)
-            proc.send_signal(signal.SIGKILL)
-            proc.wait(10)
+            [orchestrator] = [p for p in below if "-m orchestrator serve" in _command(p)]
+            os.kill(orchestrator, signal.SIGKILL)
+            assert proc.wait(10) != 0, "the command exits with its orchestrator"
             killed_at = time.monotonic()
             left = _alive(below)
             while left and time.monotonic() - killed_at < LEFT_BOUND_S:
