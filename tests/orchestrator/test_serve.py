@@ -12,6 +12,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,16 +56,20 @@ class Stack:
         }
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    target, draft = build_checkpoints(tmp_path_factory.mktemp("serve"))
+@contextmanager
+def serve_stack(
+    target: Path, draft: Path, max_requests: int, max_queue: int, **services: Any
+) -> Iterator[Stack]:
+    """An orchestrator serving the tiny pair on a local Ray cluster (both services on the CPU,
+    k = 3), with a channel to its client port; `services`: more ServiceConfig fields."""
     config = ServeConfig(
         ServiceConfig(
-            str(target), str(draft), device="cpu", max_requests=MAX_REQUESTS, max_seq_len=256,
+            str(target), str(draft), device="cpu", max_requests=max_requests, max_seq_len=256,
             sampler_impl="torch",  # the Triton interpreter costs ~1 s per step on CPU
+            **services,
         ),
         PlacementConfig(num_cpus=4, restart_timeout_s=120.0),
-        SchedulerConfig(max_queue=MAX_QUEUE, proposer="draft", num_draft_tokens=3),
+        SchedulerConfig(max_queue=max_queue, proposer="draft", num_draft_tokens=3),
         host="127.0.0.1", port=0, metrics_port=0, grace_s=2.0,
     )  # fmt: skip
     orchestrator = Orchestrator(config)
@@ -77,6 +82,13 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         channel.close()
         orchestrator.stop(1.0)
     assert not ray.is_initialized(), "the orchestrator shuts down the cluster it started"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    target, draft = build_checkpoints(tmp_path_factory.mktemp("serve"))
+    with serve_stack(target, draft, MAX_REQUESTS, MAX_QUEUE) as s:
+        yield s
 
 
 @functools.cache

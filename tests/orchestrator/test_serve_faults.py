@@ -29,12 +29,17 @@ import grpc
 import pytest
 import ray
 
-from orchestrator.config import PlacementConfig, SchedulerConfig, ServeConfig, ServiceConfig
 from orchestrator.ray_start import descendants
-from orchestrator.server import Orchestrator
 from specdec.pb.specdec.v1 import generate_pb2_grpc
 from tests.draft_service.models import build_checkpoints
-from tests.orchestrator.test_serve import PROMPTS, Stack, eventually, oracle, request
+from tests.orchestrator.test_serve import (
+    PROMPTS,
+    Stack,
+    eventually,
+    oracle,
+    request,
+    serve_stack,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 DEADLINE_S = 0.3  # the served default of --draft-deadline-ms
@@ -44,25 +49,8 @@ NUM_TOKENS = 120
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     target, draft = build_checkpoints(tmp_path_factory.mktemp("faults"))
-    config = ServeConfig(
-        ServiceConfig(
-            str(target), str(draft), device="cpu", max_requests=8, max_seq_len=256,
-            sampler_impl="torch", draft_deadline_s=DEADLINE_S,
-        ),
-        PlacementConfig(num_cpus=4, restart_timeout_s=120.0),
-        SchedulerConfig(max_queue=16, proposer="draft", num_draft_tokens=3),
-        host="127.0.0.1", port=0, metrics_port=0, grace_s=2.0,
-    )  # fmt: skip
-    orchestrator = Orchestrator(config)
-    port = orchestrator.start()
-    address = f"127.0.0.1:{port}"
-    channel = grpc.insecure_channel(address)
-    try:
-        yield Stack(orchestrator, generate_pb2_grpc.GenerateServiceStub(channel), address, target)
-    finally:
-        channel.close()
-        orchestrator.stop(1.0)
-    assert not ray.is_initialized()
+    with serve_stack(target, draft, 8, 16, draft_deadline_s=DEADLINE_S) as s:
+        yield s
 
 
 def state(pid: int) -> str:
