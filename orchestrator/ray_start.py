@@ -115,5 +115,7 @@ def start_local_cluster(
                     f"raise --ray-start-timeout, or start Ray first (`ray start --head`) and "
                     f"pass --address."
                 ) from e
-            log.warning("the local Ray cluster did not start (attempt %d: %s); stopped what it "
-                        "started, trying again (%.0f s left)", attempt, e, left)  # fmt: skip
+            # Ray's own words name its GCS and raylet, which read as a failure; the retry is routine
+            log.debug("Ray start-up attempt %d: %s", attempt, e)
+            log.warning("the local Ray cluster was slow to start (attempt %d timed out); stopped "
+                        "what it started, trying again (%.0f s left)", attempt, left)  # fmt: skip
