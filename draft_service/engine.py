@@ -507,10 +507,10 @@ class DraftEngine:
                 self._release_branch(chain.branch_id)
                 chain = None
         self._drop_ahead(req)
-        if chain is None:
-            self.ahead_misses += 1
-        else:
+        if chain is not None:
             self.ahead_hits += 1
+        elif a.num_draft_tokens > 0:  # an ask for no drafts (k = 0) has nothing to miss
+            self.ahead_misses += 1
         return chain
 
     def _apply_chain(self, request_id: str, chain: ahead.Chain) -> None:

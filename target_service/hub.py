@@ -48,6 +48,7 @@ from specdec.serving.ngram import NgramConfig, propose_ngram
 from specdec.serving.proposers import FROM_PB, TO_PB
 from specdec.serving.status import status_for
 from specdec.serving.verdicts import VerifyResponse
+from target_service.draft_link import DraftLink
 from target_service.engine import TargetEngine
 from target_service.hub_draft import DraftSide, HubRequest
 from target_service.servicer import TargetServicer
@@ -64,7 +65,8 @@ class _Group:
 
     requests: list[HubRequest]
     block: common_pb2.DraftBlock = field(default_factory=common_pb2.DraftBlock)
-    drafted: bool = False  # the draft service answered for this group
+    asked: bool = False  # the draft service was asked for this group
+    drafted: bool = False  # and answered
     draft_s: float = 0.0
     transport_s: float = 0.0
     draft_graphed: bool = True  # the draft's forwards replayed graphs (or it drafted nothing)
@@ -112,14 +114,20 @@ def _speculation(proposer: int, num_draft_tokens: int, limit: int) -> tuple[str,
 class Hub:
     """The loop of one Serve stream: `control` feeds it, `events` drains it."""
 
-    def __init__(self, engine: TargetEngine, on_end: Callable[[], None] = lambda: None):
+    def __init__(
+        self,
+        engine: TargetEngine,
+        on_end: Callable[[], None] = lambda: None,
+        open_link: Callable[[str], DraftLink] | None = None,
+    ):
+        """`open_link` connects to a draft service by address (default: gRPC, `DraftLink`)."""
         self.engine = engine
         self._on_end = on_end  # after every request is released and the draft link closed
         self._config = engine.config
         self._controls: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._events: queue.SimpleQueue[target_pb2.ServeEvent | None] = queue.SimpleQueue()
         self._requests: dict[str, HubRequest] = {}
-        self._draft = DraftSide(self._config, engine.info, self._requests, self._emit)
+        self._draft = DraftSide(self._config, engine.info, self._requests, self._emit, open_link)
         self._ngram = NgramConfig()
         self._max_seq_len = engine.info.max_seq_len
         self._chooser = (KChooser(self._config.max_num_draft_tokens)
@@ -324,8 +332,9 @@ class Hub:
     def _observe(self, group: _Group, verdicts: VerifyResponse, step_s: float) -> None:
         """What dynamic speculation learns from a step: its draft requests' k and acceptance,
         and its times."""
-        if self._chooser is None:
-            return
+        if self._chooser is None or (group.asked and not group.drafted):
+            return  # a step that asked the draft in vain (waited out its deadline, or it
+            # failed) times neither a speculative step nor one without drafts
         ks, accepted = [], []
         for i, rid in enumerate(verdicts.request_ids):
             req = self._requests.get(rid)
@@ -347,7 +356,7 @@ class Hub:
         retry = _Group(group.requests)  # at k = 0 now, nothing was committed
         self._propose(retry)
         group.block, group.draft_s, group.transport_s = retry.block, 0.0, 0.0
-        group.draft_graphed = True
+        group.draft_graphed, group.drafted = True, False  # no drafts: it answered in vain
         group.fallback, group.num_fallback = retry.fallback, retry.num_fallback
         return DraftBlock.from_pb(group.block, max_support_size=limit)
 
@@ -355,6 +364,7 @@ class Hub:
         """Fills group.block: the draft's proposals, then the local entries (ngram, k = 0)."""
         self._draft.poll()
         asks = [r for r in group.requests if r.on_draft]
+        group.asked = group.asked or bool(asks)
         answer = self._draft.propose(asks, [self._ask(r) for r in asks]) if asks else None
         served: set[str] = set()
         if answer is not None:  # else the draft failed: this step goes on at k = 0
@@ -368,7 +378,8 @@ class Hub:
             group.ahead_misses = response.draft_ahead_misses
         local = [r for r in group.requests if r.request_id not in served]
         self._append_local(group.block, local)
-        fallen = sum(r.proposer == "draft" for r in local)
+        # fallen back: draft requests that would have been drafted for (k > 0) but were not
+        fallen = sum(r.proposer == "draft" and self._k(r) > 0 for r in local)
         if fallen and (self._draft.stalled or not self._draft.up):
             group.num_fallback = fallen
             group.fallback = (

@@ -82,8 +82,10 @@ class DraftSide:
         target: ModelInfo,
         requests: Mapping[str, HubRequest],
         emit: Emit,
+        open_link: Callable[[str], DraftLink] | None = None,
     ):
         self._config, self._target, self._requests, self._emit = config, target, requests, emit
+        self._open_link = open_link or self._open_grpc_link
         self.link: DraftLink | None = None
         self._stall: _Stall | None = None
         self._admitting: list[tuple[PendingAdmits, list[HubRequest]]] = []  # not settled yet
@@ -128,17 +130,23 @@ class DraftSide:
         self._release_ids(sorted(stall.held), self.link.timeout_s)
         self.admit(reqs, {})
 
-    def connect(self, address: str) -> str | None:
-        """Connects to the draft service at `address` and checks its tokenizer; else why not."""
+    def _open_grpc_link(self, address: str) -> DraftLink:
         c = self._config
         try:
             # read at each connect: a draft that comes back after a certificate rotation works
             root = None if c.draft_tls_root_cert is None else c.draft_tls_root_cert.read_bytes()
-            link = DraftLink(
-                address, c.server.max_message_bytes, c.draft_wait_s, root, c.draft_tls_server_name
-            )
         except OSError as e:
-            return f"Reading the draft's TLS root certificate {c.draft_tls_root_cert}: {e}"
+            raise DraftDown(
+                f"Reading the draft's TLS root certificate {c.draft_tls_root_cert}: {e}"
+            ) from e
+        return DraftLink(
+            address, c.server.max_message_bytes, c.draft_wait_s, root, c.draft_tls_server_name
+        )
+
+    def connect(self, address: str) -> str | None:
+        """Connects to the draft service at `address` and checks its tokenizer; else why not."""
+        try:
+            link = self._open_link(address)
         except DraftDown as e:
             return str(e)
         try:

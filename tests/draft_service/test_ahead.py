@@ -114,6 +114,24 @@ def test_branches_are_freed(checkpoints: tuple[Path, Path]) -> None:
         assert runner.free_slots == free
 
 
+def test_an_ask_for_no_drafts_is_neither_a_hit_nor_a_miss(checkpoints: tuple[Path, Path]) -> None:
+    """Dynamic speculation asks for k = 0 at times: the chains made ahead go unused, but
+    nothing was missed (the hit rate counts asks that could have hit)."""
+    target_dir, draft_dir = checkpoints
+    with services(target_dir, with_ahead(model_draft(draft_dir), 2)) as svc:
+        engine = svc.draft_engine
+        pipe = svc.pipeline()
+        pipe.admit("a", _prompts(1)[0], SamplingParams(temperature=0.0))
+        pipe.generate({"a": 3}, 9)
+        assert engine.runner is not None
+        free = engine.runner.free_slots
+        counts = (engine.ahead_hits, engine.ahead_misses)
+        pipe.step({"a": 0})
+        assert (engine.ahead_hits, engine.ahead_misses) == counts
+        assert engine.runner.free_slots > free, "the chains made ahead were dropped"
+        pipe.close()
+
+
 def test_unlikely_accepted_counts_are_not_drafted() -> None:
     found = ahead.hypotheses([[7, 3, 8], [9, 4, 1], [5, 2, 6]], [7, 9], 2)
     counts = ahead.AcceptedCounts(min_seen=10)

@@ -1,0 +1,296 @@
+"""Fakes for the hub's step loop (`target_service.hub.Hub`): a target engine and a draft link
+with no model and no network, so that each case (a draft that stalls, fails, or has not yet
+admitted a request; a request near its last token) is set up exactly and checked without a
+sleep. Both follow one deterministic greedy "model", `next_token`; the draft drafts it too,
+except at the positions it is told to get wrong.
+
+The fake engine checks what the real one checks of a block: each entry's committed length is
+the length it holds, so a hub that lost track of a request's tokens fails here too.
+"""
+
+from __future__ import annotations
+
+import queue
+import struct
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from types import SimpleNamespace
+from typing import Any
+
+from specdec.pb import common_pb2, draft_pb2, target_pb2
+from specdec.runner.timing import StepTimes
+from specdec.sampling_params import SamplingParams
+from specdec.serving.blocks import Q_NONE, DraftBlock
+from specdec.serving.messages import AdmitRequest, ModelInfo
+from specdec.serving.proposers import TO_PB
+from specdec.serving.verdicts import VerifyResponse
+from target_service.config import TargetConfig
+from target_service.draft_link import DraftDown, DraftStalled
+from target_service.hub import Hub
+
+VOCAB = 97
+MAX_SEQ_LEN = 256
+INFO = ModelInfo("fake", VOCAB, VOCAB, "fake-tokenizer", MAX_SEQ_LEN, 64, 8, 1 << 20, "float32")
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def next_token(tokens: Sequence[int]) -> int:
+    """The fake model's greedy next token after `tokens`."""
+    return (7 * tokens[-1] + len(tokens)) % VOCAB
+
+
+def greedy(prompt: Sequence[int], n: int) -> list[int]:
+    tokens = list(prompt)
+    for _ in range(n):
+        tokens.append(next_token(tokens))
+    return tokens[len(prompt) :]
+
+
+class FakeEngine:
+    """The target engine's part the hub uses: greedy verification of `next_token`."""
+
+    def __init__(self, config: TargetConfig):
+        self.config, self.info = config, INFO
+        self.held: dict[str, list[int]] = {}
+        self.runner = SimpleNamespace(synchronize=lambda: None)
+        self.blocks: list[DraftBlock] = []
+
+    def admit(self, adm: AdmitRequest) -> tuple[int, int]:
+        self.held[adm.request_id] = list(adm.prompt_token_ids)
+        return len(adm.prompt_token_ids), adm.first_step
+
+    def admit_decoding(self, adm: AdmitRequest) -> tuple[VerifyResponse, StepTimes]:
+        tokens = list(adm.prompt_token_ids)
+        tokens.append(next_token(tokens))
+        self.held[adm.request_id] = tokens
+        out = VerifyResponse.pending([adm.request_id], [adm.first_step])
+        out.commit(0, tokens[-1:], 0, 0, len(tokens))
+        return out, StepTimes()
+
+    def release(self, request_ids: Iterable[str]) -> int:
+        return sum(self.held.pop(rid, None) is not None for rid in request_ids)
+
+    def verify_timed(self, block: DraftBlock) -> tuple[VerifyResponse, StepTimes]:
+        self.blocks.append(block)
+        out = VerifyResponse.pending(block.request_ids, block.steps)
+        for i, rid in enumerate(block.request_ids):
+            tokens = self.held[rid]
+            assert block.committed_lengths[i] == len(tokens), (rid, block, tokens)
+            drafts = block.draft_token_ids[block.token_starts[i] : block.token_starts[i + 1]]
+            new: list[int] = []
+            for d in drafts:
+                if d != next_token(tokens + new):
+                    break
+                new.append(d)
+            accepted = len(new)
+            new.append(next_token(tokens + new))
+            tokens.extend(new)
+            out.commit(i, new, accepted, len(drafts), len(tokens))
+        return out, StepTimes(forward_s=0.001)
+
+
+class FakeFuture:
+    """A probe or an Admit call: done once `finish` is called."""
+
+    def __init__(self) -> None:
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self.cancelled = False
+
+    def finish(self, error: BaseException | None = None) -> None:
+        self._error = error
+        self._done.set()
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def exception(self) -> BaseException | None:
+        return self._error
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+
+class FakePendingAdmits:
+    """Admissions in flight: the draft holds them at once; the hub sees them end with `gate`."""
+
+    def __init__(self, admissions: Sequence[AdmitRequest], gate: FakeFuture):
+        self.admissions, self._gate = list(admissions), gate
+
+    def done(self, timeout_s: float) -> bool:
+        return self._gate.done()  # no waiting: a gate left shut is a deadline that passed
+
+    def cancel(self) -> None:
+        pass
+
+    def wait(self) -> dict[str, str | None]:
+        return {a.request_id: None for a in self.admissions}
+
+
+@dataclass
+class FakeLink:
+    """A draft service reached at `address`. `script[n]` says what its n-th Propose does:
+    "ok" (the default), "stall" or "down"; `wrong_at` is the set of absolute positions it
+    drafts a wrong token at. `admitting` False holds admissions in flight (the hub sees them
+    miss its deadline) until `admit_gate.finish()`; a cleared `hold` holds a Propose once it
+    has `entered`, so that controls sent meanwhile reach the hub together at the step's end."""
+
+    address: str
+    script: dict[int, str] = field(default_factory=dict)
+    wrong_at: set[int] = field(default_factory=set)
+    ahead_hits: int = 0
+    info: ModelInfo = INFO
+    timeout_s: float = 5.0
+    held: dict[str, list[int]] = field(default_factory=dict)
+    proposes: list[list[draft_pb2.ProposeEntry]] = field(default_factory=list)
+    released: list[str] = field(default_factory=list)
+    admitting: bool = True
+    admit_gate: FakeFuture = field(default_factory=FakeFuture)
+    probes: list[FakeFuture] = field(default_factory=list)
+    hold: threading.Event = field(default_factory=threading.Event)
+    entered: threading.Event = field(default_factory=threading.Event)
+    closed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.admitting:
+            self.admit_gate.finish()
+        self.hold.set()
+
+    def propose(
+        self, entries: Sequence[draft_pb2.ProposeEntry], deadline_s: float
+    ) -> tuple[draft_pb2.ProposeResponse, float]:
+        self.entered.set()
+        assert self.hold.wait(10.0), "the test never let the Propose go on"
+        self.proposes.append(list(entries))
+        action = self.script.get(len(self.proposes), "ok")
+        if action == "stall":
+            raise DraftStalled("the fake draft did not answer")
+        if action == "down":
+            raise DraftDown("the fake draft is gone")
+        block = common_pb2.DraftBlock()
+        drafts: list[int] = []
+        for e in entries:
+            tokens = self.held[e.request_id]
+            assert len(tokens) + len(e.new_token_ids) == e.committed_length, (e, tokens)
+            tokens.extend(e.new_token_ids)
+            mine: list[int] = []
+            for _ in range(e.num_draft_tokens):
+                t = next_token(tokens + mine)
+                mine.append((t + 1) % VOCAB if len(tokens) + len(mine) in self.wrong_at else t)
+            drafts += mine
+            block.request_ids.append(e.request_id)
+            block.steps.append(e.step)
+            block.committed_lengths.append(e.committed_length)
+            block.num_draft_tokens.append(len(mine))
+            block.q_forms.append(Q_NONE)  # type: ignore[arg-type]
+        block.draft_token_ids = struct.pack(f"<{len(drafts)}i", *drafts)
+        timing = common_pb2.StepTiming(service_s=0.001, forward_s=0.001)
+        response = draft_pb2.ProposeResponse(
+            block=block, timing=timing, draft_ahead_hits=self.ahead_hits
+        )
+        return response, 0.002
+
+    def start_admit(
+        self, admissions: Sequence[AdmitRequest], timeout_s: float | None = None
+    ) -> FakePendingAdmits:
+        for a in admissions:
+            self.held[a.request_id] = list(a.prompt_token_ids)
+        return FakePendingAdmits(admissions, self.admit_gate)
+
+    def release(self, request_ids: Sequence[str], timeout_s: float | None = None) -> None:
+        for rid in request_ids:
+            self.held.pop(rid, None)
+            self.released.append(rid)
+
+    def probe(self) -> FakeFuture:
+        self.probes.append(FakeFuture())
+        return self.probes[-1]
+
+    def reopen(self) -> None:
+        pass
+
+    def close(self, graceful: bool = True) -> None:
+        self.closed = True
+
+
+class HubRun:
+    """A hub over a FakeEngine and FakeLinks (`links[address]`), driven as the orchestrator
+    drives it: controls in, events out."""
+
+    def __init__(self, draft: FakeLink | None, **config: Any):
+        from specdec.runner import RunnerConfig
+
+        self.config = TargetConfig(
+            RunnerConfig("unused"), draft_address=None if draft is None else draft.address,
+            max_num_draft_tokens=8, **config,
+        )  # fmt: skip
+        self.engine = FakeEngine(self.config)
+        self.links = {} if draft is None else {draft.address: draft}
+        self.hub = Hub(self.engine, open_link=self._open)  # type: ignore[arg-type]
+        self.events: queue.SimpleQueue[target_pb2.ServeEvent] = queue.SimpleQueue()
+        self.steps: list[target_pb2.ServeStep] = []
+        self.tokens: dict[str, list[int]] = {}
+        threading.Thread(target=self._drain, daemon=True).start()
+        self.hub.start()
+        self.next(lambda e: e.HasField("started"))
+
+    def _open(self, address: str) -> FakeLink:
+        if address not in self.links:
+            raise DraftDown(f"no fake draft at {address}")
+        return self.links[address]
+
+    def _drain(self) -> None:
+        for event in self.hub.events():
+            self.events.put(event)
+
+    def next(self, wanted: Callable[[target_pb2.ServeEvent], bool]) -> target_pb2.ServeEvent:
+        """The next event `wanted` takes; steps on the way are recorded."""
+        while True:
+            event = self.events.get(timeout=10.0)
+            if event.HasField("step"):
+                self._record(event.step)
+            if wanted(event):
+                return event
+
+    def _record(self, step: target_pb2.ServeStep) -> None:
+        self.steps.append(step)
+        v = VerifyResponse.from_pb(step.verdicts)
+        for i, rid in enumerate(v.request_ids):
+            if i not in v.errors:
+                self.tokens.setdefault(rid, []).extend(v.token_ids[i])
+
+    def send_admit(
+        self, rid: str, prompt: list[int], proposer: str = "draft", k: int = 4,
+        max_length: int = 0, sampling: SamplingParams = GREEDY,
+    ) -> None:  # fmt: skip
+        """Sends the admission; `admitted` waits for its answer."""
+        adm = AdmitRequest(rid, tuple(prompt), sampling, 0)
+        pb = target_pb2.ServeAdmit(
+            request=adm.to_pb(), proposer=TO_PB[proposer], num_draft_tokens=k,  # type: ignore[arg-type]
+            max_length=max_length,
+        )  # fmt: skip
+        self.hub.control(target_pb2.ServeControl(admit=pb))
+
+    def admit(self, rid: str, prompt: list[int], *args: Any, **kwargs: Any) -> None:
+        self.send_admit(rid, prompt, *args, **kwargs)
+        self.admitted(rid)
+
+    def admitted(self, rid: str) -> None:
+        admitted = self.next(lambda e: e.HasField("admitted") and e.admitted.request_id == rid)
+        assert not admitted.admitted.HasField("error"), admitted
+        v = VerifyResponse.from_pb(admitted.admitted.verdicts)
+        self.tokens[rid] = [t for ids in v.token_ids for t in ids]
+
+    def release(self, *request_ids: str) -> None:
+        pb = common_pb2.ReleaseRequest(request_ids=request_ids)
+        self.hub.control(target_pb2.ServeControl(release=pb))
+
+    def until_length(self, rid: str, n: int) -> None:
+        """Waits for the steps that give `rid` at least `n` generated tokens."""
+        if len(self.tokens.get(rid, ())) < n:
+            self.next(lambda e: len(self.tokens.get(rid, ())) >= n)
+
+    def stop(self) -> None:
+        self.hub.stop()
+        self.hub.join()

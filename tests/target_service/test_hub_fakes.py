@@ -1,0 +1,129 @@
+"""The hub's step loop over fakes (`tests.target_service.hub_fakes`): each case is set up
+exactly, in order, with no model, no network and no sleep. What the real services add (gRPC,
+models, the sampler) is tested over loopback in test_hub.py."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from specdec.pb import target_pb2
+from specdec.serving.verdicts import VerifyResponse
+from target_service.speculation import KChooser
+from tests.target_service.hub_fakes import FakeLink, HubRun, greedy
+
+PROMPT = [3, 14, 15, 92, 65]
+
+
+@pytest.fixture
+def runs() -> Iterator[list[HubRun]]:
+    """Each test's hub runs, stopped at its end."""
+    started: list[HubRun] = []
+    yield started
+    for run in started:
+        run.stop()
+
+
+def _start(runs: list[HubRun], draft: FakeLink | None, **config: object) -> HubRun:
+    runs.append(HubRun(draft, **config))
+    return runs[-1]
+
+
+def _sync(run: HubRun) -> None:
+    """Returns once the hub has applied the controls sent before: a request finished at its
+    admission is admitted after them (controls apply in order), and adds no step."""
+    run.admit("sync", PROMPT, "off", max_length=len(PROMPT) + 1)
+
+
+def test_every_proposer_commits_the_models_greedy_tokens(runs: list[HubRun]) -> None:
+    link = FakeLink("draft:1", wrong_at={9, 12, 13, 20}, ahead_hits=1)
+    run = _start(runs, link)
+    n = 24
+    for rid, proposer in (("a", "draft"), ("b", "ngram"), ("c", "off")):
+        run.admit(rid, PROMPT, proposer, k=4, max_length=len(PROMPT) + n)
+    for rid in "abc":
+        run.until_length(rid, n)
+        assert run.tokens[rid] == greedy(PROMPT, n), rid
+    drafted = [VerifyResponse.from_pb(s.verdicts) for s in run.steps]
+    accepted = sum(sum(v.num_accepted) for v in drafted)
+    rejected = sum(
+        k > a for v in drafted for k, a in zip(v.num_draft_tokens, v.num_accepted, strict=True)
+    )
+    assert accepted > 0 and rejected >= 3, (accepted, rejected)  # wrong at 4 positions
+    assert all(s.draft_ahead_hits == 1 for s in run.steps if s.draft_s > 0)
+
+
+class RecordingChooser(KChooser):
+    """A KChooser that keeps what each step taught it."""
+
+    def __init__(self, max_k: int):
+        super().__init__(max_k)
+        self.seen: list[tuple[list[int], float]] = []
+
+    def observe(
+        self, batch: int, ks: list[int], accepted: list[int], step_s: float, draft_s: float
+    ) -> None:
+        self.seen.append((ks, step_s))
+        super().observe(batch, ks, accepted, step_s, draft_s)
+
+
+def test_a_step_that_waited_for_a_stalled_draft_teaches_dynamic_speculation_nothing(
+    runs: list[HubRun],
+) -> None:
+    link = FakeLink("draft:1", script={3: "stall"})
+    run = _start(runs, link, dynamic_speculation=True)
+    chooser = RecordingChooser(run.config.max_num_draft_tokens)
+    run.hub._chooser = chooser  # before any request: no step has run
+    run.admit("a", PROMPT, "draft", k=4)
+    # the third Propose stalls: that step and the ones after it run at k = 0, until the probe
+    # is answered and the draft is resynchronised
+    first = run.next(lambda e: e.HasField("step") and e.step.draft_fallback != 0).step
+    assert first.draft_fallback == target_pb2.DRAFT_FALLBACK_DEADLINE
+    assert first.num_fallback_requests == 1
+    stalled_step = len(run.steps) - 1
+    run.next(lambda e: e.HasField("step"))  # one more at k = 0 while stalled
+    assert run.steps[-1].draft_fallback == target_pb2.DRAFT_FALLBACK_DEADLINE
+    link.probes[0].finish()
+    run.next(lambda e: e.HasField("step") and e.step.draft_s > 0)  # drafting again
+    run.release("a")
+    _sync(run)
+    assert "a" in link.released
+    assert len(chooser.seen) == len(run.steps) - 1, "every step taught it, but the stalled one"
+    ks = [list(VerifyResponse.from_pb(s.verdicts).num_draft_tokens) for s in run.steps]
+    assert [k for k, _ in chooser.seen] == ks[:stalled_step] + ks[stalled_step + 1 :]
+
+
+def test_fallback_counts_the_requests_that_lost_their_drafts_only(runs: list[HubRun]) -> None:
+    link = FakeLink("draft:1", script={2: "down"})
+    run = _start(runs, link)
+    link.hold.clear()
+    run.admit("z", PROMPT, "draft", k=4)
+    assert link.entered.wait(10.0)  # the first step's Propose is held: both admissions below
+    # reach the hub together, so the next step holds all three requests
+    run.send_admit("a", PROMPT, "draft", k=4)
+    run.send_admit("last", PROMPT, "draft", k=4, max_length=len(PROMPT) + 2)  # one token to go
+    link.hold.set()
+    run.admitted("a")
+    run.admitted("last")
+    down = run.next(lambda e: e.HasField("step") and e.step.draft_fallback != 0).step
+    assert set(VerifyResponse.from_pb(down.verdicts).request_ids) == {"z", "a", "last"}
+    assert down.draft_fallback == target_pb2.DRAFT_FALLBACK_UNAVAILABLE
+    # "last" would have drafted nothing (k = 0 to its max_length): not a fallback
+    assert down.num_fallback_requests == 2
+
+
+def test_a_request_released_while_its_draft_admission_is_in_flight_is_undone_there(
+    runs: list[HubRun],
+) -> None:
+    link = FakeLink("draft:1", admitting=False)
+    run = _start(runs, link)
+    run.admit("a", PROMPT, "draft", k=4)
+    run.until_length("a", 4)  # it decodes at k = 0 while its draft admission is in flight
+    assert not link.proposes, "nothing was asked of the draft for it"
+    assert "a" in link.held  # the draft service admitted it; the hub has not heard yet
+    run.release("a")
+    _sync(run)
+    assert "a" in link.released and "a" not in link.held
+    assert not link.proposes
+    assert "a" not in run.engine.held
