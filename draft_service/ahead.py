@@ -76,7 +76,9 @@ def hypotheses(
     [(0, 3), (1, 4), (2, 5)]
     """
     per_count = []
-    for j, ids in enumerate(top):
+    # a verdict accepts at most every draft: rows past that would fork past what the KV holds
+    # and give verdict keys that collide with the real counts' (a leaked slot each)
+    for j, ids in enumerate(top[: len(drafts) + 1]):
         rejected = drafts[j] if j < len(drafts) else None
         per_count.append([t for t in ids if t != rejected][:fanout])
     return [

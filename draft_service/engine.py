@@ -307,7 +307,10 @@ class DraftEngine:
                 if chain.q is not None:
                     q_rows[a.request_id] = tuple(t[: a.num_draft_tokens] for t in chain.q)
         for a in asks:
-            self._requests[a.request_id].drafts = drafts.get(a.request_id, [])
+            req = self._requests[a.request_id]
+            req.drafts = drafts.get(a.request_id, [])
+            if a.num_draft_tokens == 0:  # no forward ran: last step's guesses are for other
+                req.guesses = []  # positions, and nothing is drafted ahead of a k = 0 verdict
         form = Q_SPARSE if self.config.q_form == "sparse" else Q_DENSE
         forms = [form if a.request_id in q_rows else Q_NONE for a in asks]
         rows = [q_rows[a.request_id] for a in asks if a.request_id in q_rows]

@@ -132,6 +132,35 @@ def test_an_ask_for_no_drafts_is_neither_a_hit_nor_a_miss(checkpoints: tuple[Pat
         pipe.close()
 
 
+def test_k_changing_every_step_drafts_ahead_without_a_failure_or_a_leaked_slot(
+    checkpoints: tuple[Path, Path], reference: ModelRunner, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The hub changes k from step to step (dynamic speculation, a request's last tokens),
+    k = 0 included: a pass ahead of a step whose k differs from the last one's, or of a k = 0
+    step, used to fork past the request's KV or give two hypotheses one key (their slots
+    leaked)."""
+    target_dir, draft_dir = checkpoints
+    prompts = _prompts(2)
+    with services(target_dir, with_ahead(model_draft(draft_dir), 2), sampler_impl="torch") as svc:
+        engine = svc.draft_engine
+        assert engine.runner is not None
+        free = engine.runner.free_slots
+        pipe = svc.pipeline()
+        for rid, prompt in zip("ab", prompts, strict=True):
+            pipe.admit(rid, prompt, SamplingParams(temperature=0.0))
+        for k in (4, 4, 2, 1, 4, 0, 4, 4, 3, 0, 0, 4, 4, 1, 4):
+            pipe.step({"a": k, "b": min(k, 3)})
+        out = [pipe.requests[rid].generated for rid in "ab"]
+        pipe.release(["a", "b"])
+        pipe.close()
+        assert engine.runner.free_slots == free, "every hypothesis's slot went back"
+    failed = [r.getMessage() for r in caplog.records if "draft-ahead failed" in r.getMessage()]
+    assert not failed
+    assert engine.ahead_hits > 0
+    for prompt, got in zip(prompts, out, strict=True):
+        assert got == greedy_reference(reference, prompt, len(got))
+
+
 def test_unlikely_accepted_counts_are_not_drafted() -> None:
     found = ahead.hypotheses([[7, 3, 8], [9, 4, 1], [5, 2, 6]], [7, 9], 2)
     counts = ahead.AcceptedCounts(min_seen=10)
