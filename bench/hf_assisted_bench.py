@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -53,6 +54,19 @@ def device_name(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device).replace(" ", "_")
     return "cpu"
+
+
+def machine(device: torch.device) -> str:
+    """The device in words, for the report."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = "CPU"
+    with suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    return f"{os.cpu_count()} cores of {model}"
 
 
 def load_prompts(tokenizer: Any, count: int, chars: int) -> list[list[int]]:
@@ -176,7 +190,7 @@ def report(result: dict[str, Any]) -> str:
     rows = result["rows"]
     base = rows["specdec, k = {}".format(s["k"])]["tokens_per_s"]
     lines = [
-        f"### specdec vs transformers, {s['pair']} pair, {result['device']} "
+        f"### specdec vs transformers, {s['pair']} pair, {result['machine']} "
         f"(commit {result['commit'][:7]}, {result['date']})",
         "",
         f"Greedy, batch 1, {s['prompts']} prompts of {s['prompt_tokens']} tokens (mean), "
@@ -264,6 +278,7 @@ def main(argv: list[str] | None = None) -> int:
         rows[name] = summarise(outputs, seconds, reference, new_tokens) | {"acceptance": acceptance}
     result = {
         "device": device_name(device),
+        "machine": machine(device),
         "commit": commit(),
         "date": datetime.now(UTC).strftime("%Y-%m-%d"),
         "settings": {
