@@ -1,7 +1,8 @@
-"""bench/soak.py for about 30 s: 256 concurrent greedy streams against a real `specdec serve`
-on the CPU, every request's tokens equal to its prompt's solo run, none misrouted, no step lost
-or repeated, and the report written. Memory flatness is reported but judged only on the long
-run: half a minute is mostly warm-up."""
+"""bench/soak.py for about 20 s (5 s of them warm-up): 256 concurrent greedy streams against a
+real `specdec serve` on the CPU, every request's tokens equal to its prompt's solo run, none
+misrouted, no step lost or repeated, and the report written. Memory flatness is reported but
+judged only on the long run (`bench/soak.py`'s default is 10 minutes): seconds are mostly
+warm-up."""
 
 from __future__ import annotations
 
@@ -15,9 +16,9 @@ from bench import soak
 pytestmark = pytest.mark.slow
 
 
-def test_soak_for_30_seconds(tmp_path: Path) -> None:
+def test_soak_for_20_seconds(tmp_path: Path) -> None:
     out = tmp_path / "soak"
-    code = soak.main(["--duration-s", "30", "--warmup-s", "10", "--streams", "256",
+    code = soak.main(["--duration-s", "20", "--warmup-s", "5", "--streams", "256",
                       "--max-growth-pct", "100", "--out", str(out)])  # fmt: skip
     result = json.loads((out / "soak.json").read_text())
     assert code == 0 and result["passed"], result["failures"]

@@ -127,7 +127,7 @@ def test_serve_comes_up_while_the_cpus_are_saturated(checkpoints: tuple[Path, Pa
         host="127.0.0.1", port=0, metrics_port=None, grace_s=1.0,
     )  # fmt: skip
     orchestrator = Orchestrator(config)
-    with saturated_cpus(90.0):
+    with saturated_cpus(45.0):  # Ray's first start-up window (30 s) runs saturated
         start = time.monotonic()
         port = orchestrator.start()
         print(f"specdec serve came up in {time.monotonic() - start:.1f} s on saturated CPUs")
