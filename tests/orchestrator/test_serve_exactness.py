@@ -26,8 +26,10 @@ import asyncio
 import functools
 import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -78,14 +80,16 @@ class Stack:
     draft_dir: Path
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    target, draft = build_checkpoints(tmp_path_factory.mktemp("exactness"))
+@contextmanager
+def serving(target: Path, draft: Path, **service: Any) -> Iterator[tuple[Orchestrator, str]]:
+    """`specdec serve`'s orchestrator on a local Ray cluster, for MAX_REQUESTS concurrent
+    requests drafted at K; `service`: more ServiceConfig fields. Yields it and its address."""
     config = ServeConfig(
         ServiceConfig(
             str(target), str(draft), device="cpu", max_requests=MAX_REQUESTS,
             max_seq_len=MAX_SEQ_LEN,
             sampler_impl="torch",  # the Triton interpreter costs ~1 s per step on CPU
+            **service,
         ),  # q_form "sparse" and support_size as served by default
         PlacementConfig(num_cpus=4, restart_timeout_s=120.0),
         SchedulerConfig(max_queue=2 * MAX_REQUESTS, proposer="draft", num_draft_tokens=K),
@@ -94,10 +98,17 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     orchestrator = Orchestrator(config)
     port = orchestrator.start()
     try:
-        yield Stack(f"127.0.0.1:{port}", target, draft)
+        yield orchestrator, f"127.0.0.1:{port}"
     finally:
         orchestrator.stop(1.0)
     assert not ray.is_initialized()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    target, draft = build_checkpoints(tmp_path_factory.mktemp("exactness"))
+    with serving(target, draft) as (_, address):
+        yield Stack(address, target, draft)
 
 
 # step 1 drafts k = K only with K + 1 tokens still to come (the hub drafts no further than

@@ -26,24 +26,22 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import ray
 
-from orchestrator.config import PlacementConfig, SchedulerConfig, ServeConfig, ServiceConfig
 from orchestrator.server import Orchestrator
 from specdec.client import AsyncClient
 from tests.draft_service.models import build_checkpoints
 from tests.orchestrator.test_serve_exactness import (
-    MAX_SEQ_LEN,
+    MAX_REQUESTS,
     PROMPT,
     REJECT_BELOW,
     Case,
+    K,
     distributions,
     pit,
     pit_pvalue,
+    serving,
 )
 
-MAX_REQUESTS = 64
-K = 4
 FANOUT = 2
 NUM_REQUESTS = 1000
 NEW_TOKENS = 10  # tokens 2 to 10 of each request are tested: several steps, most after a verdict
@@ -84,24 +82,9 @@ def stack(
     name: str = request.param
     cfg = STACKS[name]
     target, draft = build_checkpoints(tmp_path_factory.mktemp(f"ahead-{name}"), cfg.draft_noise)
-    config = ServeConfig(
-        ServiceConfig(
-            str(target), str(draft), device="cpu", max_requests=MAX_REQUESTS,
-            max_seq_len=MAX_SEQ_LEN, q_form=cfg.q_form,  # type: ignore[arg-type]
-            sampler_impl="torch",  # the Triton interpreter costs ~1 s per step on CPU
-            draft_ahead=FANOUT, draft_ahead_slots=4 * MAX_REQUESTS,
-        ),
-        PlacementConfig(num_cpus=4, restart_timeout_s=120.0),
-        SchedulerConfig(max_queue=2 * MAX_REQUESTS, proposer="draft", num_draft_tokens=K),
-        host="127.0.0.1", port=0, metrics_port=None, grace_s=2.0,
-    )  # fmt: skip
-    orchestrator = Orchestrator(config)
-    port = orchestrator.start()
-    try:
-        yield Stack(name, f"127.0.0.1:{port}", target, orchestrator)
-    finally:
-        orchestrator.stop(1.0)
-    assert not ray.is_initialized()
+    options = {"q_form": cfg.q_form, "draft_ahead": FANOUT, "draft_ahead_slots": 4 * MAX_REQUESTS}
+    with serving(target, draft, **options) as (orchestrator, address):
+        yield Stack(name, address, target, orchestrator)
 
 
 def _total(orchestrator: Orchestrator, sample: str) -> float:
