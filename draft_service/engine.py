@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -104,13 +105,15 @@ def with_guesses(head: Head, vocab_size: int, count: int) -> Head:
 @dataclass(frozen=True, slots=True)
 class Proposal:
     """One block's answer: the drafts, an error per refused ask, the device time of its
-    forwards, and how many asks found a chain drafted ahead (hits) or did not (misses)."""
+    forwards, how many asks found a chain drafted ahead (hits) or did not (misses), and the
+    seconds spent in passes ahead since the previous proposal."""
 
     block: DraftBlock
     errors: list[tuple[str, RequestError]]
     times: StepTimes
     ahead_hits: int = 0
     ahead_misses: int = 0
+    ahead_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -148,6 +151,7 @@ class DraftEngine:
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
         self.ahead_hits = self.ahead_misses = 0  # asks that found a chain drafted ahead, or not
+        self._ahead_s = 0.0  # passes ahead since the last proposal (each ends with a host sync)
         self._accepted = ahead.AcceptedCounts()  # the verdicts' accepted counts seen so far
         if runner is not None:  # the `last` head input of one-token steps: row 0
             self._zeros = torch.zeros(
@@ -217,7 +221,8 @@ class DraftEngine:
                     errors.append((a.request_id, err))
             before = (self.ahead_hits, self.ahead_misses)
             hits = {a.request_id: c for a in ok if (c := self._take_chain(a)) is not None}
-            ahead = (self.ahead_hits - before[0], self.ahead_misses - before[1])
+            ahead = (self.ahead_hits - before[0], self.ahead_misses - before[1], self._ahead_s)
+            self._ahead_s = 0.0
             saved = [self._save(a.request_id) for a in ok]
             try:
                 for a in ok:
@@ -407,6 +412,7 @@ class DraftEngine:
             if not ready:
                 return 0
             added: list[str] = []
+            start = time.perf_counter()
             try:
                 return self._draft_chains(ready, added)
             except Exception:  # draft-ahead only saves time: a failure never breaks the stream
@@ -418,6 +424,8 @@ class DraftEngine:
                     if bid not in kept:
                         self._release_branch(bid)
                 return 0
+            finally:
+                self._ahead_s += time.perf_counter() - start
 
     def _room_ahead(self, req: _Request) -> bool:
         assert self.runner is not None

@@ -44,6 +44,7 @@ class DraftServicer(LifecycleServicer, draft_pb2_grpc.DraftServiceServicer):
             response = draft_pb2.ProposeResponse(
                 block=proposal.block.to_pb(), errors=errors,
                 draft_ahead_hits=proposal.ahead_hits, draft_ahead_misses=proposal.ahead_misses,
+                draft_ahead_s=proposal.ahead_s,
             )  # fmt: skip
             response.timing.CopyFrom(step_timing(proposal.times, time.perf_counter() - start))
             yield response

@@ -36,7 +36,10 @@ counter specdec:steps_total, specdec:eager_steps_total (steps with a forward tha
 no captured CUDA graph fitted; every step on a CPU); gauge specdec:draft_up. Draft-ahead:
 counters specdec:draft_ahead_hits_total (draft asks answered from drafts made ahead for their
 verdict, no forward) and specdec:draft_ahead_misses_total (asks that had drafts made ahead but
-none for their verdict); hit rate = hits / (hits + misses). Histogram
+none for their verdict); hit rate = hits / (hits + misses). Counter
+specdec:draft_busy_seconds_total: the draft services' busy time, their proposal forwards plus
+their passes ahead (`rate()` of it is the busy fraction of a pair's draft device, summed over
+the pairs of the model pair; 1 minus that, the draft device's idle fraction). Histogram
 specdec:step_num_draft_tokens: the k of each step that serves draft-model requests (its largest;
 0 where it drafted none), which `--dynamic-speculation` chooses per step.
 
@@ -184,6 +187,11 @@ class Metrics:
         self._ahead_misses = self._counter(
             "draft_ahead_misses", "Draft asks with drafts made ahead, none for their verdict."
         ).labels(self.model_pair)
+        self._draft_busy = self._counter(
+            "draft_busy_seconds",
+            "Seconds the draft services were busy: their proposal forwards plus their passes "
+            "ahead (draft-ahead). rate() is the busy fraction of a pair's draft device.",
+        ).labels(self.model_pair)
         self._define_fault_metrics()
 
     def _define_fault_metrics(self) -> None:
@@ -238,6 +246,7 @@ class Metrics:
         if report.draft_s > 0 or report.draft_ahead_hits:  # the draft service served the step
             self._step_draft.observe(report.draft_s)
             self._step_transport.observe(report.transport_s)
+        self._draft_busy.inc(report.draft_s + report.draft_ahead_s)
         self._ahead_hits.inc(report.draft_ahead_hits)
         self._ahead_misses.inc(report.draft_ahead_misses)
         self._step_verify.observe(report.verify_s)

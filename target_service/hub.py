@@ -72,6 +72,7 @@ class _Group:
     draft_graphed: bool = True  # the draft's forwards replayed graphs (or it drafted nothing)
     ahead_hits: int = 0  # the draft's asks answered from drafts made ahead, and those missed
     ahead_misses: int = 0
+    ahead_s: float = 0.0  # the draft's passes ahead since it last answered
     fallback: int = target_pb2.DRAFT_FALLBACK_NONE  # why draft requests ran at k = 0, and how many
     num_fallback: int = 0
 
@@ -311,6 +312,7 @@ class Hub:
             verify_s=verify_s, sampler_s=sampler_s, step_s=time.perf_counter() - start,
             draft_up=self._draft.up, graphed=graphed,
             draft_ahead_hits=group.ahead_hits, draft_ahead_misses=group.ahead_misses,
+            draft_ahead_s=group.ahead_s,
             proposers=_proposers(group, verdicts),  # type: ignore[arg-type]
             draft_fallback=group.fallback,  # type: ignore[arg-type]
             num_fallback_requests=group.num_fallback,
@@ -376,6 +378,7 @@ class Hub:
             group.draft_graphed = response.timing.graphed or response.timing.forward_s == 0
             group.ahead_hits = response.draft_ahead_hits
             group.ahead_misses = response.draft_ahead_misses
+            group.ahead_s = response.draft_ahead_s
         local = [r for r in group.requests if r.request_id not in served]
         self._append_local(group.block, local)
         # fallen back: draft requests that would have been drafted for (k > 0) but were not

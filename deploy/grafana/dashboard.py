@@ -196,6 +196,17 @@ STEPS = (
         ),
         max=1,
     ),
+    PanelSpec(
+        "Draft device busy and idle",
+        "Fraction of the time a pair's draft service was busy: its proposal forwards plus its "
+        "passes ahead (draft-ahead), and 1 minus that, the time its device waited. Summed over "
+        "the pairs of a model pair: with N pairs, busy runs to N.",
+        "percentunit",
+        (
+            (rate("specdec:draft_busy_seconds_total"), "{{model_pair}} busy"),
+            (f"1 - {rate('specdec:draft_busy_seconds_total')}", "{{model_pair}} idle"),
+        ),
+    ),
 )
 FAULTS = (
     PanelSpec(

@@ -131,6 +131,20 @@ def test_draft_ahead_counters(served) -> None:
     assert _value(s, "specdec:step_transport_seconds_sum") == pytest.approx(0.0009)
 
 
+def test_draft_busy_time_is_its_forwards_and_its_passes_ahead(served) -> None:
+    """The draft's busy seconds: each step's proposal forwards plus the passes ahead it ran
+    since the last step it answered (a hit has no forward, but its pass ahead counts)."""
+    metrics, port = served
+    ahead = Report((StepEvent("a", 2, (1, 2), 3, 1),), 0.0, 0.0004, 0.003, 0.0001, 0.004,
+                   True, True, draft_ahead_hits=1, draft_ahead_s=0.0025)  # fmt: skip
+    for report in [*REPORTS, ahead]:
+        metrics.on_step(report, PROPOSERS.get)
+    drafted = sum(r.draft_s for r in REPORTS)
+    assert drafted > 0
+    busy = _value(_scrape(port), "specdec:draft_busy_seconds_total")
+    assert busy == pytest.approx(drafted + 0.0025)
+
+
 def test_the_step_k_of_draft_model_requests(served) -> None:
     """Each step serving draft-model requests adds its largest k: 3 in the first step (the
     ngram request's 4 is not the draft's), 3 in the second (the failed verdict and the

@@ -130,12 +130,16 @@ async def _generate(stack: Stack, case: Case) -> Run:
 
 
 def _run(stack: Stack, case: Case) -> Run:
-    names = ("specdec:draft_ahead_hits_total", "specdec:draft_ahead_misses_total")
+    names = ("specdec:draft_ahead_hits_total", "specdec:draft_ahead_misses_total",
+             "specdec:draft_busy_seconds_total", "specdec:step_draft_seconds_sum")  # fmt: skip
     before = [_total(stack.orchestrator, n) for n in names]
     t0 = time.monotonic()
     run = asyncio.run(_generate(stack, case))
-    after = [_total(stack.orchestrator, n) for n in names]
-    run.hits, run.misses = after[0] - before[0], after[1] - before[1]
+    hits, misses, busy, forwards = (_total(stack.orchestrator, n) - b
+                                    for n, b in zip(names, before, strict=True))  # fmt: skip
+    run.hits, run.misses = hits, misses
+    # the draft's busy time is its proposal forwards plus its passes ahead, which ran
+    assert busy > forwards > 0, (busy, forwards)
     print(f"\n{stack.name} {case}: {NUM_REQUESTS} requests in {time.monotonic() - t0:.1f} s; "
           f"{run.accepted} drafts accepted, {run.recovered} recovery draws, draft-ahead "
           f"{run.hits:.0f} hits / {run.misses:.0f} misses")  # fmt: skip

@@ -28,18 +28,20 @@ class ProposeBlock(_message.Message):
     def __init__(self, entries: _Optional[_Iterable[_Union[ProposeEntry, _Mapping]]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("block", "errors", "timing", "draft_ahead_hits", "draft_ahead_misses")
+    __slots__ = ("block", "errors", "timing", "draft_ahead_hits", "draft_ahead_misses", "draft_ahead_s")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AHEAD_HITS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AHEAD_MISSES_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_S_FIELD_NUMBER: _ClassVar[int]
     block: _common_pb2.DraftBlock
     errors: _containers.RepeatedCompositeFieldContainer[ProposeError]
     timing: _common_pb2.StepTiming
     draft_ahead_hits: int
     draft_ahead_misses: int
-    def __init__(self, block: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[ProposeError, _Mapping]]] = ..., timing: _Optional[_Union[_common_pb2.StepTiming, _Mapping]] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ...) -> None: ...
+    draft_ahead_s: float
+    def __init__(self, block: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[ProposeError, _Mapping]]] = ..., timing: _Optional[_Union[_common_pb2.StepTiming, _Mapping]] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., draft_ahead_s: _Optional[float] = ...) -> None: ...
 
 class ProposeError(_message.Message):
     __slots__ = ("request_id", "error")
