@@ -3,8 +3,8 @@ the same weights, dtype, device and prompts.
 
 Rows:
 - transformers `generate`, the target alone;
-- transformers assisted generation (`generate(assistant_model=draft)`, its default schedule of
-  draft lengths, and with a constant k like specdec's);
+- transformers assisted generation (`generate(assistant_model=draft)`: with transformers'
+  defaults for the draft length and its early stop, and with k drafts each step like specdec);
 - `specdec serve` (its own local Ray cluster, both services on this machine's first GPU, or on
   the CPU) driven by `specdec.client`: the target alone (proposer off) and lock-step
   speculation at k.
@@ -108,8 +108,13 @@ def hf_rows(
 
     def load(path: Path) -> Any:
         model: Any = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
-        model = model.to(device).eval()
-        model.generation_config.pad_token_id = model.generation_config.eos_token_id
+        model = model.to(device=device, dtype=dtype).eval()  # older versions ignore `dtype=`
+        config = model.generation_config
+        if config.pad_token_id is None:
+            config.pad_token_id = config.eos_token_id
+        # never stop, as specdec's ignore_eos: min_new_tokens would mask the end-of-sequence
+        # token out of the logits instead, and greedy would pick another one there
+        config.eos_token_id = None
         return model
 
     target, draft = load(target_dir), load(draft_dir)
@@ -120,7 +125,7 @@ def hf_rows(
             with torch.inference_mode():
                 out = target.generate(
                     ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                    min_new_tokens=new_tokens, do_sample=False, **extra,
+                    do_sample=False, **extra,
                 )  # fmt: skip
             _sync(device)
             return [int(t) for t in out[0, len(prompt) :]]
@@ -128,12 +133,13 @@ def hf_rows(
         return run
 
     rows = {"transformers generate": timed_rows(generate(), prompts, new_tokens)}
-    rows["transformers assisted (default schedule)"] = timed_rows(
+    rows["transformers assisted (its defaults)"] = timed_rows(
         generate(assistant_model=draft), prompts, new_tokens
     )
     draft.generation_config.num_assistant_tokens = k
     draft.generation_config.num_assistant_tokens_schedule = "constant"
-    rows[f"transformers assisted (constant k = {k})"] = timed_rows(
+    draft.generation_config.assistant_confidence_threshold = 0.0  # no early stop: k each step
+    rows[f"transformers assisted (k = {k} each step)"] = timed_rows(
         generate(assistant_model=draft), prompts, new_tokens
     )
     return rows
@@ -157,18 +163,22 @@ def specdec_rows(
     rows: dict[str, tuple[list[list[int]], list[float], float | None]] = {}
     with serving(settings, None, log_dir, timeout_s=900.0) as serve, Client(serve.address) as c:
         for name, proposer in (("specdec, target alone", "off"), (f"specdec, k = {k}", "draft")):
-            drafted = accepted = 0
+            counts: list[tuple[int, int]] = []  # (drafted, accepted) per request, warm-up first
 
-            def run(prompt: list[int], proposer: str = proposer) -> list[int]:
-                nonlocal drafted, accepted
+            def run(
+                prompt: list[int],
+                proposer: str = proposer,
+                counts: list[tuple[int, int]] = counts,
+            ) -> list[int]:
                 out = c.complete(prompt, max_tokens=new_tokens, temperature=0.0,
                                  ignore_eos=True, proposer=proposer,
                                  num_draft_tokens=k if proposer == "draft" else 0)  # fmt: skip
-                drafted += sum(s.num_draft_tokens for s in out.steps)
-                accepted += sum(s.num_accepted for s in out.steps)
+                counts.append((sum(s.num_draft_tokens for s in out.steps),
+                               sum(s.num_accepted for s in out.steps)))  # fmt: skip
                 return list(out.token_ids)
 
             outputs, seconds = timed_rows(run, prompts, new_tokens)
+            drafted, accepted = (sum(column) for column in zip(*counts[1:], strict=True))
             rows[name] = (outputs, seconds, accepted / drafted if drafted else None)
     return rows
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain
@@ -151,7 +150,7 @@ class DraftEngine:
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
         self.ahead_hits = self.ahead_misses = 0  # asks that found a chain drafted ahead, or not
-        self._ahead_s = 0.0  # passes ahead since the last proposal (each ends with a host sync)
+        self._ahead_s = 0.0  # device time of the passes ahead since the last proposal
         self._accepted = ahead.AcceptedCounts()  # the verdicts' accepted counts seen so far
         if runner is not None:  # the `last` head input of one-token steps: row 0
             self._zeros = torch.zeros(
@@ -222,8 +221,9 @@ class DraftEngine:
             before = (self.ahead_hits, self.ahead_misses)
             hits = {a.request_id: c for a in ok if (c := self._take_chain(a)) is not None}
             ahead = (self.ahead_hits - before[0], self.ahead_misses - before[1], self._ahead_s)
-            self._ahead_s = 0.0
+            self._ahead_s = 0.0  # reported with this proposal (kept for the next if it fails)
             saved = [self._save(a.request_id) for a in ok]
+            applied: set[str] = set()  # hits whose chain became the request's
             try:
                 for a in ok:
                     req = self._requests[a.request_id]
@@ -231,13 +231,15 @@ class DraftEngine:
                     req.next_step = a.step + 1
                 if self.runner is None:
                     return Proposal(self._draft_ngram(ok), errors, StepTimes(), *ahead)
-                block, times = self._draft_model(ok, hits)
+                block, times = self._draft_model(ok, hits, applied)
                 return Proposal(block, errors, times, *ahead)
             except BaseException:
+                self._ahead_s += ahead[2]
                 for a, state in zip(ok, saved, strict=True):
                     self._restore(a.request_id, state)
-                for c in hits.values():
-                    self._release_branch(c.branch_id)
+                for rid, c in hits.items():
+                    if rid not in applied:  # an applied chain's slot is the request's now
+                        self._release_branch(c.branch_id)
                 raise
 
     def _save(self, request_id: str) -> tuple[int, int, list[int]]:
@@ -278,10 +280,10 @@ class DraftEngine:
         return self._block(asks, ids, [Q_NONE] * len(asks))
 
     def _draft_model(
-        self, asks: list[ProposeEntry], hits: dict[str, ahead.Chain]
+        self, asks: list[ProposeEntry], hits: dict[str, ahead.Chain], applied: set[str]
     ) -> tuple[DraftBlock, StepTimes]:
-        """Drafts for the asks: a hit's chain (its slot becomes the request's), the others
-        drafted now in one pass."""
+        """Drafts for the asks: a hit's chain (its slot becomes the request's, noted in
+        `applied`), the others drafted now in one pass."""
         assert self.runner is not None
         active = [a for a in asks if a.num_draft_tokens > 0 and a.request_id not in hits]
         drafts: dict[str, list[int]] = {}
@@ -306,7 +308,8 @@ class DraftEngine:
         for a in asks:
             chain = hits.get(a.request_id)
             if chain is not None:
-                self._apply_chain(a.request_id, chain)
+                self._apply_chain(a.request_id, chain, a.num_draft_tokens)
+                applied.add(a.request_id)
                 self._requests[a.request_id].guesses = chain.guesses[: a.num_draft_tokens]
                 drafts[a.request_id] = chain.tokens[: a.num_draft_tokens]
                 if chain.q is not None:
@@ -412,7 +415,6 @@ class DraftEngine:
             if not ready:
                 return 0
             added: list[str] = []
-            start = time.perf_counter()
             try:
                 return self._draft_chains(ready, added)
             except Exception:  # draft-ahead only saves time: a failure never breaks the stream
@@ -424,8 +426,6 @@ class DraftEngine:
                     if bid not in kept:
                         self._release_branch(bid)
                 return 0
-            finally:
-                self._ahead_s += time.perf_counter() - start
 
     def _room_ahead(self, req: _Request) -> bool:
         assert self.runner is not None
@@ -448,7 +448,7 @@ class DraftEngine:
         clean-up if this raises."""
         runner = self.runner
         assert runner is not None
-        self._bonus_guesses(ready)
+        self._ahead_s += self._bonus_guesses(ready)
         ranked = []  # (rank, request) order: every request's first guess before any second
         for i, (_, req) in enumerate(ready):
             req.chains_step = req.next_step
@@ -470,7 +470,8 @@ class DraftEngine:
             forks.append((rid, bid, len(prefix)))
         runner.fork(forks)
         ks = [len(ready[i][1].drafts) for _, i, _ in chosen]
-        drafted, q, sampled, guesses, _ = self._drafts(ids, branches, ks, True, "ahead")
+        drafted, q, sampled, guesses, times = self._drafts(ids, branches, ks, True, "ahead")
+        self._ahead_s += times.forward_s
         tensors, start = _q_tensors(q) or (), 0
         for n, (_, i, h) in enumerate(chosen):
             req = ready[i][1]
@@ -482,24 +483,28 @@ class DraftEngine:
             req.chains[h.verdict(req.drafts)] = chain
         return len(ids)
 
-    def _bonus_guesses(self, ready: list[tuple[str, _Request]]) -> None:
+    def _bonus_guesses(self, ready: list[tuple[str, _Request]]) -> float:
         """Guesses for the all-accepted verdict's bonus token: one more draft forward, of d_k,
-        for the requests whose k accepted drafts come true often enough."""
+        for the requests whose k accepted drafts come true often enough; its device time."""
         runner = self.runner
         assert runner is not None
         k_of = {rid: len(r.drafts) for rid, r in ready}
         wanted = [(rid, r) for rid, r in ready
                   if len(r.guesses) == k_of[rid] and self._accepted.wants(k_of[rid])]  # fmt: skip
         if not wanted:
-            return
+            return 0.0
         ids = [rid for rid, _ in wanted]
+        clock = StepClock(runner.device)
+        clock.mark()
         last = runner.upload(torch.tensor([[r.drafts[-1]] for _, r in wanted], dtype=torch.long))
         out = runner.graph_step(ids, last, self._guessing_heads[1], (self._zeros[: len(ids)],))
         assert isinstance(out, tuple)
-        top = runner.to_host(out[-1])[0].tolist()
+        clock.mark()
+        top = runner.to_host(out[-1])[0].tolist()  # the synchronisation
         for (_, req), row in zip(wanted, top, strict=True):
             req.kv = req.tokens + req.drafts
             req.guesses = [*req.guesses, row]
+        return clock.seconds(0, 1, "ahead")
 
     def _take_chain(self, a: ProposeEntry) -> ahead.Chain | None:
         """The chain drafted ahead for this ask's verdict, if any; every other is dropped."""
@@ -524,12 +529,18 @@ class DraftEngine:
             self.ahead_misses += 1
         return chain
 
-    def _apply_chain(self, request_id: str, chain: ahead.Chain) -> None:
-        """The chain's slot becomes the request's; the request's old slot goes."""
+    def _apply_chain(self, request_id: str, chain: ahead.Chain, k: int) -> None:
+        """The chain's slot becomes the request's; the request's old slot goes. Asked for fewer
+        drafts than the chain holds (the hub lowered k), the KV keeps those it sends: all but
+        the last, as after drafting them, so the next forward appends where they end."""
         assert self.runner is not None
         self.runner.swap(request_id, chain.branch_id)
         self._release_branch(chain.branch_id)
-        self._requests[request_id].kv = chain.kv
+        req = self._requests[request_id]
+        keep = len(req.tokens) + k - 1
+        if len(chain.kv) > keep:
+            self.runner.truncate(request_id, keep)
+        req.kv = chain.kv[:keep]
 
     def _drop_ahead(self, req: _Request) -> None:
         for c in req.chains.values():

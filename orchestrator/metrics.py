@@ -37,9 +37,10 @@ no captured CUDA graph fitted; every step on a CPU); gauge specdec:draft_up. Dra
 counters specdec:draft_ahead_hits_total (draft asks answered from drafts made ahead for their
 verdict, no forward) and specdec:draft_ahead_misses_total (asks that had drafts made ahead but
 none for their verdict); hit rate = hits / (hits + misses). Counter
-specdec:draft_busy_seconds_total: the draft services' busy time, their proposal forwards plus
-their passes ahead (`rate()` of it is the busy fraction of a pair's draft device, summed over
-the pairs of the model pair; 1 minus that, the draft device's idle fraction). Histogram
+specdec:draft_busy_seconds_total: the draft services' busy device time, their proposal
+forwards plus their passes ahead (admissions not counted), and gauge specdec:pairs, the pairs
+the orchestrator runs: `rate()` of the first over the second is the busy fraction of a pair's
+draft device, and 1 minus that its idle fraction. Histogram
 specdec:step_num_draft_tokens: the k of each step that serves draft-model requests (its largest;
 0 where it drafted none), which `--dynamic-speculation` chooses per step.
 
@@ -190,8 +191,10 @@ class Metrics:
         self._draft_busy = self._counter(
             "draft_busy_seconds",
             "Seconds the draft services were busy: their proposal forwards plus their passes "
-            "ahead (draft-ahead). rate() is the busy fraction of a pair's draft device.",
+            "ahead (draft-ahead), device time; admissions not counted. rate() / specdec:pairs "
+            "is the busy fraction of a pair's draft device.",
         ).labels(self.model_pair)
+        self._pairs = self._gauge("pairs", "Draft/target pairs this orchestrator runs.")
         self._define_fault_metrics()
 
     def _define_fault_metrics(self) -> None:
@@ -260,6 +263,9 @@ class Metrics:
             self._fallback_requests.labels(self.model_pair, report.fallback).inc(
                 report.num_fallback_requests
             )
+
+    def set_pairs(self, pairs: int) -> None:
+        self._pairs.set(pairs)
 
     def on_restart(self, role: str) -> None:
         """A "draft" or "target" service is back at a new address."""

@@ -139,6 +139,7 @@ class Orchestrator:
     def __init__(self, config: ServeConfig):
         self.config = config
         self.metrics = Metrics(config.model_name)
+        self.metrics.set_pairs(config.placement.pairs)
         self.metrics_port: int | None = None
         self._metrics_server: Any = None
         self.http_port: int | None = None

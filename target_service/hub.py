@@ -65,6 +65,7 @@ class _Group:
 
     requests: list[HubRequest]
     block: common_pb2.DraftBlock = field(default_factory=common_pb2.DraftBlock)
+    waited: bool = False  # the step waited for a draft admission still in flight
     asked: bool = False  # the draft service was asked for this group
     drafted: bool = False  # and answered
     draft_s: float = 0.0
@@ -334,9 +335,9 @@ class Hub:
     def _observe(self, group: _Group, verdicts: VerifyResponse, step_s: float) -> None:
         """What dynamic speculation learns from a step: its draft requests' k and acceptance,
         and its times."""
-        if self._chooser is None or (group.asked and not group.drafted):
+        if self._chooser is None or (group.asked and not group.drafted) or group.waited:
             return  # a step that asked the draft in vain (waited out its deadline, or it
-            # failed) times neither a speculative step nor one without drafts
+            # failed), or waited for an admission, times neither k > 0 nor k = 0
         ks, accepted = [], []
         for i, rid in enumerate(verdicts.request_ids):
             req = self._requests.get(rid)
@@ -359,14 +360,15 @@ class Hub:
         self._propose(retry)
         group.block, group.draft_s, group.transport_s = retry.block, 0.0, 0.0
         group.draft_graphed, group.drafted = True, False  # no drafts: it answered in vain
+        group.ahead_hits = group.ahead_misses = 0  # its hits' drafts were not used
         group.fallback, group.num_fallback = retry.fallback, retry.num_fallback
         return DraftBlock.from_pb(group.block, max_support_size=limit)
 
     def _propose(self, group: _Group) -> None:
         """Fills group.block: the draft's proposals, then the local entries (ngram, k = 0)."""
-        self._draft.poll()
+        group.waited = self._draft.poll()
         asks = [r for r in group.requests if r.on_draft]
-        group.asked = group.asked or bool(asks)
+        group.asked = bool(asks)
         answer = self._draft.propose(asks, [self._ask(r) for r in asks]) if asks else None
         served: set[str] = set()
         if answer is not None:  # else the draft failed: this step goes on at k = 0

@@ -62,6 +62,10 @@ def mean_per_step(part: str) -> tuple[str, str]:
     return expr, f"{{{{model_pair}}}} {part.rstrip('_') or 'whole step'}"
 
 
+DRAFT_BUSY = (
+    f"{rate('specdec:draft_busy_seconds_total')} / "
+    f"{per(f'sum by (model_pair) (specdec:pairs{{{PAIR}}})')}"
+)
 PER_POSITION = rate(
     "specdec:spec_decode_num_accepted_tokens_per_pos_total",
     SPEC,
@@ -198,14 +202,15 @@ STEPS = (
     ),
     PanelSpec(
         "Draft device busy and idle",
-        "Fraction of the time a pair's draft service was busy: its proposal forwards plus its "
-        "passes ahead (draft-ahead), and 1 minus that, the time its device waited. Summed over "
-        "the pairs of a model pair: with N pairs, busy runs to N.",
+        "Fraction of the time a pair's draft device was busy, averaged over the pairs: its "
+        "proposal forwards plus its passes ahead (draft-ahead; admissions not counted), and 1 "
+        "minus that, the time it waited.",
         "percentunit",
         (
-            (rate("specdec:draft_busy_seconds_total"), "{{model_pair}} busy"),
-            (f"1 - {rate('specdec:draft_busy_seconds_total')}", "{{model_pair}} idle"),
+            (DRAFT_BUSY, "{{model_pair}} busy"),
+            (f"1 - {DRAFT_BUSY}", "{{model_pair}} idle"),
         ),
+        max=1,
     ),
 )
 FAULTS = (

@@ -20,8 +20,8 @@ def test_smoke_has_every_row_and_the_same_tokens(tmp_path: Path) -> None:
     rows = result["rows"]
     assert list(rows) == [
         "transformers generate",
-        "transformers assisted (default schedule)",
-        "transformers assisted (constant k = 4)",
+        "transformers assisted (its defaults)",
+        "transformers assisted (k = 4 each step)",
         "specdec, target alone",
         "specdec, k = 4",
     ]
@@ -31,4 +31,4 @@ def test_smoke_has_every_row_and_the_same_tokens(tmp_path: Path) -> None:
     assert 0 < rows["specdec, k = 4"]["acceptance"] <= 1
     assert rows["specdec, target alone"]["acceptance"] is None
     md = (tmp_path / "hf_assisted_cpu.md").read_text()
-    assert "| transformers assisted (constant k = 4) |" in md
+    assert "| transformers assisted (k = 4 each step) |" in md

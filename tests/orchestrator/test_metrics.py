@@ -143,6 +143,8 @@ def test_draft_busy_time_is_its_forwards_and_its_passes_ahead(served) -> None:
     assert drafted > 0
     busy = _value(_scrape(port), "specdec:draft_busy_seconds_total")
     assert busy == pytest.approx(drafted + 0.0025)
+    metrics.set_pairs(3)
+    assert _value(_scrape(port), "specdec:pairs") == 3
 
 
 def test_the_step_k_of_draft_model_requests(served) -> None:

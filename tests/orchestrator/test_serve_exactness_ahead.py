@@ -10,10 +10,10 @@ bins. Pooling every position brings in the steps whose drafts were made ahead: t
 that the served run answered many asks from them (the orchestrator's draft-ahead counters), and
 that accepted drafts and the rejection sampler's recovery draws both made tokens.
 
-Stacks: sparse q with the default draft (at temperature 1, and with top-k / top-p), and dense q
-with a poor draft (its weights far from the target's, so most drafts are rejected and the
-recovery draws carry the distribution). Mutant: the same statistic against the target at half
-the case's temperature must reject, so the test can fail.
+Stacks: sparse q with the default draft (at temperature 0.3, and at 1 with top-k / top-p), and
+dense q with a poor draft at 0.8 with top-k (its weights far from the target's, so most drafts
+are rejected and the recovery draws carry the distribution). Mutant: the same statistic
+against the target at half the case's temperature must reject, so the test can fail.
 """
 
 from __future__ import annotations
@@ -51,11 +51,14 @@ NEW_TOKENS = 10  # tokens 2 to 10 of each request are tested: several steps, mos
 class StackConfig:
     q_form: str
     draft_noise: float  # the draft's weights: the target's plus this much relative noise
+    min_hits: int  # asks the run must answer from chains drafted ahead
 
 
+# (one run: 258 and 101 hits with the good draft, 62 with the poor one, whose guesses seldom
+# hold the verdict's token; how many also depends on how the requests were batched)
 STACKS = {
-    "sparse": StackConfig("sparse", 0.05),
-    "dense-poor": StackConfig("dense", 0.35),
+    "sparse": StackConfig("sparse", 0.05, 50),
+    "dense-poor": StackConfig("dense", 0.35, 25),
 }
 # Draft-ahead hits where the draft's top guesses hold the verdict's added token: seldom at
 # temperature 1 or 0.7 over the whole vocabulary of these random models (0 of 4,431 and 5 of
@@ -172,8 +175,7 @@ def test_every_token_follows_target_with_draft_ahead(stack: Stack, case: Case) -
     # the paths that carry the distribution all ran: drafts accepted, recovery draws, and
     # asks answered from drafts made ahead
     assert run.accepted >= 200 and run.recovered >= 200, run
-    # (one run: 258, 101 and 62 hits; the poor draft's guesses seldom hold the verdict's token)
-    assert run.hits >= 50, f"draft-ahead answered only {run.hits:.0f} asks"
+    assert run.hits >= STACKS[stack.name].min_hits, f"draft-ahead answered only {run.hits} asks"
     exact = _pit_pvalue(stack, case, run.tokens, case.temperature)
     print(f"PIT of {run.tokens[:, 1:].size} tokens: p-value {exact:.3g}")
     assert exact > REJECT_BELOW, exact

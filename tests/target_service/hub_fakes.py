@@ -33,6 +33,13 @@ VOCAB = 97
 MAX_SEQ_LEN = 256
 INFO = ModelInfo("fake", VOCAB, VOCAB, "fake-tokenizer", MAX_SEQ_LEN, 64, 8, 1 << 20, "float32")
 GREEDY = SamplingParams(temperature=0.0)
+FAILED: list[str] = []  # checks that failed inside a fake, for the test's own message
+
+
+def _check(ok: bool, what: object) -> None:
+    if not ok:
+        FAILED.append(repr(what))
+        raise AssertionError(what)
 
 
 def next_token(tokens: Sequence[int]) -> int:
@@ -76,7 +83,7 @@ class FakeEngine:
         out = VerifyResponse.pending(block.request_ids, block.steps)
         for i, rid in enumerate(block.request_ids):
             tokens = self.held[rid]
-            assert block.committed_lengths[i] == len(tokens), (rid, block, tokens)
+            _check(block.committed_lengths[i] == len(tokens), (rid, block, tokens))
             drafts = block.draft_token_ids[block.token_starts[i] : block.token_starts[i + 1]]
             new: list[int] = []
             for d in drafts:
@@ -172,7 +179,7 @@ class FakeLink:
         drafts: list[int] = []
         for e in entries:
             tokens = self.held[e.request_id]
-            assert len(tokens) + len(e.new_token_ids) == e.committed_length, (e, tokens)
+            _check(len(tokens) + len(e.new_token_ids) == e.committed_length, (e, tokens))
             tokens.extend(e.new_token_ids)
             mine: list[int] = []
             for _ in range(e.num_draft_tokens):
@@ -245,9 +252,13 @@ class HubRun:
             self.events.put(event)
 
     def next(self, wanted: Callable[[target_pb2.ServeEvent], bool]) -> target_pb2.ServeEvent:
-        """The next event `wanted` takes; steps on the way are recorded."""
+        """The next event `wanted` takes; steps on the way are recorded. A check that failed
+        inside a fake (the hub turns it into a failed step) is raised here."""
         while True:
-            event = self.events.get(timeout=10.0)
+            try:
+                event = self.events.get(timeout=10.0)
+            except queue.Empty:
+                raise AssertionError(f"no such event in 10 s; the fakes saw: {FAILED}") from None
             if event.HasField("step"):
                 self._record(event.step)
             if wanted(event):
