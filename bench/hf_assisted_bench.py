@@ -245,6 +245,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if (args.target is None) != (args.draft is None):
         p.error("--target and --draft go together")
+    if args.prompts is not None and args.prompts < 1:
+        p.error(f"--prompts must be at least 1, got {args.prompts}")
+    if args.new_tokens is not None and args.new_tokens < 1:
+        p.error(f"--new-tokens must be at least 1, got {args.new_tokens}")
     return args
 
 

@@ -308,8 +308,7 @@ class DraftEngine:
         for a in asks:
             chain = hits.get(a.request_id)
             if chain is not None:
-                self._apply_chain(a.request_id, chain, a.num_draft_tokens)
-                applied.add(a.request_id)
+                self._apply_chain(a.request_id, chain, a.num_draft_tokens, applied)
                 self._requests[a.request_id].guesses = chain.guesses[: a.num_draft_tokens]
                 drafts[a.request_id] = chain.tokens[: a.num_draft_tokens]
                 if chain.q is not None:
@@ -468,10 +467,13 @@ class DraftEngine:
             ids.append(bid)
             branches.append(_Request([*prefix, h.token], req.sampling, req.next_step + 1, prefix))
             forks.append((rid, bid, len(prefix)))
+        clock = StepClock(runner.device)  # the KV copies count as the pass's device time
+        clock.mark()
         runner.fork(forks)
+        clock.mark()
         ks = [len(ready[i][1].drafts) for _, i, _ in chosen]
         drafted, q, sampled, guesses, times = self._drafts(ids, branches, ks, True, "ahead")
-        self._ahead_s += times.forward_s
+        self._ahead_s += clock.seconds(0, 1) + times.forward_s  # read after the drafts' sync
         tensors, start = _q_tensors(q) or (), 0
         for n, (_, i, h) in enumerate(chosen):
             req = ready[i][1]
@@ -529,13 +531,14 @@ class DraftEngine:
             self.ahead_misses += 1
         return chain
 
-    def _apply_chain(self, request_id: str, chain: ahead.Chain, k: int) -> None:
+    def _apply_chain(self, request_id: str, chain: ahead.Chain, k: int, applied: set[str]) -> None:
         """The chain's slot becomes the request's; the request's old slot goes. Asked for fewer
         drafts than the chain holds (the hub lowered k), the KV keeps those it sends: all but
         the last, as after drafting them, so the next forward appends where they end."""
-        assert self.runner is not None
+        assert self.runner is not None and 0 < k <= len(chain.tokens)
         self.runner.swap(request_id, chain.branch_id)
         self._release_branch(chain.branch_id)
+        applied.add(request_id)  # its slot is the request's now: a failure must not free it
         req = self._requests[request_id]
         keep = len(req.tokens) + k - 1
         if len(chain.kv) > keep:

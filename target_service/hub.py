@@ -65,7 +65,7 @@ class _Group:
 
     requests: list[HubRequest]
     block: common_pb2.DraftBlock = field(default_factory=common_pb2.DraftBlock)
-    waited: bool = False  # the step waited for a draft admission still in flight
+    poll_s: float = 0.0  # waiting for draft admissions (and a resynchronisation) first
     asked: bool = False  # the draft service was asked for this group
     drafted: bool = False  # and answered
     draft_s: float = 0.0
@@ -335,15 +335,17 @@ class Hub:
     def _observe(self, group: _Group, verdicts: VerifyResponse, step_s: float) -> None:
         """What dynamic speculation learns from a step: its draft requests' k and acceptance,
         and its times."""
-        if self._chooser is None or (group.asked and not group.drafted) or group.waited:
+        if self._chooser is None or (group.asked and not group.drafted):
             return  # a step that asked the draft in vain (waited out its deadline, or it
-            # failed), or waited for an admission, times neither k > 0 nor k = 0
+            # failed) times neither k > 0 nor k = 0
         ks, accepted = [], []
         for i, rid in enumerate(verdicts.request_ids):
             req = self._requests.get(rid)
             if req is not None and req.proposer == "draft" and i not in verdicts.errors:
                 ks.append(verdicts.num_draft_tokens[i])
                 accepted.append(verdicts.num_accepted[i])
+        # the wait for draft admissions is not the step's: it is left out
+        step_s -= group.poll_s
         self._chooser.observe(len(group.requests), ks, accepted, step_s, group.draft_s)
 
     def _proposals(self, group: _Group) -> DraftBlock:
@@ -366,7 +368,9 @@ class Hub:
 
     def _propose(self, group: _Group) -> None:
         """Fills group.block: the draft's proposals, then the local entries (ngram, k = 0)."""
-        group.waited = self._draft.poll()
+        start = time.perf_counter()
+        self._draft.poll()
+        group.poll_s = time.perf_counter() - start
         asks = [r for r in group.requests if r.on_draft]
         group.asked = bool(asks)
         answer = self._draft.propose(asks, [self._ask(r) for r in asks]) if asks else None

@@ -100,13 +100,12 @@ class DraftSide:
     def stalled(self) -> bool:
         return self._stall is not None
 
-    def poll(self) -> bool:
+    def poll(self) -> None:
         """Settles the admissions made since the last step (waiting up to the deadline for
         them: a request whose admission is still running decodes at k = 0 meanwhile), and
         resynchronises a stalled draft that has answered its probe (or, if the probe failed,
-        takes it as down); called at every step. Whether it waited for an admission."""
+        takes it as down); called at every step."""
         end = time.monotonic() + self._deadline_s
-        waited = any(not item[0].done(0.0) for item in self._admitting)
         for item in list(self._admitting):
             # a seeded sampled request is waited for: at k = 0 meanwhile, its output would
             # depend on how fast the draft prefilled (a k = 0 step draws other tokens)
@@ -117,12 +116,12 @@ class DraftSide:
                 self.settle(*item)
         stall = self._stall
         if stall is None or not stall.probe.done():
-            return waited
+            return
         self._stall = None
         error = stall.probe.exception()
         if error is not None:
             self.down(f"The draft service stalled and then failed: {error}")
-            return waited
+            return
         assert self.link is not None
         reqs = [r for r in self._requests.values() if r.proposer == "draft"]
         log.warning("the draft service answered again after %.2f s; resynchronising %d "
@@ -130,7 +129,6 @@ class DraftSide:
         self.link.reopen()
         self._release_ids(sorted(stall.held), self.link.timeout_s)
         self.admit(reqs, {})
-        return True  # the re-admissions were waited for
 
     def _open_grpc_link(self, address: str) -> DraftLink:
         c = self._config

@@ -13,6 +13,7 @@ from __future__ import annotations
 import queue
 import struct
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from types import SimpleNamespace
@@ -120,10 +121,11 @@ class FakeFuture:
 
 
 class FakePendingAdmits:
-    """Admissions in flight: the draft holds them at once; the hub sees them end with `gate`."""
+    """Admissions in flight: the draft holds them at once; the hub sees them end with `gate`,
+    and waiting for their answers takes `wait_s` (a prefill's time)."""
 
-    def __init__(self, admissions: Sequence[AdmitRequest], gate: FakeFuture):
-        self.admissions, self._gate = list(admissions), gate
+    def __init__(self, admissions: Sequence[AdmitRequest], gate: FakeFuture, wait_s: float):
+        self.admissions, self._gate, self._wait_s = list(admissions), gate, wait_s
 
     def done(self, timeout_s: float) -> bool:
         return self._gate.done()  # no waiting: a gate left shut is a deadline that passed
@@ -132,6 +134,7 @@ class FakePendingAdmits:
         pass
 
     def wait(self) -> dict[str, str | None]:
+        time.sleep(self._wait_s)
         return {a.request_id: None for a in self.admissions}
 
 
@@ -153,6 +156,7 @@ class FakeLink:
     proposes: list[list[draft_pb2.ProposeEntry]] = field(default_factory=list)
     released: list[str] = field(default_factory=list)
     admitting: bool = True
+    admit_s: float = 0.0  # how long the hub waits for an admission's answer
     admit_gate: FakeFuture = field(default_factory=FakeFuture)
     probes: list[FakeFuture] = field(default_factory=list)
     hold: threading.Event = field(default_factory=threading.Event)
@@ -203,7 +207,7 @@ class FakeLink:
     ) -> FakePendingAdmits:
         for a in admissions:
             self.held[a.request_id] = list(a.prompt_token_ids)
-        return FakePendingAdmits(admissions, self.admit_gate)
+        return FakePendingAdmits(admissions, self.admit_gate, self.admit_s)
 
     def release(self, request_ids: Sequence[str], timeout_s: float | None = None) -> None:
         for rid in request_ids:
