@@ -76,6 +76,8 @@ def start(config: TargetConfig, runner: ModelRunner | None = None) -> tuple[Serv
     try:
         # dynamic speculation runs any k up to the limit: compile each before the first request
         k_max = min(config.max_num_draft_tokens, engine.info.max_seq_len - 3)
+        if config.synthetic is not None:  # BENCHMARKING ONLY: it refuses any larger k
+            k_max = min(k_max, config.synthetic.num_draft_tokens)
         warm_up(engine, range(1, k_max + 1) if config.dynamic_speculation else (1,))
         if config.draft_address is not None:
             check_draft(engine, config)

@@ -2,7 +2,8 @@
 
 A step of batch B at k drafted tokens per request takes about T(k) = base + k * per_token
 (the verify, the hub and the transport, plus one draft forward per token; with draft-ahead the
-measured per-token cost is what the pass ahead did not hide), and a step without drafts T(0).
+measured per-token cost is what the pass ahead did not hide), and a step without drafts T(0);
+base is taken as at least T(0), since a step that drafts does all that one without does.
 A request commits E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k tokens per step, where a_j is
 the measured rate at which the j-th draft token is accepted given that those before it were.
 The hub runs the k in [0, K] that maximises E(k) / T(k): speculation turns itself off where it
@@ -121,9 +122,13 @@ class KChooser:
             return max(ks, key=lambda k: self.expected_tokens(k) / (base + k * per_token))
         if times.plain is None:  # one step at k = 0 measures it (else k = 1 could run for good)
             return 0
+        # a step that drafts does all a step without drafts does (and verifies more): a
+        # measured base below T(0) is noise, which must not make drafts that are never
+        # accepted look free
+        base = max(times.base, times.plain)
         best, best_rate = 0, 1.0 / times.plain
         for k in range(1, upper + 1):
-            rate = self.expected_tokens(k) / (times.base + k * times.per_token)
+            rate = self.expected_tokens(k) / (base + k * times.per_token)
             if rate > best_rate:
                 best, best_rate = k, rate
         if best == upper:

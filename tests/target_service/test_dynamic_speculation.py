@@ -46,6 +46,17 @@ def test_a_step_without_drafts_is_timed_before_it_is_compared() -> None:
     assert chooser.choose(1, 4) == 0, "1 token per 6 ms beats 1 per 9 ms at k = 1"
 
 
+def test_noise_never_makes_drafts_that_are_never_accepted_look_free() -> None:
+    """Acceptance 0: every k commits one token a step, as k = 0 does, at more cost. A noisy
+    measurement whose speculative base (step less drafts) comes out below the plain step
+    (on a loaded CPU: 5 ms against 6 ms) must still leave k = 0 the choice."""
+    chooser = KChooser(max_k=4)
+    for _ in range(30):
+        chooser.observe(1, [4], [0], 0.0054, 0.0004)  # base 5 ms, 0.1 ms a draft
+    chooser.observe(1, [0], [0], 0.006, 0.0)
+    assert [chooser.choose(1, 4) for _ in range(8)] == [0] * 8
+
+
 def test_a_request_that_keeps_its_k_sets_the_least_k_of_the_step() -> None:
     """With a seeded sampled request at k = 3 in the batch, every step drafts 3 anyway: the
     others get the best k of [3, 4], never 0 (which would save nothing), and no k = 0 step
