@@ -29,11 +29,11 @@ from specdec.serving.verdicts import VerifyResponse
 from target_service.config import TargetConfig
 from target_service.draft_link import DraftDown, DraftStalled
 from target_service.hub import Hub
+from tests.target_service.hub_helpers import GREEDY
 
 VOCAB = 97
 MAX_SEQ_LEN = 256
 INFO = ModelInfo("fake", VOCAB, VOCAB, "fake-tokenizer", MAX_SEQ_LEN, 64, 8, 1 << 20, "float32")
-GREEDY = SamplingParams(temperature=0.0)
 FAILED: list[str] = []  # checks that failed inside a fake, for the test's own message
 
 
