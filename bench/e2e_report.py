@@ -95,6 +95,18 @@ def prefill_ms(result: dict[str, Any], tokens: int) -> float | None:
     return None if value is None else float(value)
 
 
+def fallbacks(result: dict[str, Any]) -> list[str]:
+    """The serve rows whose window had steps where the draft fell back (missed its deadline or
+    was down, so its requests ran at k = 0): their figures are not the configuration's."""
+    rows = (result.get("serve") or {}).get("rows", [])
+    return [
+        f"{r.get('placement', '-')} {r['config']} batch {r['batch']}: "
+        f"{r['hub_ms']['fallback_steps']:.0f} of {r['hub_ms']['steps']:.0f} steps"
+        for r in rows
+        if r["hub_ms"].get("fallback_steps", 0) > 0
+    ]
+
+
 def serve_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
     serve, batches = result["serve"], result["settings"]["batches"]
     out = []
@@ -396,8 +408,23 @@ def markdown(result: dict[str, Any]) -> str:
         *goal_lines,
         "",
         _greedy(result),
+        *_fallback_lines(result),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _fallback_lines(result: dict[str, Any]) -> list[str]:
+    serve_rows = (result.get("serve") or {}).get("rows", [])
+    if not any("fallback_steps" in r["hub_ms"] for r in serve_rows):
+        return []  # results from before the benchmark counted them
+    rows = fallbacks(result)
+    if not rows:
+        return ["", "Draft fallbacks: none (every speculative step of every window drafted)."]
+    return [
+        "",
+        "FAILED: the draft fell back (missed its deadline or was down) inside these windows, so "
+        "their figures are not the configuration's: " + "; ".join(rows) + ".",
+    ]
 
 
 def speedups(result: dict[str, Any]) -> dict[str, dict[int, float]]:

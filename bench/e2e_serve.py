@@ -207,7 +207,9 @@ def hub_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float
     steps = delta("specdec:step_seconds_count")
     if steps <= 0:
         raise RuntimeError("the hub ran no step inside the timed window.")
-    out = {"steps": steps}
+    # steps in which requests that should have drafted ran at k = 0: the draft missed its
+    # deadline or was down (a healthy benchmark has none)
+    out = {"steps": steps, "fallback_steps": delta("specdec:draft_fallback_steps_total")}
     for part in HUB_PARTS:
         metric = "specdec:step_seconds" if part == "step" else f"specdec:step_{part}_seconds"
         out[part] = 1e3 * delta(f"{metric}_sum") / steps

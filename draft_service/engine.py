@@ -13,7 +13,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from itertools import chain
+from itertools import chain, product
 
 import torch
 
@@ -49,6 +49,7 @@ from specdec.serving.ngram import propose_ngram
 log = logging.getLogger(__name__)
 
 Head = Callable[..., tuple[torch.Tensor, ...]]
+WARMUP_PREFIX = "\x1fwarm-up "  # start-up requests' ids: no client id holds U+001F
 
 
 def make_head(vocab_size: int, support_size: int | None) -> Head:
@@ -397,6 +398,48 @@ class DraftEngine:
         if long:
             runner.forward(long)
         return tails
+
+    # Start-up
+
+    def capture_graphs(self) -> int:
+        """Runs, before serving, the draft steps serving replays as CUDA graphs, once per
+        captured batch size: the catch-up step of one and of two tokens (a request's tail after
+        a rejection, and after an admission or an all-accepted verdict) and the one-token steps,
+        for greedy and for sampled requests, with draft-ahead's guessing heads and its bonus
+        forward where it is on. Left to the first Propose of each batch size, compiling and
+        capturing took longer than the target's deadline for the draft, so the first steps at
+        a new batch size ran without drafts. Leaves the engine as it was; returns the number
+        of graphs captured (0 without graphs)."""
+        runner = self.runner
+        if runner is None:
+            return 0
+        sizes = runner.config.cuda_graph_batch_sizes
+        longest = min(2, runner.config.cuda_graph_max_tokens)
+        k = min(2, self.info.max_num_draft_tokens)
+        prompt = list(range(longest + 1))
+        if not sizes or len(prompt) + k > runner.config.max_seq_len:
+            return 0
+        guessing = (False, True) if self.config.draft_ahead and runner.can_fork else (False,)
+        kinds = (SamplingParams(), SamplingParams(temperature=1.0, seed=0))
+        before = runner.graphs_captured
+        with self._lock, on_device(runner.device):
+            for bs in sorted(size for size in sizes if size <= runner.free_slots):
+                ids = [f"{WARMUP_PREFIX}{i}" for i in range(bs)]
+                for rid in ids:
+                    runner.add_request(rid)
+                try:
+                    runner.forward([ForwardItem(rid, prompt, 0) for rid in ids])
+                    for sampling, guess, n in product(kinds, guessing, range(1, longest + 1)):
+                        reqs = [_Request(list(prompt), sampling, 0, prompt[:-n]) for _ in ids]
+                        self._drafts(ids, reqs, [k] * bs, guess, "warm-up")
+                    if True in guessing:  # _bonus_guesses' forward of d_k
+                        last = runner.upload(torch.zeros(bs, 1, dtype=torch.long))
+                        runner.graph_step(ids, last, self._guessing_heads[1], (self._zeros[:bs],))
+                    runner.synchronize()
+                finally:
+                    for rid in ids:
+                        runner.release(rid)
+        return runner.graphs_captured - before
 
     # Draft-ahead (draft_service.ahead)
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from draft_service.config import DraftConfig
 from draft_service.engine import DraftEngine
@@ -47,13 +48,18 @@ def model_info(config: DraftConfig, runner: ModelRunner | None) -> ModelInfo:
 
 
 def warm_up(engine: DraftEngine) -> None:
-    """One admit → propose → release, so the first real block pays no allocation."""
+    """One admit → propose → release, so the first real block pays no allocation; then the
+    CUDA graphs of every captured batch size (`DraftEngine.capture_graphs`)."""
     engine.admit(AdmitRequest(WARMUP_ID, (0, 1, 0)))
     try:
         k = min(2, engine.info.max_num_draft_tokens)
         engine.propose([ProposeEntry(WARMUP_ID, 0, (), 3, k)])
     finally:
         engine.release([WARMUP_ID])
+    start = time.perf_counter()
+    captured = engine.capture_graphs()
+    if captured:
+        log.info("draft: %d CUDA graphs captured in %.1f s", captured, time.perf_counter() - start)
 
 
 def start(config: DraftConfig, runner: ModelRunner | None = None) -> tuple[Server, DraftEngine]:

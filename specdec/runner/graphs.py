@@ -49,6 +49,10 @@ class StepGraphs:
         self._graphs: dict[tuple[object, ...], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self._sizes else None
 
+    @property
+    def captured(self) -> int:
+        return len(self._graphs)
+
     def padded_size(self, batch: int) -> int | None:
         return next((s for s in self._sizes if s >= batch), None)
 

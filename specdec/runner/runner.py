@@ -301,6 +301,11 @@ class ModelRunner:
         return self._cache.num_free
 
     @property
+    def graphs_captured(self) -> int:
+        """How many CUDA graphs the steps have captured so far (0 without graphs)."""
+        return self._graphs.captured if self._graphs is not None else 0
+
+    @property
     def can_fork(self) -> bool:
         """Whether `fork` and `swap` work: the fast path's KV lives in the slot cache (the
         transformers fallback keeps its own)."""

@@ -61,9 +61,11 @@ def test_hub_ms_is_the_window_delta_per_step() -> None:
               "specdec:step_verify_seconds_sum": 0.05}  # fmt: skip
     after = {"specdec:step_seconds_count": 30.0, "specdec:step_seconds_sum": 0.3,
              "specdec:step_verify_seconds_sum": 0.17,
-             "specdec:step_draft_seconds_sum": 0.04}  # fmt: skip
+             "specdec:step_draft_seconds_sum": 0.04,
+             "specdec:draft_fallback_steps_total": 3.0}  # fmt: skip
     h = hub_ms(before, after)
     assert h["steps"] == 20 and h["step"] == pytest.approx(10.0)
+    assert h["fallback_steps"] == 3.0
     assert h["verify"] == pytest.approx(6.0) and h["draft"] == pytest.approx(2.0)
     assert h["sampler"] == 0.0
     with pytest.raises(RuntimeError, match="no step"):
@@ -124,3 +126,19 @@ def test_serve_goals_against_the_pipeline_rows_and_the_prefill() -> None:
     assert goals[(tpot, 32)]["value"] == pytest.approx(1.05) and not goals[(tpot, 32)]["met"]
     ttft = goals[("serve target_only: TTFT (512-token prompt) / in-process prefill <=", 1)]
     assert ttft["value"] == pytest.approx(1.25) and ttft["met"]
+
+
+def test_a_window_where_the_draft_fell_back_fails_the_benchmark() -> None:
+    """A speculative row whose draft missed its deadline measured target-only steps: the report
+    names it and the run's exit code says so (gpu_check then fails)."""
+
+    def row(config: str, fallback: float) -> dict[str, Any]:
+        hub = {"steps": 32.0, "fallback_steps": fallback}
+        return {"placement": "shared", "config": config, "batch": 8, "hub_ms": hub}
+
+    clean = {"serve": {"rows": [row("target_only", 0), row("lockstep_L3", 0)]}}
+    assert e2e_report.fallbacks(clean) == []
+    assert "Draft fallbacks: none" in "\n".join(e2e_report._fallback_lines(clean))
+    bad = {"serve": {"rows": [row("target_only", 0), row("lockstep_L3", 32)]}}
+    assert e2e_report.fallbacks(bad) == ["shared lockstep_L3 batch 8: 32 of 32 steps"]
+    assert "FAILED" in "\n".join(e2e_report._fallback_lines(bad))

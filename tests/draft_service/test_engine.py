@@ -3,6 +3,7 @@ leaves every request as it was."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -106,3 +107,72 @@ def test_a_failed_step_leaves_requests_as_they_were(
     torch.testing.assert_close(got.sparse.probs, want.sparse.probs, atol=1e-6, rtol=0)
     for rid in ("a", "b"):
         assert faulty.runner.cached_length(rid) == clean.runner.cached_length(rid)  # type: ignore[union-attr]
+
+
+def _graph_engine(draft_dir: Path, device: str, draft_ahead: int = 0) -> DraftEngine:
+    config = model_draft(draft_dir)
+    assert config.runner is not None
+    slots = 4 if draft_ahead else 0  # draft-ahead's hypotheses
+    runner_config = replace(
+        config.runner, device=device, max_slots=4 + slots, cuda_graph_batch_sizes=(1, 2, 4)
+    )
+    config = replace(config, runner=runner_config, draft_ahead=draft_ahead, draft_ahead_slots=slots)
+    runner = ModelRunner.load(runner_config)
+    return DraftEngine(config, runner, model_info(config, runner))
+
+
+def _serve_steps(engine: DraftEngine, batch: int) -> list[list[int]]:
+    """Greedy and sampled requests, admitted, then three steps (each followed by the pass
+    ahead where draft-ahead is on): tails of two tokens (after the admission), one (a
+    rejection) and two (all accepted)."""
+    ids = [f"r{i}" for i in range(batch)]
+    for i, rid in enumerate(ids):
+        sampling = SamplingParams(0.8 if i % 2 else 0.0, seed=i)
+        engine.admit(AdmitRequest(rid, tuple(range(3 + i, 12 + i)), sampling))
+    out = []
+    told = {rid: 9 for rid in ids}
+    news = [lambda d: (5,), lambda d: (d[0], 11), lambda d: (*d, 13)]
+    drafts = {rid: [] for rid in ids}
+    for step, new in enumerate(news):
+        asks = []
+        for rid in ids:
+            tokens = new(drafts[rid]) if step else (5,)
+            told[rid] += len(tokens)
+            asks.append(ProposeEntry(rid, step, tokens, told[rid], 2))
+        block, errors = engine.propose(asks)
+        assert not errors
+        for j, rid in enumerate(ids):
+            drafts[rid] = block.tokens(j)
+        out += [drafts[rid] for rid in ids]
+        engine.draft_ahead(ids)
+    engine.release(ids)
+    return out
+
+
+def test_capturing_graphs_at_start_up_leaves_the_engine_as_it_was(draft_dir: Path) -> None:
+    """On the CPU no graph is captured, but the warm-up's steps run: they hold no slot and no
+    request afterwards, and the drafts that follow are those of an engine without them."""
+    warm, cold = _graph_engine(draft_dir, "cpu", 1), _graph_engine(draft_dir, "cpu", 1)
+    assert warm.runner is not None
+    free = warm.runner.free_slots
+    assert warm.capture_graphs() == 0  # no graphs on the CPU
+    assert warm.runner.free_slots == free
+    assert _serve_steps(warm, 4) == _serve_steps(cold, 4)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("draft_ahead", [0, 2])
+def test_serving_captures_no_graph_after_start_up(draft_dir: Path, draft_ahead: int) -> None:
+    """Every batch size's graphs are captured at start-up: the steps serving runs (greedy and
+    sampled, tails of one and two tokens, draft-ahead's passes) capture nothing more, so no
+    Propose pays a compile and capture."""
+    engine = _graph_engine(draft_dir, "cuda", draft_ahead)
+    assert engine.runner is not None
+    captured = engine.capture_graphs()
+    assert captured > 0 and engine.runner.graphs_captured == captured
+    eager = engine.runner.eager_steps
+    for batch in (1, 2, 3, 4):
+        _serve_steps(engine, batch)
+    assert engine.runner.graphs_captured == captured
+    assert engine.runner.eager_steps == eager
