@@ -101,9 +101,9 @@ def fallbacks(result: dict[str, Any]) -> list[str]:
     rows = (result.get("serve") or {}).get("rows", [])
     return [
         f"{r.get('placement', '-')} {r['config']} batch {r['batch']}: "
-        f"{r['hub_ms']['fallback_steps']:.0f} of {r['hub_ms']['steps']:.0f} steps"
+        f"{r['fallback_steps']:.0f} of {r['hub_steps']:.0f} steps"
         for r in rows
-        if r["hub_ms"].get("fallback_steps", 0) > 0
+        if r.get("fallback_steps", 0) > 0
     ]
 
 
@@ -415,7 +415,7 @@ def markdown(result: dict[str, Any]) -> str:
 
 def _fallback_lines(result: dict[str, Any]) -> list[str]:
     serve_rows = (result.get("serve") or {}).get("rows", [])
-    if not any("fallback_steps" in r["hub_ms"] for r in serve_rows):
+    if not any("fallback_steps" in r for r in serve_rows):
         return []  # results from before the benchmark counted them
     rows = fallbacks(result)
     if not rows:

@@ -414,6 +414,7 @@ def summarise(
         "window_s": t1 - t0,
         "client_responses_median": statistics.median(f["responses"] for f in per),
         "hub_steps": hub["steps"],
+        "fallback_steps": hub["fallback_steps"],
         "tpot_ms_median": statistics.median(f["tpot_ms"] for f in per),
         "tpot_ms_max": max(f["tpot_ms"] for f in per),
         "tpot_ms_p99": token_gaps[int(0.99 * (len(token_gaps) - 1))] if token_gaps else None,

@@ -406,9 +406,9 @@ class DraftEngine:
         captured batch size: the catch-up step of one and of two tokens (a request's tail after
         a rejection, and after an admission or an all-accepted verdict) and the one-token steps,
         for greedy and for sampled requests, with draft-ahead's guessing heads and its bonus
-        forward where it is on. Left to the first Propose of each batch size, compiling and
-        capturing took longer than the target's deadline for the draft, so the first steps at
-        a new batch size ran without drafts. Leaves the engine as it was; returns the number
+        forward where it is on. Left to the first Propose of a batch size, compiling and
+        capturing can take longer than the hub's deadline for the draft, and the steps until
+        it is resynchronised run without drafts. Leaves the engine as it was; returns the number
         of graphs captured (0 without graphs)."""
         runner = self.runner
         if runner is None:
@@ -420,7 +420,8 @@ class DraftEngine:
         if not sizes or len(prompt) + k > runner.config.max_seq_len:
             return 0
         guessing = (False, True) if self.config.draft_ahead and runner.can_fork else (False,)
-        kinds = (SamplingParams(), SamplingParams(temperature=1.0, seed=0))
+        # greedy and sampled requests take different heads
+        kinds = (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0))
         before = runner.graphs_captured
         with self._lock, on_device(runner.device):
             for bs in sorted(size for size in sizes if size <= runner.free_slots):

@@ -92,6 +92,7 @@ def test_smoke_through_serve_has_every_row(smoke: tuple[Path, dict[str, Any]]) -
             assert "verify" in names and names & {"draft", "ahead"} >= drafted[config]
             assert config != "target_only" or not names & {"draft", "ahead"}
         assert r["hub_steps"] >= 2 and r["client_responses_median"] >= 2
+        assert r["fallback_steps"] == 0  # else the bench exits 1 (fixture: returncode 0)
         per_step = r["tokens_per_step_per_request"]
         if config == "target_only":
             assert per_step == 1.0
@@ -106,6 +107,7 @@ def test_smoke_through_serve_has_every_row(smoke: tuple[Path, dict[str, Any]]) -
     assert len(serve["stops"]) == 2 and all("SIGTERM: exit code 0" in s for s in serve["stops"])
     goals = [g for g in result["goals"] if g["goal"].startswith("serve ")]
     assert len(goals) == 2 * 2 * 2 + 2 + 2  # draft-ahead rows have no Pipeline row to compare
+    assert "Draft fallbacks: none" in (smoke[0] / "e2e_cpu.md").read_text()
 
 
 @pytest.mark.slow  # the smoke run takes 80 to 110 s on 2 busy cores

@@ -133,8 +133,8 @@ def test_a_window_where_the_draft_fell_back_fails_the_benchmark() -> None:
     names it and the run's exit code says so (gpu_check then fails)."""
 
     def row(config: str, fallback: float) -> dict[str, Any]:
-        hub = {"steps": 32.0, "fallback_steps": fallback}
-        return {"placement": "shared", "config": config, "batch": 8, "hub_ms": hub}
+        return {"placement": "shared", "config": config, "batch": 8, "hub_steps": 32.0,
+                "fallback_steps": fallback}  # fmt: skip
 
     clean = {"serve": {"rows": [row("target_only", 0), row("lockstep_L3", 0)]}}
     assert e2e_report.fallbacks(clean) == []
