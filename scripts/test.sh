@@ -3,7 +3,7 @@
 # Run it in a virtual environment (python -m venv .venv && . .venv/bin/activate) or as root.
 # GPU tests (marker `gpu`) skip themselves without CUDA; run them on a GPU machine with
 #   python -m pytest -m gpu
-# A test that needs what this machine lacks (Debian's prometheus, npm, root for network
+# A test that needs what this machine lacks (Debian's prometheus, npm, curl, root for network
 # namespaces, network access for KubeRay's CRDs) skips with one line saying what and how to
 # get it; with SPECDEC_REQUIRE_TOOLS=1 (CI) it fails instead.
 set -euo pipefail
@@ -15,6 +15,7 @@ missing=()
 command -v prometheus >/dev/null && command -v promtool >/dev/null || missing+=(prometheus)
 command -v npm >/dev/null || missing+=(npm)
 command -v ip >/dev/null || missing+=(iproute2)
+command -v curl >/dev/null || missing+=(curl)  # test_http_api streams a completion with it
 if ((${#missing[@]})); then
     if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
         apt-get update -qq
@@ -24,11 +25,6 @@ if ((${#missing[@]})); then
         echo "scripts/test.sh: not root, so Debian's packages (${missing[*]}) are not" \
             "installed; the tests that need them skip, each saying what it needs" >&2
     fi
-fi
-# tests/orchestrator/test_http_api.py streams one completion with curl
-if ! command -v curl >/dev/null; then
-    apt-get update -qq
-    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends curl >/dev/null
 fi
 ruff check .
 ruff format --check .

@@ -9,7 +9,6 @@ generation prompt), so chat completions run through a real template.
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import subprocess
 import threading
@@ -37,6 +36,7 @@ from orchestrator.ports import PortError, bind  # noqa: E402
 from orchestrator.server import Orchestrator  # noqa: E402
 from specdec.pb.specdec.v1 import generate_pb2 as pb  # noqa: E402
 from specdec.pb.specdec.v1 import generate_pb2_grpc  # noqa: E402
+from tests import needs  # noqa: E402
 from tests.draft_service.models import build_checkpoints  # noqa: E402
 from tests.orchestrator.test_serve import Stack, eventually  # noqa: E402
 
@@ -341,12 +341,13 @@ def test_models_health_tokenize_detokenize(stack: HttpStack) -> None:
 
 
 def test_curl_streams_server_sent_events(stack: HttpStack) -> None:
-    if shutil.which("curl") is None:
-        pytest.fail("curl is not installed (scripts/test.sh installs it)")
+    curl = needs.program(
+        "curl", "`sudo apt-get install curl` (scripts/test.sh installs it as root)"
+    )
     body = {"model": stack.name, "prompt": "w5 w6 w7 w8", "max_tokens": 10, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     out = subprocess.run(
-        ["curl", "-sS", "-N", f"{stack.base_url}/completions", "-H",
+        [curl, "-sS", "-N", f"{stack.base_url}/completions", "-H",
          "Content-Type: application/json", "-d", json.dumps(body)],
         capture_output=True, text=True, timeout=120, check=True,
     ).stdout  # fmt: skip

@@ -38,8 +38,10 @@ MISLEADING = [
 
 
 def _start(
-    checkpoints: tuple[Path, Path], log: Path, grace_s: float = GRACE_S
+    checkpoints: tuple[Path, Path], log: Path, grace_s: float = GRACE_S, http: bool = False
 ) -> tuple[subprocess.Popen[str], str]:
+    """`specdec serve` on free ports; its client address (with `http`, then the OpenAI-compatible
+    API's base URL after a space)."""
     target, draft = checkpoints
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RAY_ADDRESS")}
     env["PYTHONPATH"] = str(ROOT)
@@ -47,6 +49,8 @@ def _start(
            str(draft), "--device", "cpu", "--sampler-impl", "torch", "--max-seq-len", "256",
            "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--grace-s",
            str(grace_s), "--num-cpus", "4"]  # fmt: skip
+    if http:
+        cmd += ["--http-port", "0"]
     with log.open("w") as err:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=err,
                                 text=True, start_new_session=True)  # fmt: skip
@@ -55,7 +59,12 @@ def _start(
     if "serving target on 127.0.0.1:" not in line:
         proc.kill()
         pytest.fail(f"specdec serve did not start: {line!r}\n{log.read_text()}")
-    return proc, line.strip().rsplit(" ", 1)[-1]
+    address = line.strip().rsplit(" ", 1)[-1]
+    if http:
+        line = proc.stdout.readline()  # "specdec: OpenAI-compatible HTTP API on URL"
+        assert "OpenAI-compatible HTTP API on http://127.0.0.1:" in line, line
+        address += " " + line.strip().rsplit(" ", 1)[-1]
+    return proc, address
 
 
 @pytest.mark.parametrize("to", ["process", "group"])
@@ -63,12 +72,24 @@ def test_sigterm_drains_the_request_in_flight_and_exits_cleanly(
     checkpoints: tuple[Path, Path], tmp_path: Path, to: str
 ) -> None:
     log = tmp_path / "stderr.log"
-    proc, address = _start(checkpoints, log)
+    # the process variant also serves the OpenAI-compatible HTTP API and streams through it
+    proc, address = _start(checkpoints, log, http=to == "process")
+    address, _, base_url = address.partition(" ")
     try:
         processes = descendants(proc.pid)
         assert len(processes) >= 5, "the orchestrator, Ray's processes and the two services"
         with Client(address) as client:
             assert len(client.complete([5, 6, 7, 8], max_tokens=8, ignore_eos=True).token_ids) == 8
+            if base_url:
+                openai = pytest.importorskip("openai")
+                api = openai.OpenAI(base_url=base_url, api_key="none", max_retries=0, timeout=120)
+                chunks = api.completions.create(model="target", prompt="w5 w6 w7 w8", max_tokens=8,
+                                                temperature=0, stream=True,
+                                                extra_body={"ignore_eos": True})  # fmt: skip
+                text = "".join(c.choices[0].text for c in chunks)
+                want = client.complete("w5 w6 w7 w8", max_tokens=8, temperature=0.0,
+                                       ignore_eos=True).text  # fmt: skip
+                assert text == want and text
             after_signal = 0
             signalled_at = None
             # proposer off: one token a step, so the request is still running at the signal

@@ -1,7 +1,7 @@
 """Why a gRPC round trip costs what it does on a host: an empty bidirectional-stream round trip
 (the services' lock-step form) between two processes, under variations of one thing at a time.
 
-    python bench/transport_probe.py [--trips 2000] [--out bench/results]
+    PYTHONPATH=. python bench/experiments/transport_probe.py [--trips 2000] [--out bench/results]
 
 Variants: the plain case; a unary call instead; the server process with CUDA initialised; both
 processes pinned to their own cores; a server thread pool of one; grpc.aio on both ends; a
