@@ -331,7 +331,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--cache",
         type=Path,
-        default=Path("/tmp/specdec_e2e_models"),
+        default=e2e_models.DEFAULT_CACHE,
         help="checkpoint directory (reused when it holds the same models)",
     )
     p.add_argument("--log-dir", type=Path, help="service logs (default: OUT/e2e_logs)")

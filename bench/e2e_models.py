@@ -14,7 +14,9 @@ accepted often enough to exercise the acceptance path of the greedy check.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +25,9 @@ from bench.runner_bench import MODELS, SMOKE
 TARGET, DRAFT = "Llama-3.1-8B", "Llama-3.2-1B"
 SMOKE_TARGET, SMOKE_DRAFT = "smoke-target", "smoke-draft"
 SPEC_FILE = "spec.json"
+# the checkpoints' default folder: one per user, since a cache another user wrote is not this
+# one's to read or replace (a fresh clone's tests failed on root's 0600 weights files)
+DEFAULT_CACHE = Path(tempfile.gettempdir()) / f"specdec_e2e_models-{os.getuid()}"
 INIT_STD = 0.02
 SMOKE_INIT_STD = 0.1  # a peaked tiny model: acceptance and greedy gaps well above fp32 noise
 SMOKE_DRAFT_NOISE = 0.05

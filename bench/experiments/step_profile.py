@@ -95,7 +95,7 @@ def run(draft: DraftEngine, target: TargetEngine, batch: int, k: int, steps: int
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--cache", type=Path, default=Path("/tmp/specdec_e2e_models"))
+    p.add_argument("--cache", type=Path, default=e2e_models.DEFAULT_CACHE)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--synthetic", type=float, default=3.0)

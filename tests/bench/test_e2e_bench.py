@@ -173,3 +173,13 @@ def test_the_plot_shows_speed_up_over_target_only_per_batch_and_path(tmp_path: P
     }
     assert e2e_report.plot(result, tmp_path / "e2e.png")
     assert (tmp_path / "e2e.png").read_bytes().startswith(b"\x89PNG")
+
+
+def test_the_default_checkpoint_cache_is_this_users() -> None:
+    """A cache another user wrote is not this one's to read: a fresh clone's tests, run as a
+    second user on a machine where root had run them, could not open root's weights."""
+    from bench import e2e_models, soak
+
+    assert parse([]).cache == e2e_models.DEFAULT_CACHE
+    assert soak.parse([]).cache == e2e_models.DEFAULT_CACHE
+    assert e2e_models.DEFAULT_CACHE.name == f"specdec_e2e_models-{os.getuid()}"
