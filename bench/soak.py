@@ -41,8 +41,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from bench import e2e_models
-from bench.e2e_models import build
+from bench.e2e_models import DEFAULT_CACHE, build
 from bench.e2e_serve import scrape, serve_env, stop_serve
 from bench.e2e_services import REPO, Service, free_port, wait_serving
 from orchestrator.ray_start import descendants
@@ -357,7 +356,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-growth-pct", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--start-timeout-s", type=float, default=300.0)
-    p.add_argument("--cache", type=Path, default=e2e_models.DEFAULT_CACHE)
+    p.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results" / "soak_cpu")
     args = p.parse_args(argv)
     if args.warmup_s is None:
