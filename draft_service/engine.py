@@ -50,6 +50,9 @@ log = logging.getLogger(__name__)
 
 Head = Callable[..., tuple[torch.Tensor, ...]]
 WARMUP_PREFIX = "\x1fwarm-up "  # start-up requests' ids: no client id holds U+001F
+# the longest catch-up step captured at start-up: one token after a rejection, two after an
+# admission or an all-accepted verdict; a longer tail (after k = 0 steps) is prefilled eagerly
+GRAPHED_TAIL = 2
 
 
 def make_head(vocab_size: int, support_size: int | None) -> Head:
@@ -380,11 +383,15 @@ class DraftEngine:
 
     def _catch_up_tails(self, ids: list[str], reqs: list[_Request]) -> list[list[int]]:
         """Rolls each request's KV back to the prefix it shares with the committed tokens and
-        returns the tokens it lacks. A tail longer than a graph step takes (the request drafted
-        nothing for a while) is prefilled eagerly up to its last token first."""
+        returns the tokens it lacks. With graphs, a tail longer than the start-up captured
+        (GRAPHED_TAIL: the request drafted nothing for a while, at k = 0) is prefilled eagerly
+        up to its last token first, so that serving never captures a graph: under dynamic
+        speculation a new tail length's capture outlasted the hub's deadline."""
         runner = self.runner
         assert runner is not None
         limit = runner.config.cuda_graph_max_tokens
+        if runner.config.cuda_graph_batch_sizes:
+            limit = min(limit, GRAPHED_TAIL)
         tails, long = [], []
         for rid, req in zip(ids, reqs, strict=True):
             keep = min(_common_prefix(req.kv, req.tokens), len(req.tokens) - 1)
@@ -403,8 +410,9 @@ class DraftEngine:
 
     def capture_graphs(self) -> int:
         """Runs, before serving, the draft steps serving replays as CUDA graphs, once per
-        captured batch size: the catch-up step of one and of two tokens (a request's tail after
-        a rejection, and after an admission or an all-accepted verdict) and the one-token steps,
+        captured batch size: the catch-up step of one and of two tokens (GRAPHED_TAIL; a
+        request's tail after a rejection, and after an admission or an all-accepted verdict;
+        longer ones are prefilled eagerly, `_catch_up_tails`) and the one-token steps,
         for greedy and for sampled requests, with draft-ahead's guessing heads and its bonus
         forward where it is on. Left to the first Propose of a batch size, compiling and
         capturing can take longer than the hub's deadline for the draft, and the steps until
@@ -414,7 +422,7 @@ class DraftEngine:
         if runner is None:
             return 0
         sizes = runner.config.cuda_graph_batch_sizes
-        longest = min(2, runner.config.cuda_graph_max_tokens)
+        longest = min(GRAPHED_TAIL, runner.config.cuda_graph_max_tokens)
         k = min(2, self.info.max_num_draft_tokens)
         prompt = list(range(longest + 1))
         if not sizes or len(prompt) + k > runner.config.max_seq_len:

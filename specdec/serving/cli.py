@@ -30,12 +30,13 @@ MAX_DEFAULT_SEQ_LEN = DEFAULT_SEQ_LEN_CAP
 
 def serve(prog: str, start: Callable[[], tuple[Server, Any]]) -> int:
     """A service's main after its arguments are parsed: logging, then `start` (which builds
-    the config and starts the server); a bad config or checkpoint is one line on stderr and exit
-    code 2, otherwise it serves until SIGTERM or SIGINT and returns 0."""
+    the config and starts the server); a bad config or checkpoint, or a port that cannot be
+    bound, is one line on stderr and exit code 2, otherwise it serves until SIGTERM or SIGINT
+    and returns 0."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:
         server, _ = start()
-    except (ValueError, SpecdecError) as e:
+    except (ValueError, SpecdecError, OSError) as e:  # OSError: the port could not be bound
         print(f"{prog}: {e}", file=sys.stderr)
         return 2
     server.serve_until_signal()

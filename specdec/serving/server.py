@@ -65,6 +65,9 @@ class ServerConfig:
         return [
             ("grpc.max_send_message_length", self.max_message_bytes),
             ("grpc.max_receive_message_length", self.max_message_bytes),
+            # grpc sets SO_REUSEPORT by default: a second server on the same port would bind
+            # too and take half of the new connections
+            ("grpc.so_reuseport", 0),
         ]
 
 
@@ -121,6 +124,7 @@ class Server:
         """Binds and starts; returns the port. Health stays NOT_SERVING until set_serving."""
         apply_switch_interval()
         address = f"{self.config.host}:{self.config.port}"
+        creds = None
         if self.config.tls_cert is not None and self.config.tls_key is not None:
             pair = (self.config.tls_key.read_bytes(), self.config.tls_cert.read_bytes())
             ca = self.config.tls_client_ca
@@ -129,11 +133,18 @@ class Server:
                 root_certificates=None if ca is None else ca.read_bytes(),
                 require_client_auth=ca is not None,
             )
-            self.port = self._server.add_secure_port(address, creds)
-        else:
-            self.port = self._server.add_insecure_port(address)
+        try:  # grpcio raises RuntimeError on a failed bind (older versions returned 0)
+            if creds is not None:
+                self.port = self._server.add_secure_port(address, creds)
+            else:
+                self.port = self._server.add_insecure_port(address)
+        except RuntimeError:
+            self.port = 0
         if self.port == 0:
-            raise OSError(f"could not bind {address}.")
+            raise OSError(
+                f"could not bind {address}: the port is in use, or the host is not an address "
+                "of this machine (--host, --port)."
+            )
         self._server.start()
         return self.port
 

@@ -122,23 +122,26 @@ def _graph_engine(draft_dir: Path, device: str, draft_ahead: int = 0) -> DraftEn
 
 
 def _serve_steps(engine: DraftEngine, batch: int) -> list[list[int]]:
-    """Greedy and sampled requests, admitted, then three steps (each followed by the pass
-    ahead where draft-ahead is on): tails of two tokens (after the admission), one (a
-    rejection) and two (all accepted)."""
+    """Greedy and sampled requests, admitted, then six steps (each followed by the pass ahead
+    where draft-ahead is on): tails of two tokens (after the admission), one (a rejection) and
+    two (all accepted), then two steps at k = 0 and one whose tail is three tokens."""
     ids = [f"r{i}" for i in range(batch)]
     for i, rid in enumerate(ids):
         sampling = SamplingParams(0.8 if i % 2 else 0.0, seed=i)
         engine.admit(AdmitRequest(rid, tuple(range(3 + i, 12 + i)), sampling))
     out = []
     told = {rid: 9 for rid in ids}
-    news = [lambda d: (5,), lambda d: (d[0], 11), lambda d: (*d, 13)]
-    drafts = {rid: [] for rid in ids}
-    for step, new in enumerate(news):
+    news = [  # the verdict each ask carries, and its k
+        (lambda d: (5,), 2), (lambda d: (d[0], 11), 2), (lambda d: (*d, 13), 2),
+        (lambda d: (d[0], 17), 0), (lambda d: (18,), 0), (lambda d: (19,), 2),  # tail 17 18 19
+    ]  # fmt: skip
+    drafts: dict[str, list[int]] = {rid: [] for rid in ids}
+    for step, (new, k) in enumerate(news):
         asks = []
         for rid in ids:
-            tokens = new(drafts[rid]) if step else (5,)
+            tokens = new(drafts[rid])
             told[rid] += len(tokens)
-            asks.append(ProposeEntry(rid, step, tokens, told[rid], 2))
+            asks.append(ProposeEntry(rid, step, tokens, told[rid], k))
         block, errors = engine.propose(asks)
         assert not errors
         for j, rid in enumerate(ids):
@@ -165,8 +168,8 @@ def test_capturing_graphs_at_start_up_leaves_the_engine_as_it_was(draft_dir: Pat
 @pytest.mark.parametrize("draft_ahead", [0, 2])
 def test_serving_captures_no_graph_after_start_up(draft_dir: Path, draft_ahead: int) -> None:
     """Every batch size's graphs are captured at start-up: the steps serving runs (greedy and
-    sampled, tails of one and two tokens, draft-ahead's passes) capture nothing more, so no
-    Propose pays a compile and capture."""
+    sampled, tails of one and two tokens, a longer tail after k = 0 steps, draft-ahead's
+    passes) capture nothing more, so no Propose pays a compile and capture."""
     engine = _graph_engine(draft_dir, "cuda", draft_ahead)
     assert engine.runner is not None
     captured = engine.capture_graphs()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -218,3 +219,32 @@ def test_sigterm_flips_health_then_stops(tmp_path: Path) -> None:
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_a_port_in_use_is_refused_naming_it(server: Server) -> None:
+    """grpc shares a port with SO_REUSEPORT unless told not to: a second service on the same
+    port would have taken half of its connections. Both another server's port and a plain
+    listening socket's are refused, naming the address and the flags."""
+    second = Server(ServerConfig(port=server.port), [SERVICE], _register)
+    with pytest.raises(OSError, match=rf"could not bind 127\.0\.0\.1:{server.port}: the port"):
+        second.start()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        sock.listen(1)
+        third = Server(ServerConfig(port=sock.getsockname()[1]), [SERVICE], _register)
+        with pytest.raises(OSError, match=r"\(--host, --port\)"):
+            third.start()
+
+
+def test_a_service_main_that_cannot_bind_exits_2_with_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from specdec.serving.cli import serve
+
+    message = "could not bind 127.0.0.1:1: the port is in use (--host, --port)."
+
+    def start() -> tuple[Server, None]:
+        raise OSError(message)
+
+    assert serve("draft_service", start) == 2
+    assert capsys.readouterr().err == f"draft_service: {message}\n"
