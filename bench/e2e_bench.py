@@ -140,6 +140,8 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
             "serve_hit_rates": args.serve_hit_rates,
             "serve_placements": args.serve_placements,
             "serve_dynamic": args.serve_dynamic,
+            "serve_stand_in": args.serve_stand_in,
+            "serve_stand_in_lockstep": args.serve_stand_in_lockstep,
             "draft_ahead": args.draft_ahead,
             "serve_steps": args.serve_steps,
             "ttft_prompt_len": args.ttft_prompt_len,
@@ -382,6 +384,21 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "chooses each step's k from what it measures)",
     )
     p.add_argument(
+        "--serve-stand-in",
+        type=float,
+        nargs="*",
+        default=[],
+        metavar="H",
+        help="BENCHMARKING ONLY: rows with the draft stand-in (the draft on a GPU of its own, "
+        "emulated on a one-GPU machine: its forwards take the times measured on this GPU in "
+        "the same run, on no GPU), draft-ahead at each synthetic hit rate H, per serve length",
+    )
+    p.add_argument(
+        "--serve-stand-in-lockstep",
+        action="store_true",
+        help="BENCHMARKING ONLY: also a lock-step row with the draft stand-in per serve length",
+    )
+    p.add_argument(
         "--serve-placements",
         nargs="+",
         choices=e2e_serve.PLACEMENTS,
@@ -429,6 +446,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.serve and args.report is None:
         if not all(1 <= length <= k + 1 for length in args.serve_lengths) or k < 1:
             p.error(f"--serve-lengths must be in [1, {k + 1}], got {args.serve_lengths}.")
+        if not all(0.0 <= h <= 1.0 for h in args.serve_stand_in):
+            p.error(f"--serve-stand-in hit rates must be in [0, 1], got {args.serve_stand_in}.")
         if importlib.util.find_spec("ray") is None:
             p.error(
                 "the serve rows run `specdec serve`, which needs ray importable (PYTHONPATH); "

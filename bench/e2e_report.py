@@ -32,9 +32,18 @@ def bounds(result: dict[str, Any], batch: int) -> dict[str, float]:
     return {"decode": decode, "verify": verify, "draft": draft, "lockstep": k * draft + verify}
 
 
+STAND_IN = "standin_"  # config names of the draft stand-in's rows (BENCHMARKING ONLY)
+
+
+def config_label(row: dict[str, Any]) -> str:
+    """The row's config, marked where the draft was the stand-in (`draft_service.stand_in`)."""
+    config: str = row["config"]
+    return f"{config} (STAND-IN)" if config.startswith(STAND_IN) else config
+
+
 def label(row: dict[str, Any]) -> str:
     """A serve row's name: its placement (where the run had one) and config."""
-    return f"{row['placement']} {row['config']}" if "placement" in row else row["config"]
+    return f"{row['placement']} {config_label(row)}" if "placement" in row else config_label(row)
 
 
 def bound_tokens_per_s(result: dict[str, Any], row: dict[str, Any]) -> float:
@@ -290,7 +299,7 @@ def _serve(result: dict[str, Any]) -> list[str]:
             f"| {' / '.join(_f(r['gap_ms'][q]) for q in ('p10', 'p50', 'p90'))} "
             f"| {r['client_responses_median']:g} / {r['hub_steps']:g} |"
         )
-    lines += ["", *_side_by_side(result)]
+    lines += ["", *_stand_in(serve), *_side_by_side(result)]
     lines += [
         "",
         "The hub's step by part (mean ms per step in the window, from /metrics; draft and "
@@ -336,6 +345,38 @@ def _serve(result: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _stand_in(serve: dict[str, Any]) -> list[str]:
+    """What the STAND-IN rows are, and the draft times they waited; nothing without them."""
+    times = serve.get("stand_in")
+    if not times:
+        return []
+    graphs = {(g["batch"], g["tokens"]): g["seconds"] * 1e3 for g in times["graph_s"]}
+    batches = sorted({b for b, _ in graphs})
+    fixed, per_token = times["forward_s"]
+    fork_fixed, fork_per = times["fork_s"]
+    return [
+        "Rows marked STAND-IN are BENCHMARKING ONLY: the draft service ran the draft "
+        "stand-in (`draft_service.stand_in`), not the draft model. The target had this GPU to "
+        "itself, and each draft forward took the time the real draft's forward of that shape "
+        f"took on this GPU ({times['gpu']}), measured in this run before the services started "
+        "(below), on no GPU. Its drafts are no model's, so its rows use synthetic acceptance "
+        "and, drafting ahead, a synthetic hit rate h. They stand in for the draft on a GPU of "
+        "its own; a real two-GPU run is a separate measurement.",
+        "",
+        "| draft graph batch | 1 token ms | 2 tokens ms |",
+        "|---|---|---|",
+        *(
+            f"| {b} | {_f(graphs.get((b, 1), float('nan')))} "
+            f"| {_f(graphs.get((b, 2), float('nan')))} |"
+            for b in batches
+        ),
+        "",
+        f"Eager forward: {_f(fixed * 1e3)} ms + {per_token * 1e6:.2f} us per token; fork (KV "
+        f"copies): {_f(fork_fixed * 1e3)} ms + {fork_per * 1e9:.2f} ns per branch-token.",
+        "",
+    ]
+
+
 def _placements_text(serve: dict[str, Any], s: dict[str, Any]) -> str:
     if s["target_device"] == "cpu":
         return "both on the CPU"
@@ -367,7 +408,7 @@ def _side_by_side(result: dict[str, Any]) -> list[str]:
         shown = ", ".join(f"{g} {f:.0%}" for g, f in busy.items()) or "-"
         p99 = r.get("tpot_ms_p99")
         lines.append(
-            f"| {r.get('placement', '-')} | {r['config']} | {r['batch']} "
+            f"| {r.get('placement', '-')} | {config_label(r)} | {r['batch']} "
             f"| {_f(r['tokens_per_s'])} | {gain:.2f} | {achieved} "
             f"| {_f(r['tpot_ms_median'])} | {_f(p99) if p99 is not None else '-'} "
             f"| {_f(r['hub_ms']['step'])} | {shown} |"
@@ -494,6 +535,50 @@ def plot(result: dict[str, Any], path: Path) -> bool:
     return True
 
 
+def plot_lengths(result: dict[str, Any], path: Path) -> bool:
+    """Served tokens/s against the synthetic acceptance length L, one panel per batch, one line
+    per placement and config (its L suffix dropped), target-only as a level; False where
+    matplotlib is missing or the serve rows ran at fewer than two lengths."""
+    rows = (result.get("serve") or {}).get("rows", [])
+    lengths = sorted({r["synthetic_length"] for r in rows if r["synthetic_length"] is not None})
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    if len(lengths) < 2:
+        return False
+    batches = sorted({r["batch"] for r in rows})
+    fig, axes = plt.subplots(1, len(batches), figsize=(4.6 * len(batches), 4.2), squeeze=False)
+    for ax, batch in zip(axes[0], batches, strict=True):
+        lines: dict[str, list[tuple[float, float]]] = {}
+        for r in rows:
+            if r["batch"] != batch:
+                continue
+            if r["config"] == TARGET_ONLY:
+                ax.axhline(r["tokens_per_s"], color="k", lw=0.8, label="target-only")
+                continue
+            name = f"{r.get('placement', '')} {r['config'].rsplit('_L', 1)[0]}".strip()
+            name += " (STAND-IN)" if r["config"].startswith(STAND_IN) else ""
+            lines.setdefault(name, []).append((r["synthetic_length"], r["tokens_per_s"]))
+        for name, points in lines.items():
+            xs, ys = zip(*sorted(points), strict=True)
+            ax.plot(xs, ys, "o--" if "STAND-IN" in name else "o-", label=name)
+        ax.set_title(f"batch {batch}")
+        ax.set_xlabel("synthetic mean acceptance length L")
+        ax.set_ylabel("tokens/s (served)")
+        ax.set_xticks(lengths)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"specdec served tokens/s against L, {result['environment']['gpu']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def write(result: dict[str, Any], out: Path) -> Path:
     """<out>/e2e_<GPU>.json, .md and .png; returns the json's path."""
     out.mkdir(parents=True, exist_ok=True)
@@ -502,6 +587,7 @@ def write(result: dict[str, Any], out: Path) -> Path:
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     stem.with_suffix(".md").write_text(markdown(result))
     plot(result, stem.with_suffix(".png"))
+    plot_lengths(result, stem.parent / f"{stem.name}_by_length.png")
     if result.get("serve"):
         title = (f"What each GPU did: the first {e2e_timeline.TIMELINE_S:g} s of each batch-1 "
                  f"serve row's window, {result['environment']['gpu']}")  # fmt: skip

@@ -24,6 +24,7 @@ Imports no torch and no Ray: Ray is imported only inside the `specdec serve` pro
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import statistics
@@ -76,8 +77,10 @@ def serve_args(
     hit_rate: float | None = None,
     placement: str = "shared",
     dynamic: bool = False,
+    stand_in: Path | None = None,
 ) -> list[str]:
-    """`specdec serve` flags with the Pipeline rows' service settings."""
+    """`specdec serve` flags with the Pipeline rows' service settings; with `stand_in` (a
+    times file), the draft is the BENCHMARKING ONLY stand-in (`draft_service.stand_in`)."""
     cpu = s["target_device"] == "cpu"
     flags = {
         "--target": s["paths"]["target"],
@@ -106,6 +109,8 @@ def serve_args(
         out += ["--draft-ahead", str(s["draft_ahead"]), "--synthetic-hit-rate", str(hit_rate)]
     if dynamic:
         out.append("--dynamic-speculation")
+    if stand_in is not None:
+        out += ["--draft-stand-in", str(stand_in)]
     return out
 
 
@@ -154,17 +159,20 @@ def serving(
     hit_rate: float | None = None,
     placement: str = "shared",
     dynamic: bool = False,
+    stand_in: Path | None = None,
 ) -> Iterator[Serve]:
     """`specdec serve` started, SERVING (grpc.health.v1), and stopped on every way out
-    (`stopped` is told how); with `hit_rate`, draft-ahead at that synthetic hit rate."""
+    (`stopped` is told how); with `hit_rate`, draft-ahead at that synthetic hit rate; with
+    `stand_in`, the draft stand-in (BENCHMARKING ONLY)."""
     port, metrics_port = free_port(), free_port()
     name = f"serve_{placement}_{'plain' if length is None else f'L{length:g}'}"
     name += "" if hit_rate is None else f"_ahead_h{hit_rate:g}"
     name += "_dynamic" if dynamic else ""
+    name += "_standin" if stand_in is not None else ""
     trace_dir = log_dir / f"trace_{name}"
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
-    flags = serve_args(s, length, port, metrics_port, hit_rate, placement, dynamic)
+    flags = serve_args(s, length, port, metrics_port, hit_rate, placement, dynamic, stand_in)
     cmd = [sys.executable, "-m", "specdec", *flags]
     with log.open("wb") as f:
         f.write((" ".join(cmd) + "\n").encode())
@@ -555,11 +563,53 @@ def section(
                             out["ttft"].append(ttft)
                             tick(1)
                     first = False
+    if s.get("serve_stand_in") or s.get("serve_stand_in_lockstep"):
+        phase("measuring the draft's forwards for the stand-in")
+        times = measure_stand_in(s, log_dir, timeout_s)
+        out["stand_in"] = json.loads(times.read_text())
+        for length in s["serve_lengths"]:
+            stand_ins: list[tuple[str, float | None]] = [
+                (f"standin_ahead_h{h:g}_L{length:g}", h) for h in s["serve_stand_in"]
+            ]
+            if s.get("serve_stand_in_lockstep"):
+                stand_ins.insert(0, (f"standin_lockstep_L{length:g}", None))
+            for config, hit_rate in stand_ins:
+                phase(f"starting specdec serve (stand-in {config})")
+                with serving(s, length, log_dir, timeout_s, out["stops"].append, hit_rate,
+                             "shared", stand_in=times) as serve:  # fmt: skip
+                    for b in s["batches"]:
+                        phase(f"serve stand-in {config} batch {b}")
+                        spec = RowSpec("shared", config, "draft", k, length, b)
+                        out["rows"].append(measure_row(serve, spec, s, max_tokens, timeout_s))
+                        tick(s["serve_steps"])
+
+
+def measure_stand_in(s: dict[str, Any], log_dir: Path, timeout_s: float) -> Path:
+    """BENCHMARKING ONLY: the draft's forward times on this machine's GPU for the stand-in
+    (`python -m draft_service.stand_in`, a child process with the GPU to itself); the file."""
+    out = log_dir / "stand_in_times.json"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    cpu = s["target_device"] == "cpu"
+    cmd = [sys.executable, "-m", "draft_service.stand_in", "--model", s["paths"]["draft"],
+           "--device", "cpu" if cpu else "cuda", "--dtype", s["dtype"],
+           "--max-slots", str(s["max_slots"]), "--max-seq-len", str(s["max_seq_len"]),
+           "--cuda-graph-batch-sizes", *map(str, s["graph_sizes"]),
+           "--guesses", str(s["draft_ahead"] + 1), "--out", str(out)]  # fmt: skip
+    log = log_dir / "stand_in_times.log"
+    with log.open("wb") as f:
+        done = subprocess.run(cmd, cwd=REPO, env=serve_env(), stdout=f, stderr=f,
+                              timeout=timeout_s)  # fmt: skip
+    if done.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        raise RuntimeError(f"measuring the stand-in's times failed:\n{tail}")
+    return out
 
 
 def progress_units(s: dict[str, Any]) -> int:
     """Progress ticks of `section` (placements as asked, else two: an estimate)."""
     per_length = 1 + len(s.get("serve_hit_rates", [])) + bool(s.get("serve_dynamic"))
     n = len(s.get("serve_placements") or PLACEMENTS)
-    rows = len(s["batches"]) * (1 + n * len(s["serve_lengths"]) * per_length)
+    stand_in = len(s.get("serve_stand_in", [])) + bool(s.get("serve_stand_in_lockstep"))
+    per_length_rows = n * per_length + stand_in
+    rows = len(s["batches"]) * (1 + len(s["serve_lengths"]) * per_length_rows)
     return rows * s["serve_steps"] + 2

@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--synthetic-hit-rate", type=float, default=d("synthetic_hit_rate"),
                         help="BENCHMARKING ONLY: the share of asks that find a chain drafted "
                              "ahead, whatever the verdict")  # fmt: skip
+    parser.add_argument("--stand-in", metavar="TIMES_JSON", default=d("stand_in"),
+                        help="BENCHMARKING ONLY: no model and no GPU; each forward waits the "
+                             "time measured by `python -m draft_service.stand_in` (greedy "
+                             "requests only, with the target's synthetic acceptance)")  # fmt: skip
     return parser
 
 
@@ -56,6 +60,7 @@ def draft_config(args: argparse.Namespace) -> DraftConfig:
         draft_ahead=args.draft_ahead,
         draft_ahead_slots=args.draft_ahead_slots,
         synthetic_hit_rate=args.synthetic_hit_rate,
+        stand_in=args.stand_in,
         server=server_config(args),
     )
 

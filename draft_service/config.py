@@ -38,6 +38,9 @@ class DraftConfig:
     # drafts): an ask finds its chain drafted ahead with this probability whatever its verdict
     # token, so a benchmark on random weights sets the hit rate. None: real hits only.
     synthetic_hit_rate: float | None = None
+    # BENCHMARKING ONLY: the times file of `draft_service.stand_in`; the runner is then the
+    # stand-in, which waits the measured forward times on no GPU and drafts no model's tokens
+    stand_in: str | None = None
     server: ServerConfig = field(default_factory=ServerConfig)
 
     def __post_init__(self) -> None:
@@ -67,6 +70,8 @@ class DraftConfig:
             raise ValueError(
                 f"synthetic_hit_rate must be in [0, 1] and needs draft_ahead, got {rate}."
             )
+        if self.stand_in is not None and self.proposer != "model":
+            raise ValueError("stand_in stands in for a draft model: it needs proposer 'model'.")
         slots = self.runner.max_slots if self.runner is not None else 0
         if self.draft_ahead and not 1 <= self.draft_ahead_slots < slots:
             raise ValueError(

@@ -168,6 +168,10 @@ class DraftEngine:
                 raise InvalidInputError(f"request_id {adm.request_id!r} is already admitted.")
             if ahead.BRANCH_MARK in adm.request_id:
                 raise InvalidInputError("request_id must not contain the character U+001F.")
+            if self.config.stand_in is not None and not adm.sampling.greedy:
+                raise InvalidInputError(
+                    "The draft stand-in (BENCHMARKING ONLY) drafts for greedy requests only."
+                )
             tokens = list(adm.prompt_token_ids)
             req = _Request(tokens, adm.sampling, adm.first_step)
             capped = self.runner is None or self.config.draft_ahead  # else the cache says
@@ -490,7 +494,7 @@ class DraftEngine:
         assert runner is not None
         budget = runner.free_slots - (self.info.max_requests - len(self._requests))
         sizes = runner.config.cuda_graph_batch_sizes
-        if sizes and runner.device.type == "cuda":
+        if sizes and runner.uses_graphs:
             budget = min(budget, max(sizes))
         return max(budget, 0)
 

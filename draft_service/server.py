@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Any
 
 from draft_service.config import DraftConfig
 from draft_service.engine import DraftEngine
 from draft_service.servicer import DraftServicer
 from specdec.pb import draft_pb2, draft_pb2_grpc
 from specdec.runner import ModelRunner
+from specdec.sampling_params import SamplingParams
 from specdec.serving.messages import AdmitRequest, ModelInfo, ProposeEntry
 from specdec.serving.server import Server
 
@@ -50,7 +52,9 @@ def model_info(config: DraftConfig, runner: ModelRunner | None) -> ModelInfo:
 def warm_up(engine: DraftEngine) -> None:
     """One admit → propose → release, so the first real block pays no allocation; then the
     CUDA graphs of every captured batch size (`DraftEngine.capture_graphs`)."""
-    engine.admit(AdmitRequest(WARMUP_ID, (0, 1, 0)))
+    greedy = engine.config.stand_in is not None  # the stand-in drafts for greedy requests only
+    sampling = SamplingParams(temperature=0.0) if greedy else SamplingParams()
+    engine.admit(AdmitRequest(WARMUP_ID, (0, 1, 0), sampling))
     try:
         k = min(2, engine.info.max_num_draft_tokens)
         engine.propose([ProposeEntry(WARMUP_ID, 0, (), 3, k)])
@@ -62,8 +66,25 @@ def warm_up(engine: DraftEngine) -> None:
         log.info("draft: %d CUDA graphs captured in %.1f s", captured, time.perf_counter() - start)
 
 
+def _stand_in(config: DraftConfig) -> Any:
+    """BENCHMARKING ONLY: the stand-in runner (`draft_service.stand_in`) of `config.stand_in`."""
+    from draft_service.stand_in import StandInRunner, StandInTimes
+
+    assert config.runner is not None and config.stand_in is not None
+    times = StandInTimes.load(config.stand_in)
+    log.warning(
+        "the draft is a STAND-IN (BENCHMARKING ONLY): no model, no GPU; each forward waits the "
+        "time the draft's took on %s (%s), and its drafts are no model's choice",
+        times.gpu,
+        config.stand_in,
+    )
+    return StandInRunner(config.runner, times)
+
+
 def start(config: DraftConfig, runner: ModelRunner | None = None) -> tuple[Server, DraftEngine]:
     """Loads (unless given a runner), binds, warms up, then SERVING."""
+    if runner is None and config.stand_in is not None:
+        runner = _stand_in(config)
     if runner is None and config.proposer == "model":
         assert config.runner is not None
         runner = ModelRunner.load(config.runner)

@@ -112,6 +112,12 @@ def _services_args(parser: argparse.ArgumentParser) -> None:
                    default=d("synthetic_hit_rate"),
                    help="BENCHMARKING ONLY, with --draft-ahead: the draft finds a chain drafted "
                         "ahead for this share of its asks, whatever the verdict")  # fmt: skip
+    b.add_argument("--draft-stand-in", type=Path, metavar="TIMES_JSON",
+                   default=d("draft_stand_in"),
+                   help="BENCHMARKING ONLY, with --synthetic-acceptance-length: the draft "
+                        "service runs no model and uses no GPU; each forward waits the time "
+                        "measured by `python -m draft_service.stand_in` (the draft on a GPU "
+                        "of its own, on a one-GPU machine; greedy requests only)")  # fmt: skip
 
 
 def _placement_args(parser: argparse.ArgumentParser) -> None:
@@ -269,6 +275,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             draft_ahead=args.draft_ahead, draft_deadline_s=args.draft_deadline_ms / 1e3,
             dynamic_speculation=args.dynamic_speculation,
             synthetic_hit_rate=args.synthetic_hit_rate,
+            draft_stand_in=args.draft_stand_in,
             # hypotheses for up to 8 requests at the served k
             draft_ahead_slots=args.draft_ahead * (args.num_draft_tokens + 1)
             * min(args.max_requests, 8),

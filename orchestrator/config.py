@@ -100,6 +100,10 @@ class ServiceConfig:
     # BENCHMARKING ONLY, with draft_ahead: the draft's hit rate set instead of guessed
     # (draft_service.ahead.synthetic_hit)
     synthetic_hit_rate: float | None = None
+    # BENCHMARKING ONLY, with synthetic acceptance: the draft service runs the stand-in of
+    # draft_service.stand_in (no model, no GPU, each forward taking the time measured in this
+    # file) instead of the draft model: "the draft on a GPU of its own" on a one-GPU machine
+    draft_stand_in: Path | None = None
     # TLS of every service's server, and the CA (and the name in its certificate) that the
     # orchestrator -> target and target -> draft channels check. Paths, not PEM bytes: each
     # actor reads them on its own node (so they must exist there too, e.g. a Secret mounted at
@@ -131,6 +135,15 @@ class ServiceConfig:
             raise ValueError(
                 f"synthetic_hit_rate must be in [0, 1] and needs draft_ahead, got {rate}."
             )
+        if self.draft_stand_in is not None:
+            if self.draft is None or self.synthetic_acceptance_length is None:
+                raise ValueError(
+                    "draft_stand_in needs a draft and synthetic acceptance: its drafts are no "
+                    "model's, so only a synthetic acceptance test makes a run with it mean "
+                    "anything."
+                )
+            if not Path(self.draft_stand_in).is_file():
+                raise ValueError(f"draft_stand_in {str(self.draft_stand_in)!r} is not a file.")
         if self.device not in DEVICES:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}.")
         if self.dtype not in DTYPES:

@@ -89,15 +89,23 @@ def start_service(role: str, config: ServiceConfig) -> tuple[Any, ModelInfo]:
         from draft_service.server import start as start_draft
 
         assert config.draft is not None
+        runner = _runner(config, config.draft, device, config.draft_ahead_slots)
+        stand_in = config.draft_stand_in
+        if stand_in is not None:  # BENCHMARKING ONLY: on the CPU, emulating the GPU's graphs
+            from dataclasses import replace
+
+            sizes = config.cuda_graph_batch_sizes
+            runner = replace(runner, device="cpu", cuda_graph_batch_sizes=sizes)
         d_srv, d_engine = start_draft(
             DraftConfig(
-                runner=_runner(config, config.draft, device, config.draft_ahead_slots),
+                runner=runner,
                 q_form=config.q_form,
                 support_size=config.support_size,
                 max_num_draft_tokens=config.max_num_draft_tokens,
                 draft_ahead=config.draft_ahead,
                 draft_ahead_slots=config.draft_ahead_slots,
                 synthetic_hit_rate=config.synthetic_hit_rate,
+                stand_in=None if stand_in is None else str(stand_in),
                 server=server,
             )
         )

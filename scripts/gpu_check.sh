@@ -5,7 +5,8 @@
 #      starts it, the services' mains with their devices named);
 #   2. a short system benchmark through `specdec serve` (8B/1B-shaped random checkpoints,
 #      batch 1 and 8, k = 4, synthetic L = 3, lock-step and draft-ahead at a synthetic hit
-#      rate of 0.8), a few minutes.
+#      rate of 0.8, and draft-ahead with the BENCHMARKING ONLY draft stand-in at 0.8), a few
+#      minutes.
 # Writes bench/results/gpu_check_<GPU>.log (or under --out DIR): its first line is the commit
 # it ran on, its last line the result. Needs the runtime dependencies, ray included, and
 # pytest; run from the source tree (the script sets PYTHONPATH).
@@ -55,7 +56,7 @@ if [[ $bench -eq 1 ]]; then
     echo "== bench/e2e_bench.py --serve (quick)" | tee -a "$log"
     python3 bench/e2e_bench.py --serve --out "$out/gpu_check_bench" \
         --cache "${SPECDEC_BENCH_CACHE:-/tmp/specdec-e2e-checkpoints}" \
-        --batches 1 8 --lengths 3 --serve-lengths 3 --serve-hit-rates 0.8 --warmup 8 --steps 32 --serve-steps 32 \
+        --batches 1 8 --lengths 3 --serve-lengths 3 --serve-hit-rates 0.8 --serve-stand-in 0.8 --warmup 8 --steps 32 --serve-steps 32 \
         --inprocess-iters 5 --ttft-repeats 2 2>&1 | tee -a "$log"
     bench_rc=${PIPESTATUS[0]}
     [[ $bench_rc -ne 0 ]] && status=1

@@ -64,6 +64,13 @@ def _count_params(files: tuple[Path, ...]) -> int:
     total = 0
     for f in files:
         try:
+            with f.open("rb"):  # unreadable (permissions, gone) is not corrupt
+                pass
+        except OSError as exc:
+            raise CheckpointError(
+                f"The weights file {str(f)!r} cannot be read ({exc.strerror or exc})."
+            ) from exc
+        try:
             with safe_open(str(f), framework="pt") as handle:
                 for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
                     shape = handle.get_slice(name).get_shape()

@@ -301,6 +301,11 @@ class ModelRunner:
         return self._cache.num_free
 
     @property
+    def uses_graphs(self) -> bool:
+        """Whether steps of a captured batch size replay CUDA graphs (on CUDA, with sizes)."""
+        return self._graphs is not None
+
+    @property
     def graphs_captured(self) -> int:
         """How many CUDA graphs the steps have captured so far (0 without graphs)."""
         return self._graphs.captured if self._graphs is not None else 0

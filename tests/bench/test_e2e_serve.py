@@ -142,3 +142,60 @@ def test_a_window_where_the_draft_fell_back_fails_the_benchmark() -> None:
     bad = {"serve": {"rows": [row("target_only", 0), row("lockstep_L3", 32)]}}
     assert e2e_report.fallbacks(bad) == ["shared lockstep_L3 batch 8: 32 of 32 steps"]
     assert "FAILED" in "\n".join(e2e_report._fallback_lines(bad))
+
+
+def test_stand_in_flag_reaches_the_draft_config(
+    checkpoints: tuple[Path, Path], tmp_path: Path
+) -> None:
+    """BENCHMARKING ONLY: `--draft-stand-in` needs synthetic acceptance and an existing file."""
+    target, draft = checkpoints
+    times = tmp_path / "times.json"
+    times.write_text("{}")
+    s = {"paths": {"target": str(target), "draft": str(draft)}, "target_device": "cuda:0",
+         "dtype": "bfloat16", "max_slots": 8, "max_seq_len": 576, "num_draft_tokens": 4,
+         "graph_sizes": [1, 2, 4, 8], "draft_ahead": 2}  # fmt: skip
+    config = serve_config(parse_args(serve_args(s, 3.0, 1, 2, 0.8, stand_in=times)))
+    assert config.services.draft_stand_in == times
+    assert serve_config(parse_args(serve_args(s, 3.0, 1, 2))).services.draft_stand_in is None
+    with pytest.raises(ValueError, match="needs a draft and synthetic acceptance"):
+        _config(target, draft, "--draft-stand-in", str(times))
+    with pytest.raises(ValueError, match="is not a file"):
+        _config(target, draft, "--synthetic-acceptance-length", "2", "--draft-stand-in",
+                str(tmp_path / "missing.json"))  # fmt: skip
+
+
+def _serve_row(config: str, batch: int, length: float | None, tps: float) -> dict[str, Any]:
+    return {"placement": "shared", "config": config, "batch": batch, "synthetic_length": length,
+            "tokens_per_s": tps}  # fmt: skip
+
+
+def test_stand_in_rows_are_marked_and_their_times_shown() -> None:
+    rows = [_serve_row("target_only", 1, None, 100.0), _serve_row("lockstep_L3", 1, 3.0, 130.0),
+            _serve_row("standin_ahead_h1_L3", 1, 3.0, 250.0)]  # fmt: skip
+    assert [e2e_report.label(r) for r in rows] == [
+        "shared target_only", "shared lockstep_L3", "shared standin_ahead_h1_L3 (STAND-IN)"
+    ]  # fmt: skip
+    times = {"gpu": "NVIDIA H100", "forward_s": [0.001, 2e-6], "fork_s": [1e-5, 1e-9],
+             "graph_s": [{"batch": 1, "tokens": 1, "seconds": 0.00098},
+                         {"batch": 1, "tokens": 2, "seconds": 0.00101}]}  # fmt: skip
+    text = "\n".join(e2e_report._stand_in({"stand_in": times}))
+    assert "BENCHMARKING ONLY" in text and "NVIDIA H100" in text
+    assert "| 1 | 0.980 | 1.010 |" in text
+    assert e2e_report._stand_in({}) == []
+
+
+def test_tokens_per_second_against_l_is_plotted_from_two_lengths(tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    rows = [_serve_row("target_only", b, None, 100.0 * b) for b in (1, 8)]
+    rows += [
+        _serve_row(f"{c}_L{x:g}", b, x, 50.0 * b * x)
+        for c in ("lockstep", "standin_ahead_h0.8")
+        for b in (1, 8)
+        for x in (1.5, 3.0)
+    ]
+    result = {"serve": {"rows": rows}, "environment": {"gpu": "test"}}
+    assert e2e_report.plot_lengths(result, tmp_path / "by_length.png")
+    assert (tmp_path / "by_length.png").stat().st_size > 10_000
+    one = {"serve": {"rows": [r for r in rows if r["synthetic_length"] != 1.5]},
+           "environment": {"gpu": "test"}}  # fmt: skip
+    assert not e2e_report.plot_lengths(one, tmp_path / "none.png")

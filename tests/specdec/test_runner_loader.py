@@ -111,6 +111,12 @@ def _truncate_weights(d: Path) -> None:
     f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
 
 
+def _dangling_weights(d: Path) -> None:
+    f = d / "model.safetensors"
+    f.unlink()
+    f.symlink_to(d / "gone.safetensors")  # listed, but cannot be opened
+
+
 def _unknown_arch(d: Path) -> None:
     cfg = json.loads((d / "config.json").read_text())
     (d / "config.json").write_text(json.dumps(cfg | {"model_type": "no_such_model"}))
@@ -122,6 +128,7 @@ BAD_DIRS = {
     "no \\*.safetensors": lambda d: (d / "model.safetensors").unlink(),
     "is corrupt": _corrupt_weights,
     "cannot be read|is corrupt": _truncate_weights,
+    r"model.safetensors' cannot be read \(No such file": _dangling_weights,
     "architecture that transformers does not support": _unknown_arch,
     "tokenizer .* cannot be loaded": lambda d: (d / "tokenizer.json").unlink(),
 }

@@ -1,0 +1,142 @@
+"""The draft stand-in (BENCHMARKING ONLY, draft_service.stand_in): its times are measured from
+the real draft runner, written and read back as the file `specdec serve --draft-stand-in`
+takes; served in place of the draft model it uses no model, waits at least the measured time
+per forward, drafts ahead with hits, refuses sampled requests, and (its drafts being verified
+like any draft's) leaves greedy output equal to target-only greedy."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from draft_service import stand_in
+from draft_service.stand_in import StandInRunner, StandInTimes
+from specdec.errors import InvalidInputError
+from specdec.runner import ForwardItem, ModelRunner
+from specdec.sampling_params import SamplingParams
+from tests.draft_service.models import greedy_reference, model_draft, runner_config, services
+from tests.draft_service.test_ahead import _prompts, with_ahead
+
+SIZES = (1, 2, 4)
+
+
+@pytest.fixture(scope="module")
+def times_file(checkpoints: tuple[Path, Path], tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The stand-in times of the tiny draft, measured on the CPU by the module's command."""
+    out = tmp_path_factory.mktemp("stand_in") / "times.json"
+    argv = ["--model", str(checkpoints[1]), "--max-slots", "16", "--max-seq-len", "128",
+            "--cuda-graph-batch-sizes", *map(str, SIZES), "--guesses", "3", "--repeats", "3",
+            "--out", str(out)]  # fmt: skip
+    assert stand_in.main(argv) == 0
+    return out
+
+
+def test_measured_times_cover_every_graph_and_read_back(
+    times_file: Path, checkpoints: tuple[Path, Path]
+) -> None:
+    data = json.loads(times_file.read_text())
+    assert data["benchmarking_only"] is True
+    times = StandInTimes.load(times_file)
+    assert set(times.graph_s) == {(b, n) for b in SIZES for n in (1, 2)}
+    assert all(s > 0 for s in times.graph_s.values())
+    assert times.forward(64) > 0 and times.forward_s[1] >= 0 and times.fork(64) >= 0
+    real = ModelRunner.load(runner_config(checkpoints[1])).info
+    assert times.info == real  # the stand-in reports the measured checkpoint as its own
+    assert StandInTimes.from_json(times.to_json()) == times
+
+
+@pytest.mark.parametrize(
+    "broken",
+    [{}, {"graph_s": "x"}, {"forward_s": [0.1]}, {"forward_s": [0.1, 20.0]}, {"info": {"a": 1}}],
+)
+def test_a_malformed_times_file_is_refused_with_a_sentence(times_file: Path, broken: dict) -> None:
+    data = json.loads(times_file.read_text())
+    data = {} if not broken else data | broken
+    with pytest.raises(ValueError, match="stand-in"):
+        StandInTimes.from_json(data)
+
+
+def _times(graph_s: float, forward_s: float = 0.01) -> StandInTimes:
+    from specdec.runner.config import CheckpointInfo
+
+    info = CheckpointInfo("LlamaForCausalLM", 256, 250, 128, "float32", True, "h")
+    graphs = {(b, n): graph_s for b in SIZES for n in (1, 2)}
+    return StandInTimes("test", graphs, (forward_s, 0.0), (0.0, 0.0), info)
+
+
+def test_each_forward_waits_at_least_its_measured_time() -> None:
+    """A lower bound only: how much longer it takes is the host's business (and the
+    benchmark's, which reports the hub's step parts)."""
+    config = replace(runner_config(Path("unused")), cuda_graph_batch_sizes=SIZES)
+    runner = StandInRunner(config, _times(0.02, forward_s=0.03))
+    for rid in ("a", "b", "c"):
+        runner.add_request(rid)
+    start = time.perf_counter()
+    logits = runner.forward([ForwardItem("a", [1, 2, 3], 1), ForwardItem("b", [4], 0)])
+    assert time.perf_counter() - start >= 0.03 and logits.shape[0] == 1
+    start = time.perf_counter()
+    _, (ids,) = runner.ragged_step(["a", "b", "c"], [[5], [6, 7], [8]],
+                                   lambda lg, *_: (lg[:, 0].argmax(-1),))  # fmt: skip
+    assert time.perf_counter() - start >= 0.02 and runner.graph_steps == 1
+    assert ids.tolist() == [0, 0, 0]
+    assert [runner.cached_length(r) for r in "abc"] == [4, 3, 1]
+    runner.graph_step(["a"], torch.zeros(1, 3, dtype=torch.long))  # 3 tokens: no graph of 3
+    assert runner.eager_steps == 1 and runner.cached_length("a") == 7
+    with pytest.raises(InvalidInputError, match="token ids"):
+        runner.ragged_step(["a"], [[300]])
+    assert runner.cached_length("a") == 7  # a refused step changes nothing
+
+
+def test_served_stand_in_drafts_ahead_and_greedy_output_is_the_targets(
+    checkpoints: tuple[Path, Path], reference: ModelRunner, times_file: Path
+) -> None:
+    target_dir, draft_dir = checkpoints
+    draft = with_ahead(model_draft(draft_dir), 2)
+    assert draft.runner is not None
+    runner = replace(draft.runner, cuda_graph_batch_sizes=SIZES)
+    draft = replace(draft, runner=runner, synthetic_hit_rate=1.0, stand_in=str(times_file))
+    prompts = _prompts(2)
+    with services(target_dir, draft, sampler_impl="torch") as svc:
+        assert isinstance(svc.draft_engine.runner, StandInRunner)
+        pipe = svc.pipeline()
+        greedy = SamplingParams(temperature=0.0)
+        for i, prompt in enumerate(prompts):
+            pipe.admit(f"r{i}", prompt, greedy)
+        pipe.generate({"r0": 3, "r1": 3}, 12)
+        for i, prompt in enumerate(prompts):
+            assert pipe.requests[f"r{i}"].generated[:12] == greedy_reference(reference, prompt, 12)
+        engine = svc.draft_engine
+        assert engine.ahead_hits > 0 and engine.runner.graph_steps > 0
+        with pytest.raises(Exception, match="greedy requests only"):
+            pipe.admit("sampled", prompts[0], SamplingParams(temperature=0.8, seed=1))
+        pipe.close()
+
+
+def test_the_orchestrator_starts_the_stand_in_in_place_of_the_draft(
+    checkpoints: tuple[Path, Path], times_file: Path, tmp_path: Path
+) -> None:
+    """`specdec serve --draft-stand-in`'s actor path (orchestrator.services), in process: the
+    draft service runs the stand-in on the CPU, emulating the graphs of the served sizes."""
+    from orchestrator.config import ServiceConfig
+    from orchestrator.services import start_service
+
+    target_dir, draft_dir = checkpoints
+    data = json.loads(times_file.read_text())
+    data["info"]["architecture"] = "MarkedByTheTimesFile"  # the model's would say Llama
+    marked = tmp_path / "times.json"
+    marked.write_text(json.dumps(data))
+    config = ServiceConfig(
+        str(target_dir), str(draft_dir), device="cpu", max_requests=8, max_seq_len=128,
+        cuda_graph_batch_sizes=SIZES, synthetic_acceptance_length=2.0,
+        synthetic_num_draft_tokens=3, draft_stand_in=marked,
+    )  # fmt: skip
+    server, info = start_service("draft", config)
+    try:
+        assert info.architecture == "MarkedByTheTimesFile" and info.max_requests == 8
+    finally:
+        server.stop(0)
