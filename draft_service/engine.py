@@ -600,6 +600,11 @@ class DraftEngine:
         if len(chain.kv) > keep:
             self.runner.truncate(request_id, keep)
         req.kv = chain.kv[:keep]
+        if self.config.synthetic_hit_rate is not None:  # BENCHMARKING ONLY
+            # a synthetic hit's chain assumed another verdict token than the committed one; its
+            # KV is taken to hold the committed tokens, as a real hit's does, so the next
+            # catch-up is as short as after a real hit (not up to k + 1 tokens, prefilled eagerly)
+            req.kv = req.tokens + req.kv[len(req.tokens) :]
 
     def _drop_ahead(self, req: _Request) -> None:
         for c in req.chains.values():

@@ -127,6 +127,7 @@ class StandInRunner:
         self.vocab_size = times.info.vocab_size
         self.tokenizer = None
         self.graph_steps = self.eager_steps = 0
+        self.forwards = 0  # `forward` calls: prefills, and catch-ups too long for a graph
         # lengths and slots only: one layer of one float per position, never read
         self._cache = SlotCache(
             1, config.max_slots, config.max_seq_len, 1, 1, torch.float16, torch.device("cpu")
@@ -190,6 +191,7 @@ class StandInRunner:
                 )
         for it in items:
             self._cache.extend(it.request_id, len(it.token_ids))
+        self.forwards += 1
         wait_until(start + self.times.forward(sum(len(it.token_ids) for it in items)))
         return self._row.expand(sum(it.num_logits for it in items), -1)
 

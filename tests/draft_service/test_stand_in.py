@@ -140,3 +140,38 @@ def test_the_orchestrator_starts_the_stand_in_in_place_of_the_draft(
         assert info.architecture == "MarkedByTheTimesFile" and info.max_requests == 8
     finally:
         server.stop(0)
+
+
+def test_with_synthetic_acceptance_every_catch_up_fits_a_graph(
+    checkpoints: tuple[Path, Path], times_file: Path
+) -> None:
+    """The benchmark's set-up: synthetic acceptance accepts the stand-in's drafts, and a
+    synthetic hit's chain assumed another verdict token. Its KV counts as holding the committed
+    tokens, as a real hit's does, so no catch-up outgrows the graphs: an eager prefill of up to
+    k + 1 tokens each step would time work a real hit never does."""
+    from bench.local import local_pair
+    from target_service.config import TargetConfig
+    from target_service.synthetic import SyntheticAcceptance
+
+    target_dir, draft_dir = checkpoints
+    draft = with_ahead(model_draft(draft_dir), 2)
+    assert draft.runner is not None
+    runner = replace(draft.runner, cuda_graph_batch_sizes=SIZES)
+    draft = replace(draft, runner=runner, synthetic_hit_rate=0.5, stand_in=str(times_file))
+    synthetic = SyntheticAcceptance(4, mean_acceptance_length=3.0)
+    target = TargetConfig(runner_config(target_dir), sampler_impl="torch", synthetic=synthetic)
+    with local_pair(draft, target) as svc:
+        pipe = svc.pipeline()
+        # 4 requests for 100 tokens: past 64 verdicts the passes draft only the counts that come
+        # true (always 2 here) and stop forwarding d_k for the all-accepted one, which had
+        # also re-labelled the KV; that is where a synthetic hit's catch-up grew long
+        ids = [f"r{i}" for i in range(4)]
+        for rid, prompt in zip(ids, _prompts(4), strict=True):
+            pipe.admit(rid, prompt, SamplingParams(temperature=0.0))
+        admitted = svc.draft_engine.runner.forwards
+        pipe.generate(dict.fromkeys(ids, 4), 100)
+        engine = svc.draft_engine
+        # a miss after a hit drafts from the verdict: the catch-up that showed the bug
+        assert engine.ahead_hits > 0 and engine.ahead_misses > 0 and engine.runner.graph_steps
+        assert engine.runner.forwards == admitted and engine.runner.eager_steps == 0
+        pipe.close()
