@@ -222,8 +222,12 @@ def report(result: dict[str, Any]) -> str:
 
 
 def commit() -> str:
+    """SPECDEC_COMMIT where set (a copied tree, as on a device machine, may carry a stale .git),
+    else the checkout's HEAD."""
     import subprocess
 
+    if os.environ.get("SPECDEC_COMMIT"):
+        return os.environ["SPECDEC_COMMIT"]
     with suppress(Exception):
         return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
                               text=True, check=True).stdout.strip()  # fmt: skip
@@ -258,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device or ("cuda" if cuda else "cpu"))
     dtype = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
     n_prompts = args.prompts or (3 if args.smoke else 16)
-    new_tokens = args.new_tokens or (24 if args.smoke else 96)
+    new_tokens = args.new_tokens or (24 if args.smoke else 96)  # at most: capped below
     if args.target is not None:
         target_dir, draft_dir, pair = args.target, args.draft, str(args.target)
     else:
@@ -271,6 +275,9 @@ def main(argv: list[str] | None = None) -> int:
     chars = args.prompt_chars or (60 if args.smoke else 160)
     prompts = load_prompts(AutoTokenizer.from_pretrained(str(target_dir)), n_prompts, chars)
     positions = AutoConfig.from_pretrained(str(target_dir)).max_position_embeddings
+    room = positions - max(map(len, prompts)) - args.num_draft_tokens - 1
+    if args.new_tokens is None and room >= 1:  # the demo target holds 128 positions
+        new_tokens = min(new_tokens, room)
     longest = max(map(len, prompts)) + new_tokens + args.num_draft_tokens + 1
     if longest > positions:
         raise SystemExit(f"prompts plus --new-tokens need {longest} positions; the target has "
