@@ -488,12 +488,8 @@ def speedups(result: dict[str, Any]) -> dict[str, dict[int, float]]:
 def plot(result: dict[str, Any], path: Path) -> bool:
     """Step time per batch, and speed-up over target-only per batch (a ratio axis: tokens/s on
     a linear axis hides batch 1); False where matplotlib is missing."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+    plt = _pyplot()
+    if plt is None:
         return False
     batches = result["settings"]["batches"]
     configs = list(dict.fromkeys(r["config"] for r in result["rows"]))
@@ -528,11 +524,27 @@ def plot(result: dict[str, Any], path: Path) -> bool:
         ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"specdec served system, {result['environment']['gpu']}")
+    _save(plt, fig, f"specdec served system, {result['environment']['gpu']}", path)
+    return True
+
+
+def _pyplot() -> Any:
+    """matplotlib's pyplot on the Agg backend, or None where matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def _save(plt: Any, fig: Any, title: str, path: Path) -> None:
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
-    return True
 
 
 def plot_lengths(result: dict[str, Any], path: Path) -> bool:
@@ -541,14 +553,8 @@ def plot_lengths(result: dict[str, Any], path: Path) -> bool:
     matplotlib is missing or the serve rows ran at fewer than two lengths."""
     rows = (result.get("serve") or {}).get("rows", [])
     lengths = sorted({r["synthetic_length"] for r in rows if r["synthetic_length"] is not None})
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return False
-    if len(lengths) < 2:
+    plt = _pyplot()
+    if plt is None or len(lengths) < 2:
         return False
     batches = sorted({r["batch"] for r in rows})
     fig, axes = plt.subplots(1, len(batches), figsize=(4.6 * len(batches), 4.2), squeeze=False)
@@ -572,10 +578,7 @@ def plot_lengths(result: dict[str, Any], path: Path) -> bool:
         ax.set_xticks(lengths)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(f"specdec served tokens/s against L, {result['environment']['gpu']}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    _save(plt, fig, f"specdec served tokens/s against L, {result['environment']['gpu']}", path)
     return True
 
 
