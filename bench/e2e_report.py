@@ -381,6 +381,9 @@ def _placements_text(serve: dict[str, Any], s: dict[str, Any]) -> str:
     if s["target_device"] == "cpu":
         return "both on the CPU"
     names = {"shared": "shared: both on one GPU", "split": "split: one GPU each"}
+    if any(r.get("placement") == "stand-in" for r in serve.get("rows", [])):
+        names["stand-in"] = "stand-in: the target on one GPU, the draft's stand-in on none"
+        return "; ".join(names[p] for p in [*serve.get("placements", ["shared"]), "stand-in"])
     return "; ".join(names[p] for p in serve.get("placements", ["shared"]))
 
 

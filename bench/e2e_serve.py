@@ -53,6 +53,9 @@ STOP_TIMEOUT_S = 90.0  # grace, the actors' stop and ray.shutdown()
 # Where the services run: "shared", both on one GPU (`--num-gpus 1`: the local Ray cluster
 # sees one GPU, and both actors take half of it); "split", one GPU each (two or more GPUs).
 PLACEMENTS = ("shared", "split")
+# The placement label of the draft stand-in's rows (BENCHMARKING ONLY): the target on one GPU
+# (started as "shared", `--num-gpus 1`), the draft service on none
+STAND_IN = "stand-in"
 
 
 @dataclass
@@ -579,7 +582,7 @@ def section(
                              "shared", stand_in=times) as serve:  # fmt: skip
                     for b in s["batches"]:
                         phase(f"serve stand-in {config} batch {b}")
-                        spec = RowSpec("shared", config, "draft", k, length, b)
+                        spec = RowSpec(STAND_IN, config, "draft", k, length, b)
                         out["rows"].append(measure_row(serve, spec, s, max_tokens, timeout_s))
                         tick(s["serve_steps"])
 

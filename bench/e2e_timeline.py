@@ -40,16 +40,19 @@ def read(directory: Path) -> list[dict[str, Any]]:
 
 
 def lanes(processes: list[dict[str, Any]]) -> dict[str, list[list[Any]]]:
-    """Spans by GPU, each GPU named by the roles of the work on it."""
+    """Spans by GPU, each GPU named by the roles of the work on it: "GPU n" is the n-th of the
+    run's GPUs in UUID order (not necessarily nvidia-smi's index); "CPU" holds the work of
+    services without a GPU (the draft stand-in's, on a GPU machine)."""
     by_gpu: dict[str, list[list[Any]]] = {}
     for p in processes:
         by_gpu.setdefault(p["gpu"], []).extend(p["spans"])
+    number = {gpu: i for i, gpu in enumerate(sorted(g for g in by_gpu if g != "cpu"))}
     out = {}
-    for i, (gpu, spans) in enumerate(by_gpu.items()):
+    for gpu, spans in by_gpu.items():
         names = {s[0] for s in spans}
         roles = [r for r, kinds in (("draft", DRAFT_SPANS), ("target", TARGET_SPANS))
                  if names & kinds]  # fmt: skip
-        where = "CPU" if gpu == "cpu" else f"GPU {i}"
+        where = "CPU" if gpu == "cpu" else f"GPU {number[gpu]}"
         out[f"{where} ({' + '.join(roles) or 'idle'})"] = sorted(spans, key=lambda s: s[1])
     return out
 
@@ -107,7 +110,8 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> bool:
             ax.set_ylim(-0.6, len(timeline) - 0.4)
             ax.tick_params(labelsize=7)
         busy = ", ".join(f"{g.split(' (')[0]} {f:.0%}" for g, f in r["gpus"]["busy"].items())
-        ax_all.set_title(f"{r.get('placement', '')} {r['config']}, batch {r['batch']}: "
+        config = r["config"] + (" (STAND-IN)" if r["config"].startswith("standin_") else "")
+        ax_all.set_title(f"{r.get('placement', '')} {config}, batch {r['batch']}: "
                          f"{r['tokens_per_s']:.0f} tokens/s; busy {busy}", fontsize=8,
                          loc="left")  # fmt: skip
         ax_zoom.set_title("first 60 ms", fontsize=8, loc="left")

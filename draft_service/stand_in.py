@@ -83,28 +83,74 @@ class StandInTimes:
     def from_json(cls, data: Any) -> StandInTimes:
         """ValueError (a whole sentence) on anything but `to_json`'s shape."""
         try:
-            graphs = {(int(g["batch"]), int(g["tokens"])): float(g["seconds"])
-                      for g in data["graph_s"]}  # fmt: skip
-            forward = tuple(float(x) for x in data["forward_s"])
-            fork = tuple(float(x) for x in data["fork_s"])
-            info = CheckpointInfo(**data["info"])
-            gpu = str(data["gpu"])
+            if not isinstance(data, dict) or not isinstance(data["graph_s"], list):
+                raise TypeError("an object with a list graph_s")
+            graphs: dict[tuple[int, int], float] = {}
+            for g in data["graph_s"]:
+                key = (_count(g["batch"], "batch"), _count(g["tokens"], "tokens"))
+                if key in graphs:
+                    raise ValueError(f"graph {key} is given twice")
+                graphs[key] = _seconds(g["seconds"])
+            forward, fork = _pair(data["forward_s"], "forward_s"), _pair(data["fork_s"], "fork_s")
+            info = _info(data["info"])
+            gpu = data["gpu"]
+            if not isinstance(gpu, str):
+                raise TypeError("gpu must be a string")
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(
                 f"stand-in times must be the JSON `python -m draft_service.stand_in` writes "
                 f"({type(e).__name__}: {e})."
             ) from e
-        if len(forward) != 2 or len(fork) != 2:
-            raise ValueError("stand-in forward_s and fork_s must be [fixed, per token] pairs.")
-        return cls(gpu, graphs, (forward[0], forward[1]), (fork[0], fork[1]), info)
+        return cls(gpu, graphs, forward, fork, info)
 
     @classmethod
     def load(cls, path: str | Path) -> StandInTimes:
         try:
-            data = json.loads(Path(path).read_text())
-        except (OSError, json.JSONDecodeError) as e:
+            data = json.loads(Path(path).read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ValueError(f"cannot read the stand-in times {str(path)!r}: {e}") from e
         return cls.from_json(data)
+
+
+def _count(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
+        raise ValueError(f"{name} must be an integer in [1, 4096], got {value!r}")
+    return value
+
+
+def _seconds(value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"seconds must be numbers, got {value!r}")
+    if not 0.0 <= value < 10.0:  # NaN fails this too
+        raise ValueError(f"stand-in times must be in [0, 10) seconds, got {value!r}")
+    return float(value)
+
+
+def _pair(value: Any, name: str) -> tuple[float, float]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise ValueError(f"{name} must be a [fixed, per token] pair, got {value!r}")
+    return _seconds(value[0]), _seconds(value[1])
+
+
+def _info(value: Any) -> CheckpointInfo:
+    """The measured checkpoint's info, each field of its declared type."""
+    if not isinstance(value, dict):
+        raise TypeError("info must be an object")
+    info = CheckpointInfo(**value)
+    for name, kind in (("architecture", str), ("dtype", str), ("tokenizer_hash", str),
+                       ("fast_path", bool)):  # fmt: skip
+        if not isinstance(getattr(info, name), kind):
+            raise TypeError(f"info.{name} must be a {kind.__name__}")
+    for name in ("vocab_size", "tokenizer_vocab_size", "max_seq_len"):
+        _count_any(getattr(info, name), f"info.{name}")
+    if info.vocab_size < 1:
+        raise ValueError("info.vocab_size must be at least 1")
+    return info
+
+
+def _count_any(value: Any, name: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
 
 
 def wait_until(deadline: float) -> None:
@@ -133,6 +179,13 @@ class StandInRunner:
             1, config.max_slots, config.max_seq_len, 1, 1, torch.float16, torch.device("cpu")
         )
         self._sizes = sorted(config.cuda_graph_batch_sizes)
+        graphed = range(1, min(len(GRAPHED_TOKENS), config.cuda_graph_max_tokens) + 1)
+        missing = [(b, n) for b in self._sizes for n in graphed if times.graph(b, n) is None]
+        if missing:  # each would silently wait an eager forward's time instead
+            raise ValueError(
+                f"the stand-in times hold no graph of (batch, tokens) {missing}: measure them "
+                "with the served --cuda-graph-batch-sizes and a --max-slots that holds them."
+            )
         width = min(WIDTH, self.vocab_size)
         self._row = -torch.arange(width, dtype=torch.float32)  # argmax 0, guesses 0, 1, ...
 

@@ -39,6 +39,22 @@ def test_services_sharing_a_gpu_make_one_lane(tmp_path: Path) -> None:
     assert shared == {"busy": {"GPU 0 (draft + target)": pytest.approx(0.5)}}
 
 
+def test_gpus_are_numbered_among_gpus_and_a_service_without_one_is_the_cpu(
+    tmp_path: Path,
+) -> None:
+    """The draft stand-in's process has no GPU: its lane is "CPU", and the target's GPU is
+    still GPU 0 (numbered by UUID among the GPUs, whatever order the files are read in)."""
+    _write(tmp_path, 1, "cpu", [["draft", 0.0, 0.2]])
+    _write(tmp_path, 2, "GPU-b", [["verify", 0.1, 0.4]])
+    assert set(e2e_timeline.window(tmp_path, 0.0, 1.0, False)["busy"]) == {
+        "CPU (draft)", "GPU 0 (target)"
+    }  # fmt: skip
+    _write(tmp_path, 0, "GPU-a", [["ahead", 0.0, 0.1]])
+    assert set(e2e_timeline.window(tmp_path, 0.0, 1.0, False)["busy"]) == {
+        "CPU (draft)", "GPU 0 (draft)", "GPU 1 (target)"
+    }  # fmt: skip
+
+
 def test_a_line_being_written_is_left_for_the_next_read(tmp_path: Path) -> None:
     _write(tmp_path, 1, "GPU-a", [["verify", 0.0, 0.1]])
     with (tmp_path / "trace-1-cuda0.jsonl").open("a") as f:

@@ -50,10 +50,17 @@ def test_measured_times_cover_every_graph_and_read_back(
     assert StandInTimes.from_json(times.to_json()) == times
 
 
+GRAPH = {"batch": 1, "tokens": 1, "seconds": 0.001}
+
+
 @pytest.mark.parametrize(
     "broken",
-    [{}, {"graph_s": "x"}, {"forward_s": [0.1]}, {"forward_s": [0.1, 20.0]}, {"info": {"a": 1}}],
-)
+    [{}, {"graph_s": "x"}, {"forward_s": [0.1]}, {"forward_s": [0.1, 20.0]}, {"info": {"a": 1}},
+     {"forward_s": "12"}, {"fork_s": [float("nan"), 0.0]}, {"gpu": 3},
+     {"graph_s": [GRAPH, GRAPH]}, {"graph_s": [GRAPH | {"batch": 0}]},
+     {"graph_s": [GRAPH | {"batch": 1.9}]}, {"graph_s": [GRAPH | {"batch": float("inf")}]},
+     {"graph_s": [GRAPH | {"seconds": "1"}]}],
+)  # fmt: skip
 def test_a_malformed_times_file_is_refused_with_a_sentence(times_file: Path, broken: dict) -> None:
     data = json.loads(times_file.read_text())
     data = {} if not broken else data | broken
@@ -67,6 +74,50 @@ def _times(graph_s: float, forward_s: float = 0.01) -> StandInTimes:
     info = CheckpointInfo("LlamaForCausalLM", 256, 250, 128, "float32", True, "h")
     graphs = {(b, n): graph_s for b in SIZES for n in (1, 2)}
     return StandInTimes("test", graphs, (forward_s, 0.0), (0.0, 0.0), info)
+
+
+@pytest.mark.parametrize(
+    "field", [("vocab_size", "x"), ("vocab_size", 0), ("fast_path", 1), ("architecture", None)]
+)
+def test_a_times_file_with_a_wrong_info_field_is_refused(
+    times_file: Path, field: tuple[str, object]
+) -> None:
+    data = json.loads(times_file.read_text())
+    data["info"][field[0]] = field[1]
+    with pytest.raises(ValueError, match="stand-in times must be"):
+        StandInTimes.from_json(data)
+
+
+def test_a_file_without_every_served_graph_is_refused() -> None:
+    """A missing (batch, tokens) entry would make each such step wait an eager forward."""
+    times = _times(0.001)
+    config = replace(runner_config(Path("unused")), max_slots=8, cuda_graph_batch_sizes=(1, 8))
+    with pytest.raises(ValueError, match=r"no graph of \(batch, tokens\) \[\(8, 1\), \(8, 2\)\]"):
+        StandInRunner(config, times)
+
+
+def test_each_call_waits_exactly_the_time_of_its_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The padded batch size's graph for steps of one or two tokens, the eager line for longer
+    steps and forwards, the fork line for the longest branch times the branches."""
+    from specdec.runner.config import CheckpointInfo
+
+    info = CheckpointInfo("LlamaForCausalLM", 256, 250, 128, "float32", True, "h")
+    graphs = {(b, n): b * 0.01 + n * 0.001 for b in SIZES for n in (1, 2)}
+    times = StandInTimes("test", graphs, (0.5, 0.001), (0.2, 1e-6), info)
+    config = replace(runner_config(Path("unused")), cuda_graph_batch_sizes=SIZES)
+    runner = StandInRunner(config, times)
+    waits: list[float] = []
+    monkeypatch.setattr(stand_in.time, "perf_counter", lambda: 100.0)
+    monkeypatch.setattr(stand_in, "wait_until", lambda deadline: waits.append(deadline - 100.0))
+    for rid in "abcde":
+        runner.add_request(rid)
+    runner.forward([ForwardItem("a", [1] * 10, 1), ForwardItem("b", [1] * 6, 0)])
+    runner.ragged_step(["a", "b", "c"], [[1], [2, 3], [4]])  # 3 requests: the graph of 4
+    runner.graph_step(["a"], torch.zeros(1, 1, dtype=torch.long))
+    runner.graph_step(["d", "e"], torch.zeros(2, 3, dtype=torch.long))  # 3 tokens: eager
+    runner.add_request("f")
+    runner.fork([("a", "f", 9)])
+    assert waits == pytest.approx([0.5 + 0.016, 0.042, 0.011, 0.5 + 0.006, 0.2 + 9e-6])
 
 
 def test_each_forward_waits_at_least_its_measured_time() -> None:
