@@ -6,6 +6,7 @@ against the same run's in-process graph times.
     PYTHONPATH=. python bench/e2e_bench.py --out bench/results --no-serve  # without specdec serve
     PYTHONPATH=. python bench/e2e_bench.py --smoke --out /tmp/e2e    # CPU, tiny models, ~2 min
     PYTHONPATH=. python bench/e2e_bench.py --report bench/results/e2e_NVIDIA_H200.json
+    PYTHONPATH=. python bench/e2e_bench.py --by-length RUN_L3.json RUN_L1.5.json  # tokens/s vs L
 
 Steps, each phase in its own process where it holds device memory:
 1. checkpoints with random weights (Llama-3.1-8B / Llama-3.2-1B shapes, one shared tokenizer of
@@ -409,6 +410,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ttft-prompt-len", type=int, help="prompt tokens of the TTFT requests")
     p.add_argument("--ttft-repeats", type=int, help="timed TTFT requests per config")
     p.add_argument("--report", type=Path, help="regenerate .md and .png from a results JSON")
+    p.add_argument(
+        "--by-length",
+        type=Path,
+        nargs="+",
+        metavar="JSON",
+        help="plot served tokens/s against L from these results JSONs (runs of one machine at "
+        "different --serve-lengths) into FIRST_by_length.png",
+    )
     args = p.parse_args(argv)
     smoke = dict(
         batches=[1, 4],
@@ -443,7 +452,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     k = args.num_draft_tokens
     if not all(1 <= length <= k + 1 for length in args.lengths):
         p.error(f"--lengths must be in [1, {k + 1}] (1 + --num-draft-tokens), got {args.lengths}.")
-    if args.serve and args.report is None:
+    if args.serve and args.report is None and not args.by_length:
         if not all(1 <= length <= k + 1 for length in args.serve_lengths) or k < 1:
             p.error(f"--serve-lengths must be in [1, {k + 1}], got {args.serve_lengths}.")
         if not all(0.0 <= h <= 1.0 for h in args.serve_stand_in):
@@ -465,8 +474,17 @@ def main(argv: list[str] | None = None) -> int:
     apply_switch_interval()  # the driver's threads too, when SPECDEC_SWITCH_INTERVAL_S is set
     if args.report is not None:
         result = json.loads(args.report.read_text())
-        e2e_report.write(result, args.report.parent)
+        e2e_report.write(result, args.report.parent, args.report.stem)
         print(e2e_report.markdown(result))
+        return 0
+    if args.by_length:
+        results = [json.loads(path.read_text()) for path in args.by_length]
+        first = args.by_length[0]
+        png = first.parent / f"{first.stem}_by_length.png"
+        if not e2e_report.plot_lengths(e2e_report.merged_by_length(results), png):
+            print("no plot: matplotlib is missing, or the runs hold fewer than two lengths")
+            return 1
+        print(png)
         return 0
     signal.signal(signal.SIGTERM, _interrupt)  # so the services are stopped on the way out
     return run(args)

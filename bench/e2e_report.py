@@ -550,6 +550,17 @@ def _save(plt: Any, fig: Any, title: str, path: Path) -> None:
     plt.close(fig)
 
 
+def merged_by_length(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The serve rows of several runs of one machine as one result for `plot_lengths` (runs at
+    different synthetic lengths): the first run's target-only rows, every run's others."""
+    rows = [r for r in results[0]["serve"]["rows"] if r["config"] == TARGET_ONLY]
+    for result in results:
+        rows += [r for r in result["serve"]["rows"] if r["config"] != TARGET_ONLY]
+    env = results[0]["environment"]
+    gpu = f"{env['gpu']} x {max(env.get('gpu_count', 1), 1)}, {len(results)} runs"
+    return {"serve": {"rows": rows}, "environment": {"gpu": gpu}}
+
+
 def plot_lengths(result: dict[str, Any], path: Path) -> bool:
     """Served tokens/s against the synthetic acceptance length L, one panel per batch, one line
     per placement and config (its L suffix dropped), target-only as a level; False where
@@ -585,10 +596,18 @@ def plot_lengths(result: dict[str, Any], path: Path) -> bool:
     return True
 
 
-def write(result: dict[str, Any], out: Path) -> Path:
-    """<out>/e2e_<GPU>.json, .md and .png; returns the json's path."""
+def name(result: dict[str, Any]) -> str:
+    """The results' file stem: e2e_<GPU>, with _x<N> on a machine of N > 1 GPUs."""
+    env = result["environment"]
+    count = env.get("gpu_count", 1)
+    return f"e2e_{env['gpu'].replace(' ', '_')}" + (f"_x{count}" if count > 1 else "")
+
+
+def write(result: dict[str, Any], out: Path, stem_name: str | None = None) -> Path:
+    """<out>/<stem>.json, .md and .png (stem: `name(result)` unless given); returns the json's
+    path."""
     out.mkdir(parents=True, exist_ok=True)
-    stem = out / f"e2e_{result['environment']['gpu'].replace(' ', '_')}"
+    stem = out / (stem_name or name(result))
     result["goals"] = goals(result)
     stem.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
     stem.with_suffix(".md").write_text(markdown(result))

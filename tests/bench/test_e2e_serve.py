@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -199,3 +200,32 @@ def test_tokens_per_second_against_l_is_plotted_from_two_lengths(tmp_path: Path)
     one = {"serve": {"rows": [r for r in rows if r["synthetic_length"] != 1.5]},
            "environment": {"gpu": "test"}}  # fmt: skip
     assert not e2e_report.plot_lengths(one, tmp_path / "none.png")
+
+
+def test_results_of_several_gpus_are_named_so_and_runs_merge_for_the_length_plot(
+    tmp_path: Path,
+) -> None:
+    from bench import e2e_bench
+
+    one = {"environment": {"gpu": "NVIDIA H200", "gpu_count": 1}}
+    assert e2e_report.name(one) == "e2e_NVIDIA_H200"
+    assert e2e_report.name({"environment": {"gpu": "NVIDIA H200", "gpu_count": 2}}) == (
+        "e2e_NVIDIA_H200_x2"
+    )
+    env = {"gpu": "test", "gpu_count": 2}
+    runs = [
+        {"environment": env, "serve": {"rows": [_serve_row("target_only", 1, None, 100.0 + x),
+                                                _serve_row(f"lockstep_L{x:g}", 1, x, 50.0 * x)]}}
+        for x in (3.0, 1.5)
+    ]  # fmt: skip
+    merged = e2e_report.merged_by_length(runs)
+    assert [r["config"] for r in merged["serve"]["rows"]] == [
+        "target_only", "lockstep_L3", "lockstep_L1.5"
+    ]  # fmt: skip
+    paths = [tmp_path / "run_l3.json", tmp_path / "run_l15.json"]
+    for path, run in zip(paths, runs, strict=True):
+        path.write_text(json.dumps(run))
+    pytest.importorskip("matplotlib")
+    assert e2e_bench.main(["--by-length", *map(str, paths)]) == 0
+    assert (tmp_path / "run_l3_by_length.png").stat().st_size > 10_000
+    assert e2e_bench.main(["--by-length", str(paths[0])]) == 1  # one length: nothing to draw
