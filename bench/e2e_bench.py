@@ -46,7 +46,6 @@ import importlib.util
 import json
 import shlex
 import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -59,8 +58,8 @@ from bench.e2e_driver import PipelineDriver, Workload, compare, greedy_run, meas
 from bench.e2e_services import (
     REPO,
     Service,
-    child_env,
     empty_round_trip,
+    run_module,
     running,
     wait_serving,
 )
@@ -107,12 +106,8 @@ def child(task: str, job: dict[str, Any], log_dir: Path) -> dict[str, Any]:
     log_dir.mkdir(parents=True, exist_ok=True)
     job_path, out_path, log = (log_dir / f"{task}.{x}" for x in ("job.json", "json", "log"))
     job_path.write_text(json.dumps(job))
-    cmd = [sys.executable, "-m", "bench.e2e_inprocess", task, str(job_path), str(out_path)]
-    with log.open("wb") as f:
-        done = subprocess.run(cmd, cwd=REPO, env=child_env(), stdout=f, stderr=f)
-    if done.returncode != 0:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-        raise RuntimeError(f"e2e_inprocess {task} failed (code {done.returncode}):\n{tail}")
+    args = [task, str(job_path), str(out_path)]
+    run_module("bench.e2e_inprocess", args, log, what=f"e2e_inprocess {task}")
     result: dict[str, Any] = json.loads(out_path.read_text())
     return result
 

@@ -42,7 +42,14 @@ from urllib.request import urlopen
 from bench import e2e_timeline
 from bench.e2e_driver import prompts
 from bench.e2e_report import TTFT_PARTS
-from bench.e2e_services import REPO, Service, child_env, free_port, wait_serving
+from bench.e2e_services import (
+    REPO,
+    Service,
+    child_env,
+    free_port,
+    run_module,
+    wait_serving,
+)
 from orchestrator.ray_start import descendants
 from specdec.client import Client
 
@@ -591,20 +598,15 @@ def measure_stand_in(s: dict[str, Any], log_dir: Path, timeout_s: float) -> Path
     """BENCHMARKING ONLY: the draft's forward times on this machine's GPU for the stand-in
     (`python -m draft_service.stand_in`, a child process with the GPU to itself); the file."""
     out = log_dir / "stand_in_times.json"
-    log_dir.mkdir(parents=True, exist_ok=True)
     cpu = s["target_device"] == "cpu"
-    cmd = [sys.executable, "-m", "draft_service.stand_in", "--model", s["paths"]["draft"],
-           "--device", "cpu" if cpu else "cuda", "--dtype", s["dtype"],
-           "--max-slots", str(s["max_slots"]), "--max-seq-len", str(s["max_seq_len"]),
-           "--cuda-graph-batch-sizes", *map(str, s["graph_sizes"]),
-           "--guesses", str(s["draft_ahead"] + 1), "--out", str(out)]  # fmt: skip
+    args = ["--model", s["paths"]["draft"], "--device", "cpu" if cpu else "cuda",
+            "--dtype", s["dtype"], "--max-slots", str(s["max_slots"]),
+            "--max-seq-len", str(s["max_seq_len"]),
+            "--cuda-graph-batch-sizes", *map(str, s["graph_sizes"]),
+            "--guesses", str(s["draft_ahead"] + 1), "--out", str(out)]  # fmt: skip
     log = log_dir / "stand_in_times.log"
-    with log.open("wb") as f:
-        done = subprocess.run(cmd, cwd=REPO, env=serve_env(), stdout=f, stderr=f,
-                              timeout=timeout_s)  # fmt: skip
-    if done.returncode != 0:
-        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
-        raise RuntimeError(f"measuring the stand-in's times failed:\n{tail}")
+    run_module("draft_service.stand_in", args, log, serve_env(), timeout_s,
+               "measuring the stand-in's times")  # fmt: skip
     return out
 
 

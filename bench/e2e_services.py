@@ -35,6 +35,26 @@ def child_env() -> dict[str, str]:
     return env
 
 
+def run_module(
+    module: str,
+    args: list[str],
+    log: Path,
+    env: dict[str, str] | None = None,
+    timeout_s: float | None = None,
+    what: str | None = None,
+) -> None:
+    """`python -m module args` from the repository root to its end, its output in `log`;
+    RuntimeError naming `what` (default: the module) with the log's last lines if it fails."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", module, *args]
+    with log.open("wb") as f:
+        done = subprocess.run(cmd, cwd=REPO, env=env or child_env(), stdout=f, stderr=f,
+                              timeout=timeout_s)  # fmt: skip
+    if done.returncode != 0:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        raise RuntimeError(f"{what or module} failed (code {done.returncode}):\n{tail}")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
