@@ -91,11 +91,11 @@ def start_service(role: str, config: ServiceConfig) -> tuple[Any, ModelInfo]:
         assert config.draft is not None
         runner = _runner(config, config.draft, device, config.draft_ahead_slots)
         stand_in = config.draft_stand_in
-        if stand_in is not None:  # BENCHMARKING ONLY: on the CPU, emulating the GPU's graphs
+        if stand_in is not None:  # BENCHMARKING ONLY
             from dataclasses import replace
 
-            sizes = config.cuda_graph_batch_sizes
-            runner = replace(runner, device="cpu", cuda_graph_batch_sizes=sizes)
+            # the stand-in runs on the CPU whatever the device, emulating the served sizes' graphs
+            runner = replace(runner, cuda_graph_batch_sizes=config.cuda_graph_batch_sizes)
         d_srv, d_engine = start_draft(
             DraftConfig(
                 runner=runner,
