@@ -112,9 +112,12 @@ class StandInTimes:
         return cls.from_json(data)
 
 
-def _count(value: Any, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= 4096:
-        raise ValueError(f"{name} must be an integer in [1, 4096], got {value!r}")
+def _count(value: Any, name: str, low: int = 1, high: int | None = 4096) -> int:
+    """`value`, an integer (not a bool) in [low, high] (no upper bound with high None)."""
+    if (isinstance(value, bool) or not isinstance(value, int) or value < low
+            or (high is not None and value > high)):  # fmt: skip
+        bound = f"in [{low}, {high}]" if high is not None else f">= {low}"
+        raise ValueError(f"{name} must be an integer {bound}, got {value!r}")
     return value
 
 
@@ -141,16 +144,9 @@ def _info(value: Any) -> CheckpointInfo:
                        ("fast_path", bool)):  # fmt: skip
         if not isinstance(getattr(info, name), kind):
             raise TypeError(f"info.{name} must be a {kind.__name__}")
-    for name in ("vocab_size", "tokenizer_vocab_size", "max_seq_len"):
-        _count_any(getattr(info, name), f"info.{name}")
-    if info.vocab_size < 1:
-        raise ValueError("info.vocab_size must be at least 1")
+    for name, low in (("vocab_size", 1), ("tokenizer_vocab_size", 0), ("max_seq_len", 0)):
+        _count(getattr(info, name), f"info.{name}", low, None)
     return info
-
-
-def _count_any(value: Any, name: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{name} must be a non-negative integer, got {value!r}")
 
 
 def wait_until(deadline: float) -> None:
