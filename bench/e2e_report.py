@@ -35,15 +35,15 @@ def bounds(result: dict[str, Any], batch: int) -> dict[str, float]:
 STAND_IN = "standin_"  # config names of the draft stand-in's rows (BENCHMARKING ONLY)
 
 
-def config_label(row: dict[str, Any]) -> str:
-    """The row's config, marked where the draft was the stand-in (`draft_service.stand_in`)."""
-    config: str = row["config"]
+def config_label(config: str) -> str:
+    """A config's name, marked where the draft was the stand-in (`draft_service.stand_in`)."""
     return f"{config} (STAND-IN)" if config.startswith(STAND_IN) else config
 
 
 def label(row: dict[str, Any]) -> str:
     """A serve row's name: its placement (where the run had one) and config."""
-    return f"{row['placement']} {config_label(row)}" if "placement" in row else config_label(row)
+    config = config_label(row["config"])
+    return f"{row['placement']} {config}" if "placement" in row else config
 
 
 def bound_tokens_per_s(result: dict[str, Any], row: dict[str, Any]) -> float:
@@ -411,7 +411,7 @@ def _side_by_side(result: dict[str, Any]) -> list[str]:
         shown = ", ".join(f"{g} {f:.0%}" for g, f in busy.items()) or "-"
         p99 = r.get("tpot_ms_p99")
         lines.append(
-            f"| {r.get('placement', '-')} | {config_label(r)} | {r['batch']} "
+            f"| {r.get('placement', '-')} | {config_label(r['config'])} | {r['batch']} "
             f"| {_f(r['tokens_per_s'])} | {gain:.2f} | {achieved} "
             f"| {_f(r['tpot_ms_median'])} | {_f(p99) if p99 is not None else '-'} "
             f"| {_f(r['hub_ms']['step'])} | {shown} |"
@@ -580,8 +580,8 @@ def plot_lengths(result: dict[str, Any], path: Path) -> bool:
             if r["config"] == TARGET_ONLY:
                 ax.axhline(r["tokens_per_s"], color="k", lw=0.8, label="target-only")
                 continue
-            name = f"{r.get('placement', '')} {r['config'].rsplit('_L', 1)[0]}".strip()
-            name += " (STAND-IN)" if r["config"].startswith(STAND_IN) else ""
+            family = config_label(r["config"].rsplit("_L", 1)[0])  # the config less its L
+            name = f"{r.get('placement', '')} {family}".strip()
             lines.setdefault(name, []).append((r["synthetic_length"], r["tokens_per_s"]))
         for name, points in lines.items():
             xs, ys = zip(*sorted(points), strict=True)
@@ -616,5 +616,6 @@ def write(result: dict[str, Any], out: Path, stem_name: str | None = None) -> Pa
     if result.get("serve"):
         title = (f"What each GPU did: the first {e2e_timeline.TIMELINE_S:g} s of each batch-1 "
                  f"serve row's window, {result['environment']['gpu']}")  # fmt: skip
-        e2e_timeline.plot(result["serve"]["rows"], title, stem.parent / f"{stem.name}_timeline.png")
+        path = stem.parent / f"{stem.name}_timeline.png"
+        e2e_timeline.plot(result["serve"]["rows"], title, path, label)
     return stem.with_suffix(".json")

@@ -14,6 +14,7 @@ Imports no torch.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -82,9 +83,12 @@ def window(directory: Path, t0: float, t1: float, keep_timeline: bool) -> dict[s
     return out
 
 
-def plot(rows: list[dict[str, Any]], title: str, path: Path) -> bool:
-    """One panel per row (a GPU per lane), the first TIMELINE_S s of its window and a zoom on
-    its first 60 ms beside it; False where matplotlib is missing or no row has a timeline."""
+def plot(
+    rows: list[dict[str, Any]], title: str, path: Path, label: Callable[[dict[str, Any]], str]
+) -> bool:
+    """One panel per row (a GPU per lane, titled by `label(row)`), the first TIMELINE_S s of
+    its window and a zoom on its first 60 ms beside it; False where matplotlib is missing or no
+    row has a timeline."""
     rows = [r for r in rows if r.get("gpus", {}).get("timeline")]
     if not rows:
         return False
@@ -110,8 +114,7 @@ def plot(rows: list[dict[str, Any]], title: str, path: Path) -> bool:
             ax.set_ylim(-0.6, len(timeline) - 0.4)
             ax.tick_params(labelsize=7)
         busy = ", ".join(f"{g.split(' (')[0]} {f:.0%}" for g, f in r["gpus"]["busy"].items())
-        config = r["config"] + (" (STAND-IN)" if r["config"].startswith("standin_") else "")
-        ax_all.set_title(f"{r.get('placement', '')} {config}, batch {r['batch']}: "
+        ax_all.set_title(f"{label(r)}, batch {r['batch']}: "
                          f"{r['tokens_per_s']:.0f} tokens/s; busy {busy}", fontsize=8,
                          loc="left")  # fmt: skip
         ax_zoom.set_title("first 60 ms", fontsize=8, loc="left")
