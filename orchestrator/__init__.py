@@ -5,3 +5,5 @@ tokens (`records`), and serves the client API (`servicer`, `server`) with metric
 
 It imports without torch or Triton: the services, and torch, load only inside their actors.
 """
+
+import specdec  # noqa: F401  (first: turns gRPC's fork handlers off before grpc loads)

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
-STARTUP_TIMEOUT = "timed out during startup"  # ray.init's words when its raylet is late
+# ray.init's words when its raylet is late, and when its GCS did not write its port file in time
+STARTUP_TIMEOUTS = ("timed out during startup", "Timed out waiting for file")
 STOP_GRACE_S = 5.0
 
 
@@ -105,7 +106,7 @@ def start_local_cluster(
         except Exception as e:
             shutdown()
             stop_processes(descendants() - before)
-            if STARTUP_TIMEOUT not in str(e):
+            if not any(words in str(e) for words in STARTUP_TIMEOUTS):
                 raise
             left = deadline - time.monotonic()
             if left <= 0:

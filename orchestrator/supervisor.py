@@ -12,9 +12,9 @@ alone, which drains and stops Ray itself, and exits with the orchestrator's exit
 child gets SIGTERM should the parent die (PR_SET_PDEATHSIG), and Ray's processes die with
 the child (Ray's own fate sharing).
 
-At default verbosity the child's environment also quiets grpc core's INFO lines (its fork
-handlers' "Other threads are currently calling into gRPC, skipping fork() handlers", logged
-each time Ray starts a process while the client port's server runs).
+At default verbosity the child's environment also quiets grpc core's INFO lines. gRPC's fork
+handlers, whose "skipping fork() handlers" line showed each time Ray started a process, are off
+in every specdec process (`specdec/__init__.py` says why); the child inherits that setting.
 """
 
 from __future__ import annotations

@@ -11,6 +11,8 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
+import specdec  # noqa: F401  (gRPC's fork handlers off before a test imports grpc)
+
 if TYPE_CHECKING:
     from specdec.runner import ModelRunner
 

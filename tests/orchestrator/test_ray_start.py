@@ -22,6 +22,9 @@ from orchestrator.ray_start import descendants, start_local_cluster
 # ray.init's words (a CI run's, 2026-11-26)
 LATE = ("The current node timed out during startup. This could happen because some of the raylet "
         "failed to startup or the GCS has become overloaded.")  # fmt: skip
+# and when its GCS server had not written its port file in time (another CI run's)
+NO_PORT_FILE = ("Timed out waiting for file /tmp/ray/session_2026-11-26_10-54-50_462944_9624/"
+                "gcs_server_port_e1405b")  # fmt: skip
 
 
 class FakeRay:
@@ -61,8 +64,11 @@ def _alive(pids: set[int]) -> set[int]:
     return alive
 
 
-def test_a_failed_attempt_is_stopped_before_the_next_one(caplog: pytest.LogCaptureFixture) -> None:
-    ray = FakeRay(failures=2)
+@pytest.mark.parametrize("error", [LATE, NO_PORT_FILE], ids=["raylet late", "no GCS port file"])
+def test_a_failed_attempt_is_stopped_before_the_next_one(
+    caplog: pytest.LogCaptureFixture, error: str
+) -> None:
+    ray = FakeRay(failures=2, error=error)
     with caplog.at_level(logging.INFO, logger="orchestrator.ray_start"):
         attempts = start_local_cluster(ray.init, ray.shutdown, 60.0, num_cpus=2)
     shown = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
