@@ -1,25 +1,34 @@
 """Draft-ahead's real hit rate on a real pair: how often the verdict of a step is one the draft
 drafted ahead for (draft_service.ahead), with its acceptance, per fan-out F and temperature.
 
-The demo pair (trained here on CPU and cached, `specdec demo`) serves the Python prompts through
-both services over real gRPC on loopback (`bench.local`, one process), k = 4. A hit is an
-ask answered from a chain drafted ahead; every other ask is drafted after its verdict as in
-lock-step. Greedy output is checked against draft-ahead off (it must be identical).
+The demo pair (trained once from its fixed recipe and cached, `specdec demo`), or `--target` /
+`--draft` checkpoint folders, serves the demo's Python prompts through both services over real
+gRPC on loopback (`bench.local`, one process), k = 4, on the CPU in float32 or on a GPU in
+bfloat16 (eager forwards: graphs would cap the hypotheses a pass drafts, and the hit rate is
+about outcomes, not speed). A hit is an ask answered from a chain drafted ahead; every other ask
+is drafted after its verdict as in lock-step. Each seeded output is checked against draft-ahead
+off: it must be identical.
 
-    PYTHONPATH=. python bench/draft_ahead_hits.py --out bench/results      # CPU, a few minutes
+    PYTHONPATH=. python bench/draft_ahead_hits.py --out bench/results             # CPU, minutes
+    PYTHONPATH=. python bench/draft_ahead_hits.py --device cuda --out bench/results  # a GPU
+    PYTHONPATH=. python bench/draft_ahead_hits.py --smoke --out /tmp/hits          # CI's pair
+
+Writes draft_ahead_hits_<device>.md and .json in --out (cpu, or the GPU's name).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import platform
-import subprocess
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from bench.local import local_pair
+from bench.provenance import commit, device_name, machine
 from draft_service.config import DraftConfig
 from orchestrator.demo import PROMPTS
 from orchestrator.demo_models import DemoBudget, build_demo_models
@@ -28,23 +37,34 @@ from specdec.sampling_params import SamplingParams
 from target_service.config import TargetConfig
 
 
-def run_one(pair: object, fanout: int, temperature: float, k: int, tokens: int) -> dict:
-    from transformers import AutoTokenizer
+def run_one(
+    target: Path, draft: Path, fanout: int, temperature: float, k: int, tokens: int,
+    device: str, dtype: str, prompts: Sequence[str],
+) -> dict[str, Any]:  # fmt: skip
+    from transformers import AutoConfig, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(str(pair.target), local_files_only=True)  # type: ignore[attr-defined]
-    prompts = [tok(p)["input_ids"] for p in PROMPTS]
-    slots = len(prompts)
+    tok = AutoTokenizer.from_pretrained(str(target), local_files_only=True)
+    encoded = [tok(p)["input_ids"] for p in prompts]
+    slots = len(encoded)
     ahead_slots = fanout * (k + 1) * slots
-    draft = DraftConfig(
-        runner=RunnerConfig(str(pair.draft), max_slots=slots + ahead_slots, max_seq_len=128),  # type: ignore[attr-defined]
+    # the draft drafts ahead while a request has room for twice its drafts: the whole context
+    # the target holds (the demo's 128), at most 2048
+    positions = AutoConfig.from_pretrained(str(target)).max_position_embeddings
+    length = min(positions, 2048)
+    if max(map(len, encoded)) + tokens + k + 1 > length:
+        raise SystemExit(f"the prompts plus {tokens} new tokens and k + 1 do not fit the "
+                         f"{length} positions the runners hold: lower --tokens")  # fmt: skip
+    runner = {"max_seq_len": length, "device": device, "dtype": dtype}
+    draft_config = DraftConfig(
+        runner=RunnerConfig(str(draft), max_slots=slots + ahead_slots, **runner),
         draft_ahead=fanout, draft_ahead_slots=ahead_slots,
     )  # fmt: skip
-    target = TargetConfig(RunnerConfig(str(pair.target), max_slots=slots, max_seq_len=128),  # type: ignore[attr-defined]
-                          sampler_impl="torch")  # fmt: skip
-    with local_pair(draft, target) as svc:
+    target_config = TargetConfig(RunnerConfig(str(target), max_slots=slots, **runner),
+                                 sampler_impl="torch")  # fmt: skip
+    with local_pair(draft_config, target_config) as svc:
         pipe = svc.pipeline()
-        ids = [f"p{i}" for i in range(len(prompts))]
-        for i, (rid, prompt) in enumerate(zip(ids, prompts, strict=True)):
+        ids = [f"p{i}" for i in range(len(encoded))]
+        for i, (rid, prompt) in enumerate(zip(ids, encoded, strict=True)):
             pipe.admit(rid, prompt, SamplingParams(temperature, seed=1234 + i))
         pipe.generate(dict.fromkeys(ids, k), tokens)
         out = [pipe.requests[r].generated[:tokens] for r in ids]
@@ -62,28 +82,56 @@ def run_one(pair: object, fanout: int, temperature: float, k: int, tokens: int) 
     }  # fmt: skip
 
 
-def main() -> None:
+def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=Path("bench/results"))
-    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--smoke", action="store_true",
+                   help="CI's tiny demo pair on the CPU, 2 prompts x 16 tokens")  # fmt: skip
+    p.add_argument("--target", type=Path, help="target checkpoint (default: the demo pair)")
+    p.add_argument("--draft", type=Path, help="draft checkpoint, with --target")
+    p.add_argument("--device", help="cpu or cuda (default: cpu; cuda runs bfloat16)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"],
+                   help="default: float32 on the CPU, bfloat16 on a GPU")  # fmt: skip
+    p.add_argument("--tokens", type=int, help="new tokens per prompt (default 64; smoke 16)")
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--fanouts", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
-    args = p.parse_args()
-    pair = build_demo_models(None, budget=DemoBudget())
+    args = p.parse_args(argv)
+    if (args.target is None) != (args.draft is None):
+        p.error("--target and --draft go together")
+    if args.device is not None and args.device not in ("cpu", "cuda"):
+        p.error(f"--device must be cpu or cuda, got {args.device!r}")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: this machine has no CUDA device")
+    if any(f < 1 for f in args.fanouts) or args.k < 1:
+        p.error("-k and every --fanouts value must be at least 1")
+    return args
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = parse(argv)
+    device = args.device or "cpu"
+    dtype = args.dtype or ("bfloat16" if device == "cuda" else "float32")
+    tokens = args.tokens or (16 if args.smoke else 64)
+    prompts = PROMPTS[:2] if args.smoke else PROMPTS
+    if args.target is not None:
+        target, draft, pair = args.target, args.draft, f"{args.target} / {args.draft}"
+    else:
+        budget = DemoBudget.ci() if args.smoke else DemoBudget()
+        demo = build_demo_models(None, budget=budget)
+        target, draft = demo.target, demo.draft
+        pair = "the CI recipe's demo pair" if args.smoke else "the demo pair"
     rows = []
     configs = [(t, f) for t in args.temperatures for f in [0, *args.fanouts]]
     for t, f in tqdm(configs, desc="draft-ahead hit rates"):
-        rows.append(run_one(pair, f, t, args.k, args.tokens))
+        rows.append(run_one(target, draft, f, t, args.k, tokens, device, dtype, prompts))
     for r in rows:  # draft-ahead never changes a seeded output
         base = next(b for b in rows if b["temperature"] == r["temperature"] and b["fanout"] == 0)
         r["same_output_as_off"] = r["output"] == base["output"]
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True).stdout.strip()  # fmt: skip
-    machine = f"{platform.machine()} CPU, {platform.processor() or 'unknown'}, float32"
+    where = torch.device(device)
     lines = [
-        f"Draft-ahead hit rate on the demo pair (commit {commit}, {machine}), k = {args.k}, "
-        f"{len(PROMPTS)} prompts x {args.tokens} tokens, seeded:",
+        f"Draft-ahead hit rate on {pair} (commit {commit(short=True)}, {machine(where)}, "
+        f"{dtype}), k = {args.k}, {len(prompts)} prompts x {tokens} tokens, seeded:",
         "",
         "| temperature | F | hit rate | hits / asks | acceptance rate | output same as off |",
         "|---|---|---|---|---|---|",
@@ -91,19 +139,25 @@ def main() -> None:
     for r in rows:
         if r["fanout"] == 0:
             continue
+        rate = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
         lines.append(
-            f"| {r['temperature']} | {r['fanout']} | {r['hit_rate']:.3f} | "
+            f"| {r['temperature']} | {r['fanout']} | {rate} | "
             f"{r['hits']} / {r['asks_with_chains']} | {r['acceptance_rate']:.3f} | "
             f"{r['same_output_as_off']} |"
         )
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "draft_ahead_hits_cpu.md").write_text(text)
+    name = f"draft_ahead_hits_{device_name(where)}"
+    (args.out / f"{name}.md").write_text(text)
     for r in rows:
         del r["output"]
-    (args.out / "draft_ahead_hits_cpu.json").write_text(json.dumps(rows, indent=1))
+    (args.out / f"{name}.json").write_text(json.dumps(rows, indent=1))
+    differ = [r for r in rows if not r["same_output_as_off"]]
+    if differ:
+        print(f"{len(differ)} configuration(s) changed a seeded output: draft-ahead must not")
+    return 1 if differ else 0
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from contextlib import suppress
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -43,30 +41,11 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.e2e_serve import serving
-from bench.e2e_services import REPO
+from bench.provenance import commit, device_name, machine
 from orchestrator import demo_models, demo_training
 from specdec.client import Client
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device).replace(" ", "_")
-    return "cpu"
-
-
-def machine(device: torch.device) -> str:
-    """The device in words, for the report."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    model = "CPU"
-    with suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    return f"{os.cpu_count()} cores of {model}"
 
 
 def load_prompts(tokenizer: Any, count: int, chars: int) -> list[list[int]]:
@@ -219,19 +198,6 @@ def report(result: dict[str, Any]) -> str:
             f"{r['requests']} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def commit() -> str:
-    """SPECDEC_COMMIT where set (a copied tree, as on a device machine, may carry a stale .git),
-    else the checkout's HEAD."""
-    import subprocess
-
-    if os.environ.get("SPECDEC_COMMIT"):
-        return os.environ["SPECDEC_COMMIT"]
-    with suppress(Exception):
-        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                              text=True, check=True).stdout.strip()  # fmt: skip
-    return "unknown"
 
 
 def parse(argv: list[str] | None) -> argparse.Namespace:

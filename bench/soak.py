@@ -44,6 +44,7 @@ from tqdm import tqdm
 from bench.e2e_models import DEFAULT_CACHE, build
 from bench.e2e_serve import scrape, serve_env, stop_serve
 from bench.e2e_services import REPO, Service, free_port, wait_serving
+from bench.provenance import commit
 from orchestrator.ray_start import descendants
 from specdec.client import AsyncClient, Client
 
@@ -255,12 +256,6 @@ def serve(paths: dict[str, str], args: argparse.Namespace, log: Path) -> tuple[S
     ), f"http://127.0.0.1:{metrics_port}/metrics"
 
 
-def commit() -> str:
-    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True,
-                         text=True, check=False)  # fmt: skip
-    return out.stdout.strip() or "?"
-
-
 def run(args: argparse.Namespace) -> dict[str, Any]:
     paths = build(args.cache, smoke=True, device="cpu")
     service, metrics_url = serve(paths, args, args.out / "soak_serve.log")
@@ -285,7 +280,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     delta = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
     drafted = delta.get("specdec:spec_decode_num_draft_tokens_total", 0.0)
     result = {
-        "commit": commit(), "machine": f"{os.cpu_count()}-core {platform.machine()} CPU",
+        "commit": commit(short=True), "machine": f"{os.cpu_count()}-core {platform.machine()} CPU",
         "settings": {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()},
         "wall_s": wall_s, "requests": totals.requests, "tokens": totals.tokens,
         "tokens_per_s": totals.tokens / wall_s,

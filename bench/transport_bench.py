@@ -30,6 +30,7 @@ from pathlib import Path
 import grpc
 import torch
 
+from bench.provenance import cpu_model
 from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
 from specdec.serving.blocks import DenseQ, DraftBlock, DraftProposal, SparseQ
 from specdec.serving.client import LockstepStream, make_channel
@@ -116,12 +117,7 @@ def main() -> None:
 
 def machine() -> str:
     """CPU model and core count of this machine (the transport runs on the CPU)."""
-    model = platform.processor() or platform.machine()
-    cpuinfo = Path("/proc/cpuinfo")
-    if cpuinfo.exists():
-        names = [ln.split(":", 1)[1].strip() for ln in cpuinfo.read_text().splitlines()
-                 if ln.startswith("model name")]  # fmt: skip
-        model = names[0] if names else model
+    model = cpu_model()
     python = platform.python_version()
     return f"{model}, {os.cpu_count()} cores, Python {python}, grpcio {grpc.__version__}"
 

@@ -1,0 +1,51 @@
+"""bench/draft_ahead_hits.py on the CPU with CI's tiny demo pair: a row per temperature and
+fan-out, draft-ahead never changing a seeded output, and chains that answer asks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench import draft_ahead_hits
+
+pytestmark = pytest.mark.slow  # a demo pair and two services per row
+
+
+def test_smoke_has_a_row_per_fanout_and_the_same_outputs(tmp_path: Path) -> None:
+    assert draft_ahead_hits.main(["--smoke", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "draft_ahead_hits_cpu.json").read_text())
+    assert [(r["temperature"], r["fanout"]) for r in rows] == [
+        (t, f) for t in (0.0, 0.8) for f in (0, 1, 2, 4)
+    ]
+    assert all(r["same_output_as_off"] for r in rows), rows
+    for r in rows:
+        if r["fanout"] == 0:  # draft-ahead off: no chains, so no ask counted
+            assert r["asks_with_chains"] == 0 and r["hit_rate"] is None, r
+        else:
+            assert r["asks_with_chains"] > 0 and 0 <= r["hits"] <= r["asks_with_chains"], r
+        assert 0 < r["acceptance_rate"] <= 1, r
+    greedy = {r["fanout"]: r for r in rows if r["temperature"] == 0.0}
+    # greedy verdicts are the same at every fan-out, and a wider fan-out keeps the top guess
+    assert greedy[1]["asks_with_chains"] == greedy[4]["asks_with_chains"]
+    assert 0 < greedy[1]["hits"] <= greedy[4]["hits"], greedy
+    md = (tmp_path / "draft_ahead_hits_cpu.md").read_text()
+    assert md.startswith("Draft-ahead hit rate on the CI recipe's demo pair (commit ")
+    assert md.count("\n| 0.") == 6, md
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--target", "t"], "--target and --draft go together"),
+        (["--device", "tpu"], "--device must be cpu or cuda"),
+        (["--fanouts", "0"], "at least 1"),
+    ],
+)
+def test_bad_flags_are_refused(
+    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        draft_ahead_hits.main(argv)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
