@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
+VAR = "GRPC_ENABLE_FORK_SUPPORT"
 
 # A gRPC server kept busy by three client threads while the main thread forks children the way
 # Ray starts its processes (subprocess with a preexec_fn: a real fork, whose handlers run);
@@ -51,30 +52,40 @@ FORKS = textwrap.dedent("""
 """)
 
 
-def _run(first: str, n: int, env: dict[str, str] | None = None) -> str:
-    env = {k: v for k, v in (env or os.environ).items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
-    env["PYTHONPATH"] = str(ROOT)
+def _env(**extra: str) -> dict[str, str]:
+    """This environment without the variable, this tree importable, plus `extra`."""
+    return {k: v for k, v in os.environ.items() if k != VAR} | {"PYTHONPATH": str(ROOT), **extra}
+
+
+def _run(first: str, n: int) -> str:
+    env = _env()
     done = subprocess.run([sys.executable, "-c", FORKS.format(first=first, n=n)], env=env,
                           capture_output=True, text=True, timeout=300)  # fmt: skip
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
 
 
-@pytest.mark.parametrize("first", ["specdec", "orchestrator", "draft_service", "target_service"])
-def test_children_forked_beside_a_busy_grpc_server_do_not_abort(first: str) -> None:
-    assert _run(first, 400) == "[]", "children that did not exit 0 (-6: aborted after the fork)"
+def test_children_forked_beside_a_busy_grpc_server_do_not_abort() -> None:
+    assert _run("specdec", 400) == "[]", "children that did not exit 0 (-6: aborted after the fork)"
+
+
+@pytest.mark.parametrize("package", ["orchestrator", "draft_service", "target_service"])
+def test_each_program_s_package_sets_it_before_grpc_loads(package: str) -> None:
+    """`specdec` (the command's orchestrator.cli), `python -m draft_service` and
+    `python -m target_service` import their package first, and it imports `specdec`."""
+    code = f"import sys, os, {package}; print('grpc' in sys.modules, os.environ.get('{VAR}'))"
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True,
+                         timeout=120, check=True).stdout.split()  # fmt: skip
+    assert out == ["False", "0"]
 
 
 def test_the_setting_reaches_children_and_a_users_own_is_kept() -> None:
-    show = "import specdec, os; print(os.environ['GRPC_ENABLE_FORK_SUPPORT'])"
+    show = f"import os; print(os.environ['{VAR}'])"
     for given, want in ((None, "0"), ("1", "1")):
-        env = {k: v for k, v in os.environ.items() if k != "GRPC_ENABLE_FORK_SUPPORT"}
-        env["PYTHONPATH"] = str(ROOT)
-        if given is not None:
-            env["GRPC_ENABLE_FORK_SUPPORT"] = given
+        env = _env() if given is None else _env(**{VAR: given})
         # a child of the importing process sees the same value (Ray's processes are such children)
-        code = f"{show}; import subprocess, sys; subprocess.run([sys.executable, '-c', " \
-               f"\"import os; print(os.environ['GRPC_ENABLE_FORK_SUPPORT'])\"])"  # fmt: skip
+        code = f"import specdec; {show}; import subprocess, sys; " \
+               f"subprocess.run([sys.executable, '-c', {show!r}])"  # fmt: skip
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                              text=True, timeout=120, check=True).stdout.split()  # fmt: skip
         assert out == [want, want]
