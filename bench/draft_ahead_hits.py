@@ -1,19 +1,24 @@
-"""Draft-ahead's real hit rate on a real pair: how often the verdict of a step is one the draft
-drafted ahead for (draft_service.ahead), with its acceptance, per fan-out F and temperature.
+"""Draft-ahead's real hit rate on a real pair, per fan-out F and temperature.
 
-The demo pair (trained once from its fixed recipe and cached, `specdec demo`), or `--target` /
-`--draft` checkpoint folders, serves the demo's Python prompts through both services over real
-gRPC on loopback (`bench.local`, one process), k = 4, on the CPU in float32 or on a GPU in
-bfloat16 (eager forwards: graphs would cap the hypotheses a pass drafts, and the hit rate is
-about outcomes, not speed). A hit is an ask answered from a chain drafted ahead; every other ask
-is drafted after its verdict as in lock-step. Each seeded output is checked against draft-ahead
-off: it must be identical.
+The hit rate is how often the verdict of a step is one the draft drafted ahead for
+(draft_service.ahead); the acceptance comes with it. The demo pair (trained once from its fixed
+recipe and cached, `specdec demo`), or `--target` / `--draft` checkpoint folders, serves the
+demo's Python prompts through both services over real gRPC on loopback (`bench.local`, one
+process), k = 4, on the CPU in float32 or on a GPU in bfloat16 (eager forwards: graphs would cap
+the hypotheses a pass drafts, and the hit rate is about outcomes, not speed). A hit is an ask
+answered from a chain drafted ahead; every other ask is drafted after its verdict as in
+lock-step. Each seeded output is compared with draft-ahead off. On the CPU in float32 they must
+be identical (exit 1 otherwise). In lower precision a chain drafted ahead comes from a batch of
+another shape, whose rounding can move q or the target's logits in the last bits and so one
+decision; the outputs are then equal in distribution, not bit for bit, and the report counts
+those that differ.
 
     PYTHONPATH=. python bench/draft_ahead_hits.py --out bench/results             # CPU, minutes
     PYTHONPATH=. python bench/draft_ahead_hits.py --device cuda --out bench/results  # a GPU
     PYTHONPATH=. python bench/draft_ahead_hits.py --smoke --out /tmp/hits          # CI's pair
 
-Writes draft_ahead_hits_<device>.md and .json in --out (cpu, or the GPU's name).
+Writes draft_ahead_hits_<device>.md and .json in --out (cpu, or the GPU's name), with `smoke_`
+or the target folder's name before the device for a smoke run or a pair of your own.
 """
 
 from __future__ import annotations
@@ -48,9 +53,11 @@ def run_one(
     slots = len(encoded)
     ahead_slots = fanout * (k + 1) * slots
     # the draft drafts ahead while a request has room for twice its drafts: the whole context
-    # the target holds (the demo's 128), at most 2048
-    positions = AutoConfig.from_pretrained(str(target)).max_position_embeddings
-    length = min(positions, 2048)
+    # both models hold (the demo's 128), at most 2048
+    positions = [
+        AutoConfig.from_pretrained(str(c)).max_position_embeddings for c in (target, draft)
+    ]
+    length = min(*positions, 2048)
     if max(map(len, encoded)) + tokens + k + 1 > length:
         raise SystemExit(f"the prompts plus {tokens} new tokens and k + 1 do not fit the "
                          f"{length} positions the runners hold: lower --tokens")  # fmt: skip
@@ -83,10 +90,10 @@ def run_one(
 
 
 def parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("bench/results"))
     p.add_argument("--smoke", action="store_true",
-                   help="CI's tiny demo pair on the CPU, 2 prompts x 16 tokens")  # fmt: skip
+                   help="CI's tiny demo pair, 2 prompts x 16 tokens")  # fmt: skip
     p.add_argument("--target", type=Path, help="target checkpoint (default: the demo pair)")
     p.add_argument("--draft", type=Path, help="draft checkpoint, with --target")
     p.add_argument("--device", help="cpu or cuda (default: cpu; cuda runs bfloat16)")
@@ -105,6 +112,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--device cuda: this machine has no CUDA device")
     if any(f < 1 for f in args.fanouts) or args.k < 1:
         p.error("-k and every --fanouts value must be at least 1")
+    if args.tokens is not None and args.tokens < 1:
+        p.error(f"--tokens must be at least 1, got {args.tokens}")
     return args
 
 
@@ -148,15 +157,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = "\n".join(lines) + "\n"
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    name = f"draft_ahead_hits_{device_name(where)}"
+    label = "smoke_" if args.smoke else "" if args.target is None else f"{args.target.name}_"
+    name = f"draft_ahead_hits_{label}{device_name(where)}"
     (args.out / f"{name}.md").write_text(text)
     for r in rows:
         del r["output"]
     (args.out / f"{name}.json").write_text(json.dumps(rows, indent=1))
     differ = [r for r in rows if not r["same_output_as_off"]]
-    if differ:
-        print(f"{len(differ)} configuration(s) changed a seeded output: draft-ahead must not")
-    return 1 if differ else 0
+    exact = device == "cpu" and dtype == "float32"
+    if differ and exact:
+        print(f"{len(differ)} configuration(s) changed a seeded output: on the CPU in float32 "
+              "draft-ahead must not")  # fmt: skip
+    elif differ:
+        print(f"{len(differ)} configuration(s) changed a seeded output ({dtype} on {device}: "
+              "equal in distribution, not bit for bit; see the module's docstring)")  # fmt: skip
+    return 1 if differ and exact else 0
 
 
 if __name__ == "__main__":

@@ -1,3 +1,5 @@
 """The draft service; `python -m draft_service` runs it alone."""
 
-import specdec  # noqa: F401  (first: turns gRPC's fork handlers off before grpc loads)
+from specdec.forking import grpc_fork_handlers_off
+
+grpc_fork_handlers_off()  # first: before anything imports grpc (specdec/forking.py says why)

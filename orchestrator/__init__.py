@@ -6,4 +6,6 @@ tokens (`records`), and serves the client API (`servicer`, `server`) with metric
 It imports without torch or Triton: the services, and torch, load only inside their actors.
 """
 
-import specdec  # noqa: F401  (first: turns gRPC's fork handlers off before grpc loads)
+from specdec.forking import grpc_fork_handlers_off
+
+grpc_fork_handlers_off()  # first: before anything imports grpc (specdec/forking.py says why)

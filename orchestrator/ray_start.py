@@ -2,10 +2,11 @@
 cleaned up before the next.
 
 `ray.init` gives its raylet a fixed 30 s to register with the GCS, which a loaded 2-core machine
-misses; the failed attempt then leaves the processes it started (GCS server, raylet, dashboard,
-monitors) running, since `ray.shutdown()` knows of a node only once `ray.init` returned. So
-each attempt notes this process's descendants first, and a failure stops everything that
-appeared since: `ray.shutdown()`, then SIGTERM, then SIGKILL after STOP_GRACE_S.
+misses ("timed out during startup"), and waits a fixed time for the GCS to write its port file
+("Timed out waiting for file"); the failed attempt then leaves the processes it started (GCS
+server, raylet, dashboard, monitors) running, since `ray.shutdown()` knows of a node only once
+`ray.init` returned. So each attempt notes this process's descendants first, and a failure stops
+everything that appeared since: `ray.shutdown()`, then SIGTERM, then SIGKILL after STOP_GRACE_S.
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ the child (Ray's own fate sharing).
 
 At default verbosity the child's environment also quiets grpc core's INFO lines. gRPC's fork
 handlers, whose "skipping fork() handlers" line showed each time Ray started a process, are off
-in every specdec process (`specdec/__init__.py` says why); the child inherits that setting.
+in specdec's programs (`specdec/forking.py` says why); the child inherits that setting.
 """
 
 from __future__ import annotations

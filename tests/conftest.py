@@ -11,10 +11,13 @@ from typing import TYPE_CHECKING
 import pytest
 import torch
 
-import specdec  # noqa: F401  (gRPC's fork handlers off before a test imports grpc)
+from specdec.forking import grpc_fork_handlers_off
 
 if TYPE_CHECKING:
     from specdec.runner import ModelRunner
+
+# the test process serves gRPC and starts processes: gRPC's fork handlers off (specdec/forking.py)
+grpc_fork_handlers_off()
 
 # before anything imports a kernel: @triton.jit reads it when the kernel is defined
 if not torch.cuda.is_available():

@@ -1,5 +1,6 @@
-"""gRPC's fork handlers are off in every specdec process: with them on (grpcio's default), a
-child forked while other threads are in gRPC aborts now and then before it execs. A CI run lost
+"""gRPC's fork handlers are off in specdec's programs (specdec/forking.py): with them on
+(grpcio's default), a child forked while other threads are in gRPC aborts now and then before
+it execs. A CI run lost
 Ray's dashboard ("return code -6") and then its whole local cluster to that (2026-11-26)."""
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ VAR = "GRPC_ENABLE_FORK_SUPPORT"
 
 # A gRPC server kept busy by three client threads while the main thread forks children the way
 # Ray starts its processes (subprocess with a preexec_fn: a real fork, whose handlers run);
-# prints each child's exit code that is not 0. Run with grpcio's default, 2 to 8 children in 400
+# prints each child's exit code that is not 0. Run with grpcio's default, 2 to 33 children in 400
 # aborted (exit -6) on a 2-core machine.
 FORKS = textwrap.dedent("""
     import sys
@@ -66,13 +67,14 @@ def _run(first: str, n: int) -> str:
 
 
 def test_children_forked_beside_a_busy_grpc_server_do_not_abort() -> None:
-    assert _run("specdec", 400) == "[]", "children that did not exit 0 (-6: aborted after the fork)"
+    got = _run("orchestrator", 400)
+    assert got == "[]", "children that did not exit 0 (-6: aborted after the fork)"
 
 
-@pytest.mark.parametrize("package", ["orchestrator", "draft_service", "target_service"])
+@pytest.mark.parametrize("package", ["orchestrator", "draft_service", "target_service", "bench"])
 def test_each_program_s_package_sets_it_before_grpc_loads(package: str) -> None:
-    """`specdec` (the command's orchestrator.cli), `python -m draft_service` and
-    `python -m target_service` import their package first, and it imports `specdec`."""
+    """`specdec` (the command's orchestrator.cli), `python -m draft_service`,
+    `python -m target_service` and the benchmarks import their package first."""
     code = f"import sys, os, {package}; print('grpc' in sys.modules, os.environ.get('{VAR}'))"
     out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True,
                          timeout=120, check=True).stdout.split()  # fmt: skip
@@ -80,12 +82,19 @@ def test_each_program_s_package_sets_it_before_grpc_loads(package: str) -> None:
 
 
 def test_the_setting_reaches_children_and_a_users_own_is_kept() -> None:
-    show = f"import os; print(os.environ['{VAR}'])"
+    show = f"import os; print(os.environ.get('{VAR}'))"
     for given, want in ((None, "0"), ("1", "1")):
         env = _env() if given is None else _env(**{VAR: given})
         # a child of the importing process sees the same value (Ray's processes are such children)
-        code = f"import specdec; {show}; import subprocess, sys; " \
+        code = f"import orchestrator; {show}; import subprocess, sys; " \
                f"subprocess.run([sys.executable, '-c', {show!r}])"  # fmt: skip
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
                              text=True, timeout=120, check=True).stdout.split()  # fmt: skip
         assert out == [want, want]
+
+
+def test_the_client_library_leaves_a_users_environment_alone() -> None:
+    code = f"import os, specdec.client; print(os.environ.get('{VAR}'))"
+    out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True,
+                         text=True, timeout=120, check=True).stdout.split()  # fmt: skip
+    assert out == ["None"]
