@@ -357,7 +357,13 @@ def test_cut_link_runs_target_only_then_speculation_resumes(served: Served) -> N
     while "answered again" not in served.log.read_text() and time.monotonic() < deadline:
         time.sleep(0.5)  # Ray forwards the actors' logs to the serve process when it can
     text = served.log.read_text()
-    assert "did not answer a Propose within 300 ms" in text, text[-3000:]
+    # whichever call meets the cut link first misses its deadline: a Propose of the running
+    # steps, or the Admit of a request the client sends meanwhile (a CI run, 2026-11-26)
+    stall = r"draft service stalled, requests run at k = 0 until it answers: (.*)"
+    missed = re.search(stall, text)
+    assert missed, text[-3000:]
+    assert re.search(r"did not answer a Propose within 300 ms|^Admit on the draft service at "
+                     r"\S+: DEADLINE_EXCEEDED", missed[1]), missed[0]  # fmt: skip
     assert "draft service down" not in text
     stalled_s = re.search(r"answered again after ([\d.]+) s", text)
     assert stalled_s, text[-3000:]
