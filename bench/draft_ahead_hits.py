@@ -39,28 +39,33 @@ from orchestrator.demo import PROMPTS
 from orchestrator.demo_models import DemoBudget, build_demo_models
 from specdec.runner import RunnerConfig
 from specdec.sampling_params import SamplingParams
+from specdec.serving.cli import checkpoint_seq_len
 from target_service.config import TargetConfig
+
+
+def context(
+    target: Path, draft: Path, prompts: Sequence[str], tokens: int, k: int
+) -> tuple[list[list[int]], int]:
+    """The prompts as the target's token ids, and the positions the runners hold: the whole
+    context both checkpoints allow (the demo's 128), at most 2048, since the draft drafts ahead
+    while a request has room for twice its drafts. SystemExit if the run does not fit."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(target), local_files_only=True)
+    encoded = [tok(p)["input_ids"] for p in prompts]
+    length = min(2048, *(checkpoint_seq_len(str(c)) or 2048 for c in (target, draft)))
+    if max(map(len, encoded)) + tokens + k + 1 > length:
+        raise SystemExit(f"the prompts plus {tokens} new tokens and k + 1 do not fit the "
+                         f"{length} positions the runners hold: lower --tokens")  # fmt: skip
+    return encoded, length
 
 
 def run_one(
     target: Path, draft: Path, fanout: int, temperature: float, k: int, tokens: int,
-    device: str, dtype: str, prompts: Sequence[str],
+    device: str, dtype: str, encoded: list[list[int]], length: int,
 ) -> dict[str, Any]:  # fmt: skip
-    from transformers import AutoConfig, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(str(target), local_files_only=True)
-    encoded = [tok(p)["input_ids"] for p in prompts]
     slots = len(encoded)
     ahead_slots = fanout * (k + 1) * slots
-    # the draft drafts ahead while a request has room for twice its drafts: the whole context
-    # both models hold (the demo's 128), at most 2048
-    positions = [
-        AutoConfig.from_pretrained(str(c)).max_position_embeddings for c in (target, draft)
-    ]
-    length = min(*positions, 2048)
-    if max(map(len, encoded)) + tokens + k + 1 > length:
-        raise SystemExit(f"the prompts plus {tokens} new tokens and k + 1 do not fit the "
-                         f"{length} positions the runners hold: lower --tokens")  # fmt: skip
     runner = {"max_seq_len": length, "device": device, "dtype": dtype}
     draft_config = DraftConfig(
         runner=RunnerConfig(str(draft), max_slots=slots + ahead_slots, **runner),
@@ -130,10 +135,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         demo = build_demo_models(None, budget=budget)
         target, draft = demo.target, demo.draft
         pair = "the CI recipe's demo pair" if args.smoke else "the demo pair"
+    encoded, length = context(target, draft, prompts, tokens, args.k)
     rows = []
     configs = [(t, f) for t in args.temperatures for f in [0, *args.fanouts]]
     for t, f in tqdm(configs, desc="draft-ahead hit rates"):
-        rows.append(run_one(target, draft, f, t, args.k, tokens, device, dtype, prompts))
+        rows.append(run_one(target, draft, f, t, args.k, tokens, device, dtype, encoded, length))
     for r in rows:  # draft-ahead never changes a seeded output
         base = next(b for b in rows if b["temperature"] == r["temperature"] and b["fanout"] == 0)
         r["same_output_as_off"] = r["output"] == base["output"]

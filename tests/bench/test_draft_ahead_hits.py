@@ -66,6 +66,7 @@ def test_a_changed_output_fails_only_where_outputs_must_be_identical(
                 "hit_rate": fanout / 4 if fanout else None, "acceptance_rate": 0.5,
                 "output": [[1, 2 if fanout < 2 else 3]]}  # fmt: skip
 
+    monkeypatch.setattr(draft_ahead_hits, "context", lambda *_: ([[5, 6]], 64))
     monkeypatch.setattr(draft_ahead_hits, "run_one", fake)
     argv = ["--target", "t", "--draft", "d", "--dtype", dtype, "--out", str(tmp_path)]
     assert draft_ahead_hits.main(argv) == code
