@@ -35,6 +35,7 @@ from orchestrator.config import (
 )
 from orchestrator.demo import add_demo_args, run_demo
 from orchestrator.generate_cli import add_generate_args, run_generate
+from orchestrator.preflight import check_before_ray
 from orchestrator.supervisor import follow_parent, is_child, run_in_child
 from specdec.defaults import default_of
 from specdec.serving.auth import read_api_key_file
@@ -312,8 +313,8 @@ def run_serve(args: argparse.Namespace) -> int:
     """The orchestrator runs in a child process of its own session (`orchestrator.supervisor`
     says why); this process relays signals to it."""
     if not is_child():
-        try:  # bad flags are refused here, on this process's stderr, before any child starts
-            serve_config(args)
+        try:  # bad flags, checkpoints and ports are refused here, before any child or Ray
+            check_before_ray(serve_config(args))
         except ValueError as e:
             print(f"{PROG} serve: {e}", file=sys.stderr)
             return 2
