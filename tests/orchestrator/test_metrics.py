@@ -260,3 +260,20 @@ def test_served_in_the_classic_text_format_whatever_the_scraper_asks(served) -> 
         text = response.read().decode()
     assert 'specdec:request_errors_total{code="INTERNAL"' in text
     assert "specdec_" not in text
+
+
+def test_no_created_series(served) -> None:
+    """No `_created` series (each counter and histogram child's creation time): the scrape
+    holds the counters, histograms and gauges alone."""
+    metrics, port = served
+    for report in REPORTS:
+        metrics.on_step(report, PROPOSERS.get)
+    metrics.on_error("INTERNAL")
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+        text = response.read().decode()
+    assert "_created" not in text
+    names = {s.name for family in text_string_to_metric_families(text) for s in family.samples}
+    assert {"specdec:request_errors_total", "specdec:step_seconds_count", "specdec:pairs"} <= names
+    assert metrics.registry.get_sample_value(  # the registry itself keeps them
+        "specdec:request_errors_created", {"model_pair": PAIR, "code": "INTERNAL"}
+    )
