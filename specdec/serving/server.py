@@ -1,8 +1,8 @@
 """A gRPC server with what both services need: the standard health service (NOT_SERVING until
-the model is loaded and warmed up), server reflection, max message sizes, optional TLS, the
-exception → status interceptor, request parsing inside the call (undecodable bytes are
-INVALID_ARGUMENT, `specdec.serving.decoding`), and a graceful stop on SIGTERM (health flips
-first, then `stop(grace)`).
+the model is loaded and warmed up), server reflection (v1 and v1alpha), max message sizes,
+optional TLS, the exception → status interceptor, request parsing inside the call (undecodable
+bytes are INVALID_ARGUMENT, `specdec.serving.decoding`), and a graceful stop on SIGTERM (health
+flips first, then `stop(grace)`).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from specdec.serving.decoding import DecodingInterceptor
+from specdec.serving.reflection import enable_server_reflection
 from specdec.serving.status import StatusInterceptor
 
 log = logging.getLogger(__name__)
@@ -113,9 +113,7 @@ class Server:
         )
         register(self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self._server)
-        reflection.enable_server_reflection(
-            (*self.service_names, health.SERVICE_NAME, reflection.SERVICE_NAME), self._server
-        )
+        enable_server_reflection((*self.service_names, health.SERVICE_NAME), self._server)
         self.set_serving(False)
         self.port = 0
         self._stopped = threading.Event()

@@ -15,6 +15,7 @@ from pathlib import Path
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
     ProtoReflectionDescriptorDatabase,
 )
@@ -248,3 +249,37 @@ def test_a_service_main_that_cannot_bind_exits_2_with_one_line(
 
     assert serve("draft_service", start) == 2
     assert capsys.readouterr().err == f"draft_service: {message}\n"
+
+
+def _reflect(
+    channel: grpc.Channel, version: str, **ask: str
+) -> reflection_pb2.ServerReflectionResponse:
+    """One reflection request to `grpc.reflection.{version}`; v1's messages are v1alpha's
+    under another package (the same fields, the same bytes on the wire)."""
+    call = channel.stream_stream(
+        f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+        request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+        response_deserializer=reflection_pb2.ServerReflectionResponse.FromString,
+    )
+    (answer,) = call(iter([reflection_pb2.ServerReflectionRequest(**ask)]), timeout=10)
+    return answer
+
+
+@pytest.mark.parametrize("version", ["v1", "v1alpha"])
+def test_reflection_v1_and_v1alpha(server: Server, version: str) -> None:
+    """Current clients (grpcurl) ask v1 first; both list the services, and v1 describes
+    itself as the package grpc.reflection.v1."""
+    from google.protobuf import descriptor_pb2
+
+    with make_channel(f"127.0.0.1:{server.port}") as channel:
+        listed = _reflect(channel, version, list_services="").list_services_response
+        names = {s.name for s in listed.service}
+        assert {SERVICE, "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+                "grpc.reflection.v1alpha.ServerReflection"} <= names  # fmt: skip
+        symbol = f"grpc.reflection.{version}.ServerReflection"
+        found = _reflect(channel, version, file_containing_symbol=symbol)
+    (file,) = found.file_descriptor_response.file_descriptor_proto
+    proto = descriptor_pb2.FileDescriptorProto.FromString(file)
+    assert proto.package == f"grpc.reflection.{version}"
+    method = proto.service[0].method[0]
+    assert method.input_type == f".grpc.reflection.{version}.ServerReflectionRequest"
