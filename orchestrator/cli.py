@@ -168,9 +168,12 @@ def _server_args(parser: argparse.ArgumentParser) -> None:
                    help="Prometheus /metrics over HTTP; 0 picks a free port, -1 turns it "
                         "off")  # fmt: skip
     g.add_argument("--grace-s", type=float, default=d("grace_s"),
-                   help="seconds running requests get to finish on SIGTERM")  # fmt: skip
+                   help="seconds the calls in flight, gRPC and HTTP, get to finish on SIGTERM "
+                        "once the drain is over")  # fmt: skip
     g.add_argument("--drain-s", type=float, default=d("drain_s"),
-                   help="seconds health reports NOT_SERVING before the ports close")  # fmt: skip
+                   help="on SIGTERM, seconds health reports NOT_SERVING (HTTP /health 503) "
+                        "while both ports still take calls, before they refuse new ones; "
+                        "e.g. 5 behind a load balancer")  # fmt: skip
     g.add_argument("--max-workers", type=int, default=d("max_workers"),
                    help="gRPC server threads (each streaming call holds one)")  # fmt: skip
     g.add_argument("--max-concurrent-calls", type=int, default=d("max_concurrent_calls"),
@@ -189,8 +192,12 @@ def _tls_args(parser: argparse.ArgumentParser) -> None:
     d, ds = partial(default_of, ServeConfig), partial(default_of, ServiceConfig)
     pem = partial(g.add_argument, type=Path, metavar="FILE")
     pem("--tls-cert", default=d("tls_cert"),
-        help="certificate chain of the client port (with --tls-key)")  # fmt: skip
+        help="certificate chain of the client ports, gRPC and HTTP: both then speak TLS only "
+             "(with --tls-key)")  # fmt: skip
     pem("--tls-key", default=d("tls_key"), help="private key of --tls-cert")
+    pem("--tls-client-ca", default=d("tls_client_ca"),
+        help="CA whose client certificates the client ports require: a client without one "
+             "it signed is refused at the TLS handshake (with --tls-cert)")  # fmt: skip
     pem("--service-tls-cert", default=ds("tls_cert"),
         help="certificate chain of the draft and target services' servers, every pair (with "
              "--service-tls-key and --service-tls-root-cert)")  # fmt: skip
@@ -304,8 +311,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
         else args.metrics_port,
         grace_s=args.grace_s, drain_s=args.drain_s, max_workers=args.max_workers,
         max_concurrent_calls=args.max_concurrent_calls, tls_cert=args.tls_cert,
-        tls_key=args.tls_key, max_request_bytes=args.max_request_bytes,
-        api_key=_api_key(args),
+        tls_key=args.tls_key, tls_client_ca=args.tls_client_ca,
+        max_request_bytes=args.max_request_bytes, api_key=_api_key(args),
     )  # fmt: skip
 
 
@@ -335,9 +342,8 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"{PROG} serve: {e}", file=sys.stderr)
         return 2
     print(f"{PROG}: serving {config.model_name} on {config.host}:{port}", flush=True)
-    if orchestrator.http_port is not None:
-        url = f"http://{config.host}:{orchestrator.http_port}/v1"
-        print(f"{PROG}: OpenAI-compatible HTTP API on {url}", flush=True)
+    if orchestrator.http_url is not None:
+        print(f"{PROG}: OpenAI-compatible HTTP API on {orchestrator.http_url}", flush=True)
     orchestrator.serve_until_signal()
     if orchestrator.ray_stuck:  # Ray's exit handler would wait 60 s for its stopped GCS
         logging.shutdown()

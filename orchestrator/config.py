@@ -336,12 +336,18 @@ class ServeConfig:
     port: int = 50050
     metrics_port: int | None = 9464
     http_port: int | None = None  # the OpenAI-compatible HTTP API; None: off
+    # on SIGTERM: health NOT_SERVING (HTTP /health 503) with both ports open for drain_s,
+    # then new calls are refused and the calls in flight get grace_s to finish
     grace_s: float = 10.0
     drain_s: float = 0.0
     max_workers: int = 256  # each streaming call holds a server thread while it runs
     max_concurrent_calls: int = 256 - SPARE_WORKERS  # more get RESOURCE_EXHAUSTED at once
-    tls_cert: Path | None = None  # PEM certificate chain and key: TLS on the client port
+    # PEM certificate chain and key: TLS on the client ports (gRPC, and HTTP with http_port)
+    tls_cert: Path | None = None
     tls_key: Path | None = None
+    # a CA (PEM): clients of both client ports must present a certificate it signed, else
+    # the handshake fails (mutual TLS)
+    tls_client_ca: Path | None = None
     # the client port's largest request; None derives it from max_seq_len
     # (`specdec.message_limits.request_bytes`)
     max_request_bytes: int | None = None
@@ -376,6 +382,13 @@ class ServeConfig:
                 f"raise --max-workers to hold more calls."
             )
         _check_tls_pair("--tls", self.tls_cert, self.tls_key)
+        if self.tls_client_ca is not None:
+            if self.tls_cert is None:
+                raise ValueError(
+                    "--tls-client-ca needs --tls-cert and --tls-key: client certificates are "
+                    "checked only over TLS."
+                )
+            _check_pem("--tls-client-ca", self.tls_client_ca)
         s = self.scheduler
         if s.proposer == "draft" and self.services.draft is None:
             raise ValueError(

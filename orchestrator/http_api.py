@@ -1,5 +1,5 @@
 """The OpenAI-compatible HTTP API of `specdec serve` (`--http-port`): Starlette on uvicorn, on a
-thread and event loop of its own inside the orchestrator's process.
+thread and event loop of its own inside the orchestrator's process (`orchestrator.http_server`).
 
     POST /v1/completions, /v1/chat/completions   (stream: server-sent events, then [DONE])
     GET  /v1/models, /health                     POST /tokenize, /detokenize (vLLM's shapes)
@@ -16,14 +16,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
-import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from functools import wraps
 from typing import Any
 
-import uvicorn
 from pydantic import BaseModel
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
@@ -260,31 +257,3 @@ class HttpApi:
             raise UnavailableError("No pair of services can take requests now; retry later.")
         return Response(status_code=200)
 
-
-class HttpServer:
-    """uvicorn serving an app on a bound socket, on a thread of its own."""
-
-    def __init__(self, app: Any, sock: socket.socket, grace_s: float) -> None:
-        self.port = int(sock.getsockname()[1])
-        config = uvicorn.Config(app, lifespan="off", log_level="warning", access_log=False,
-                                timeout_graceful_shutdown=max(int(grace_s), 1))  # fmt: skip
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [sock]}, name="http-api", daemon=True
-        )
-
-    def start(self, timeout_s: float = 30.0) -> None:
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
-                raise RuntimeError("The HTTP API server did not start.")
-            time.sleep(0.01)
-
-    def begin_stop(self) -> None:
-        """Stops taking connections; running requests get the graceful-shutdown timeout."""
-        self._server.should_exit = True
-
-    def join(self, timeout_s: float) -> None:
-        self.begin_stop()
-        self._thread.join(timeout_s)

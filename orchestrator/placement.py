@@ -29,12 +29,13 @@ from __future__ import annotations
 import logging
 import os
 import time
+import traceback
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -46,17 +47,37 @@ log = logging.getLogger(__name__)
 RETRY_S = 0.5
 
 
+class ServiceStartError(RuntimeError):
+    """A service that did not start: args (its error in one line, its traceback)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
 class ServiceActor:
-    """One service (role "target" or "draft") serving from this actor's process."""
+    """One service (role "target" or "draft") serving from this actor's process.
+
+    A service that fails to start is not an error of the actor's creation: Ray prints such an
+    error with its traceback (38 lines) from the actor's process, whatever the log level. It
+    is kept instead, and `info` raises it, for the orchestrator to log in one line (the
+    traceback at DEBUG).
+    """
 
     def __init__(self, role: str, config: ServiceConfig):
         from orchestrator.services import start_service  # torch lives in the actor only
 
-        self._server, self._info = start_service(role, config)
+        self._failure: ServiceStartError | None = None
         host = ray.util.get_node_ip_address()
+        try:
+            self._server, self._info = start_service(role, config)
+        except Exception as e:
+            self._failure = ServiceStartError(f"{type(e).__name__}: {e}", traceback.format_exc())
+            return
         self._address = f"{host}:{self._server.port}"
 
     def info(self) -> tuple[str, ModelInfo]:
+        if self._failure is not None:
+            raise self._failure
         return self._address, self._info
 
     def gpu_ids(self) -> list[str]:
@@ -68,7 +89,8 @@ class ServiceActor:
         return os.getpid()
 
     def stop(self, grace_s: float) -> None:
-        self._server.stop(grace_s)
+        if self._failure is None:
+            self._server.stop(grace_s)
 
 
 @dataclass(slots=True)
@@ -152,12 +174,24 @@ def _bundles(
     return [base | dict(r) for r in custom], list(range(services)), 1.0 if gpus else 0.0
 
 
+def _failure(e: ServiceStartError, role: str, pair: int) -> str:
+    """The one line of a service's failed start; its traceback is logged at DEBUG."""
+    own = e.cause if isinstance(e, RayTaskError) else e  # Ray raises it wrapped
+    log.debug("the %s service of pair %d failed to start:\n%s", role, pair, own.args[1])
+    return str(own)
+
+
 def _started(actor: Any, role: str, pair: int, timeout_s: float) -> tuple[str, ModelInfo]:
     """The actor's address and info once its service is warm; a failed start is a
     RuntimeError that ends with the service's own error."""
     try:
         address, info = ray.get(actor.info.remote(), timeout=timeout_s)
-    except RayActorError as e:
+    except ServiceStartError as e:
+        raise RuntimeError(
+            f"The {role} service of pair {pair} failed to start: {_failure(e, role, pair)}"
+        ) from None
+    except RayActorError as e:  # its process died
+        log.debug("the %s service of pair %d: %s", role, pair, e)
         cause = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
         raise RuntimeError(f"The {role} service of pair {pair} failed to start: {cause}") from e
     except GetTimeoutError as e:
@@ -270,6 +304,10 @@ class Placement:
                 raise RuntimeError(f"pair {index}'s {role} did not come back within {timeout:g} s.")
             try:
                 address, info = ray.get(actor.info.remote(), timeout=remaining)
+            except ServiceStartError as e:
+                raise RuntimeError(
+                    f"pair {index}'s {role} failed to start again: {_failure(e, role, index)}"
+                ) from None
             except (RayActorError, GetTimeoutError) as e:
                 log.info("pair %d: %s not back yet (%s)", index, role, type(e).__name__)
                 time.sleep(RETRY_S)
@@ -284,7 +322,8 @@ class Placement:
         try:
             ray.get([a.stop.remote(grace_s) for a in actors], timeout=grace_s + 10.0)
         except Exception as e:  # a dead or never started actor has nothing left to stop
-            log.info("stopping services: %s", e)
+            log.info("stopping services: %s", type(e).__name__)
+            log.debug("stopping services: %s", e)
         for a in actors:
             ray.kill(a, no_restart=True)
         for g in self._groups:

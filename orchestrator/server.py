@@ -2,10 +2,12 @@
 
 Start-up order: the gRPC server binds first and answers health NOT_SERVING (and UNAVAILABLE to
 requests) while Ray places the pairs and their services load and warm up; each pair's hub
-stream opens, the scheduler starts, then health turns SERVING. Stop: NOT_SERVING, `drain_s`,
-then in-flight calls get `grace_s` (requests still running just before it ends finish with
-FINISH_REASON_CANCELLED), then the hubs' streams close (releasing everything on the services),
-the actors stop, and a Ray cluster this process started shuts down.
+stream opens, the scheduler starts, then health turns SERVING. Stop, one drain for both client
+ports: gRPC health NOT_SERVING and HTTP /health 503 for `drain_s` while both ports still take
+calls (a load balancer notices before any call is refused), then both refuse new calls and
+those in flight, gRPC and HTTP, get `grace_s` (requests still running just before it ends
+finish with FINISH_REASON_CANCELLED), then the hubs' streams close (releasing everything on the
+services), the actors stop, and a Ray cluster this process started shuts down.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import threading
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 import ray
@@ -45,6 +47,9 @@ from specdec.serving.server import (
     ServerConfig,
     stop_on_signal,
 )
+
+if TYPE_CHECKING:
+    from orchestrator.http_server import HttpServer
 
 log = logging.getLogger(__name__)
 # grpc core holds calls that arrive faster than the Python server's poll thread takes them (one
@@ -143,18 +148,18 @@ class Orchestrator:
         self.metrics_port: int | None = None
         self._metrics_server: Any = None
         self.http_port: int | None = None
-        self._http: Any = None  # an http_api.HttpServer with --http-port
+        self._http: HttpServer | None = None  # with --http-port
         self.frontend = Frontend(config.max_concurrent_calls)
         self.servicer = GenerateServicer(self.frontend)
         self.server = Server(
             ApiServerConfig(
                 host=config.host,
                 port=config.port,
-                grace_s=config.grace_s,
-                drain_s=config.drain_s,
+                grace_s=config.grace_s,  # drain_s 0: `stop` drains both ports itself
                 max_workers=config.max_workers,
                 tls_cert=config.tls_cert,
                 tls_key=config.tls_key,
+                tls_client_ca=config.tls_client_ca,
                 max_message_bytes=config.request_bytes,
             ),
             [SERVICE_NAME],
@@ -191,7 +196,7 @@ class Orchestrator:
             pairs = self.placement.start()
             self._connect(pairs)
         except BaseException:
-            self.stop(0.0)
+            self.stop(0.0, drain_s=0.0)
             raise
         self._set_serving(True)
         log.info("serving %d pair(s) of %s", len(pairs), self.config.model_name)
@@ -214,16 +219,31 @@ class Orchestrator:
                 raise port_error(host, self.config.metrics_port, "--metrics-port", e) from None
             log.info("metrics on http://%s:%d/metrics", host, self.metrics_port)
         if self.config.http_port is not None:
-            from orchestrator.http_api import HttpApi, HttpServer
-
-            sock = bind(host, self.config.http_port, "--http-port")
-            template = ChatTemplate.from_dir(self.config.services.target)
-            api = HttpApi(self.frontend, template, self.config.api_key)
-            self._http = HttpServer(api.app, sock, self.config.grace_s)
+            self._http = self._http_server()
             self.http_port = self._http.port
             self._http.start()
-            log.info("OpenAI-compatible HTTP API on http://%s:%d/v1", host, self.http_port)
+            log.info("OpenAI-compatible HTTP API on %s", self.http_url)
         return port
+
+    def _http_server(self) -> HttpServer:
+        """The HTTP API on its bound port, with the gRPC port's TLS (not yet started)."""
+        from orchestrator.http_api import HttpApi  # Starlette and uvicorn only with --http-port
+        from orchestrator.http_server import HttpServer, TlsFiles
+
+        c = self.config
+        sock = bind(c.host, c.http_port or 0, "--http-port")
+        tls = None if c.tls_cert is None or c.tls_key is None else (
+            TlsFiles(c.tls_cert, c.tls_key, c.tls_client_ca))  # fmt: skip
+        template = ChatTemplate.from_dir(c.services.target)
+        api = HttpApi(self.frontend, template, c.api_key)
+        return HttpServer(api.app, sock, c.grace_s, tls)
+
+    @property
+    def http_url(self) -> str | None:
+        """The HTTP API's base URL (https with --tls-cert); None without --http-port."""
+        if self._http is None:
+            return None
+        return f"{self._http.scheme}://{self.config.host}:{self._http.port}/v1"
 
     def _connect(self, pairs: list[PairPlacement]) -> None:
         served = served_limits(self.config, pairs[0].target_info, pairs[0].draft_info)
@@ -331,27 +351,20 @@ class Orchestrator:
         )
         return generate_pb2.ServedModelInfo(models=[pb])
 
-    def stop(self, grace_s: float | None = None) -> None:
-        """Graceful stop (see the module docstring); safe to call twice."""
+    def stop(self, grace_s: float | None = None, drain_s: float | None = None) -> None:
+        """Graceful stop (see the module docstring); safe to call twice. `grace_s` and
+        `drain_s` default to the config's."""
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self.server.set_serving(False)  # gRPC health; HTTP /health follows `frontend.serving`
         self.frontend.serving = False
+        drain = self.config.drain_s if drain_s is None else drain_s
+        if drain > 0:
+            log.info("draining: NOT_SERVING for %.1f s, calls still taken", drain)
+            time.sleep(drain)
         grace = self.config.grace_s if grace_s is None else grace_s
-        if self._http is not None:  # takes no new connections; running requests go on
-            self._http.begin_stop()
-        sched = self.scheduler
-        timer = None
-        if sched is not None:  # end what still runs just before the grace period ends
-            timer = threading.Timer(max(0.0, grace - 0.5), sched.stop)
-            timer.start()
-        self.server.stop(grace)
-        if timer is not None:
-            timer.cancel()
-        if sched is not None:
-            sched.stop()
-        if self._http is not None:
-            self._http.join(grace + 1.0)
+        self._end_calls(grace)
         for client in self.clients:
             client.close()
         self._stop_ray(min(grace, 5.0))
@@ -361,6 +374,25 @@ class Orchestrator:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
         self._done.set()
+
+    def _end_calls(self, grace_s: float) -> None:
+        """Both ports refuse new calls; the calls in flight, gRPC and HTTP, get `grace_s` to
+        finish, and the scheduler ends what still runs just before it ends."""
+        deadline = time.monotonic() + grace_s
+        if self._http is not None:
+            self._http.begin_stop()
+        sched = self.scheduler
+        timer = None
+        if sched is not None:
+            timer = threading.Timer(max(0.0, grace_s - 0.5), sched.stop)
+            timer.start()
+        self.server.stop(grace_s)  # returns once its calls ended, or at the deadline
+        if self._http is not None:  # the HTTP calls run on meanwhile, on their own thread
+            self._http.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        if timer is not None:
+            timer.cancel()
+        if sched is not None:
+            sched.stop()
 
     def _stop_ray(self, grace_s: float) -> None:
         """Stops the services and a Ray cluster this process started, within RAY_STOP_S more.

@@ -73,15 +73,17 @@ def message_bytes(config: ServiceConfig) -> int:
     )
 
 
-def start_service(role: str, config: ServiceConfig) -> tuple[Any, ModelInfo]:
-    """Starts the target (role "target") or the draft (role "draft"); returns the running
-    server and the service's ModelInfo. The target starts without a draft: the orchestrator
-    checks the pair's tokenizers and then points the hub at it."""
+def start_service(role: str, config: ServiceConfig, host: str) -> tuple[Any, ModelInfo]:
+    """Starts the target (role "target") or the draft (role "draft") listening on `host` (its
+    node's address, not every interface: a service without TLS must not be reachable from
+    every network the node is on); returns the running server and the service's ModelInfo.
+    The target starts without a draft: the orchestrator checks the pair's tokenizers and then
+    points the hub at it."""
     from specdec.serving.server import ServerConfig
 
     device = actor_device(config)
     server = ServerConfig(
-        host="0.0.0.0", port=0, tls_cert=config.tls_cert, tls_key=config.tls_key,
+        host=host, port=0, tls_cert=config.tls_cert, tls_key=config.tls_key,
         tls_client_ca=config.tls_root_cert, max_message_bytes=message_bytes(config),
     )  # fmt: skip
     if role == "draft":

@@ -186,7 +186,7 @@ def test_the_orchestrator_starts_the_stand_in_in_place_of_the_draft(
         cuda_graph_batch_sizes=SIZES, synthetic_acceptance_length=2.0,
         synthetic_num_draft_tokens=3, draft_stand_in=marked,
     )  # fmt: skip
-    server, info = start_service("draft", config)
+    server, info = start_service("draft", config, "127.0.0.1")
     try:
         assert info.architecture == "MarkedByTheTimesFile" and info.max_requests == 8
     finally:

@@ -16,9 +16,10 @@ from orchestrator.server import Orchestrator
 
 @contextmanager
 def api_on(pair: LocalPair, config: ServeConfig) -> Iterator[Orchestrator]:
-    """An Orchestrator serving `pair` (its placement never starts: no Ray is involved)."""
+    """An Orchestrator serving `pair` (its placement never starts: no Ray is involved), on the
+    ports `config` asks for (HTTP with `http_port`, metrics with `metrics_port`)."""
     orchestrator = Orchestrator(config)
-    orchestrator.server.start()
+    orchestrator._bind()
     no_ray: Any = None  # no placement group or actor handles: the pair is local
     placed = PairPlacement(
         0, no_ray, no_ray, pair.target_address, pair.target_engine.info, no_ray,
@@ -26,7 +27,7 @@ def api_on(pair: LocalPair, config: ServeConfig) -> Iterator[Orchestrator]:
     )  # fmt: skip
     try:
         orchestrator._connect([placed])
-        orchestrator.server.set_serving(True)
+        orchestrator._set_serving(True)  # gRPC health and HTTP /health
         yield orchestrator
     finally:
         orchestrator.stop(0.5)

@@ -8,6 +8,7 @@ nodes)."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import time
 from collections.abc import Iterator
@@ -265,3 +266,28 @@ def test_a_local_cluster_late_to_start_is_started_once_more(
     monkeypatch.setattr(placement_module.ray, "init", other)
     with pytest.raises(RuntimeError, match="something else"):  # only that timeout is retried
         placement_module.connect(PlacementConfig(num_cpus=2), 2)
+
+
+def test_a_service_that_fails_to_start_is_one_line(
+    cluster: None,
+    tmp_path: Path,
+    capfd: pytest.CaptureFixture[str],
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Ray prints an actor's creation error from the actor's process, traceback and all,
+    whatever the log level: the real ServiceActor hands its service's error to `info` instead,
+    which comes back as one line, its traceback logged at DEBUG only."""
+    config = services(tmp_path, draft=None, device="cpu")  # an empty directory: no config.json
+    placement = Placement(PlacementConfig(pairs=1), config)
+    with caplog.at_level(logging.DEBUG, "orchestrator.placement"), pytest.raises(RuntimeError) as e:
+        placement.start()
+    time.sleep(3)  # the actor's printed lines reach this process asynchronously
+    printed = capfd.readouterr().err
+    assert "Traceback" not in printed and "creation task" not in printed, printed
+    assert str(e.value) == (
+        f"The target service of pair 0 failed to start: CheckpointError: The model directory "
+        f"'{tmp_path / 'target'}' has no config.json."
+    )
+    debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
+    assert any("Traceback" in line and "has no config.json" in line for line in debug)
+    assert not [r for r in caplog.records if r.levelno > logging.DEBUG and "Traceback" in r.msg]

@@ -46,6 +46,9 @@ def test_bad_tls_flags_fail_at_start_up(
         "--service-tls-root-cert and --service-tls-client-cert/--service-tls-client-key go "
         "together": ["--service-tls-cert", str(cert), "--service-tls-key", str(key),
                      "--service-tls-root-cert", ca_path],
+        "--tls-client-ca needs --tls-cert and --tls-key": ["--tls-client-ca", ca_path],
+        "--tls-client-ca .* is not a PEM file": [
+            "--tls-cert", str(cert), "--tls-key", str(key), "--tls-client-ca", str(not_pem)],
         "--api-key must be 16 to 4096 printable ASCII": ["--api-key", "short"],
         "--api-key-file '/nonexistent/key' cannot be read": [
             "--api-key-file", "/nonexistent/key"],
