@@ -34,6 +34,9 @@ class Tracked:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted: int = 0
+    # a sampled request: its seed is its own (as the orchestrator's seeded requests), so its
+    # k must not depend on draft-ahead's hits (ProposeEntry.fixed_num_draft_tokens)
+    fixed_num_draft_tokens: bool = False
 
     @property
     def generated(self) -> list[int]:
@@ -81,7 +84,9 @@ class Pipeline:
         pb = AdmitRequest(request_id, tuple(prompt), sampling).to_pb()
         for stub in self._stubs:
             stub.Admit(pb, timeout=self.timeout_s)
-        self.requests[request_id] = Tracked(list(prompt), len(prompt))
+        tracked = Tracked(list(prompt), len(prompt))
+        tracked.fixed_num_draft_tokens = not sampling.greedy
+        self.requests[request_id] = tracked
 
     def release(self, request_ids: Sequence[str]) -> None:
         pb = common_pb2.ReleaseRequest(request_ids=request_ids)
@@ -116,7 +121,8 @@ class Pipeline:
         asks = []
         for rid, k in num_draft_tokens.items():
             seq = self.requests[rid]
-            ask = ProposeEntry(rid, seq.next_step, tuple(seq.new_tokens), len(seq.tokens), k)
+            ask = ProposeEntry(rid, seq.next_step, tuple(seq.new_tokens), len(seq.tokens), k,
+                               seq.fixed_num_draft_tokens)  # fmt: skip
             asks.append(ask.to_pb())
         start = time.perf_counter()
         proposed = self._propose(draft_pb2.ProposeBlock(entries=asks))

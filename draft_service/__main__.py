@@ -35,8 +35,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-requests", type=int, default=d("max_requests"), help="n-gram only")
     parser.add_argument("--draft-ahead", type=int, default=d("draft_ahead"), metavar="F",
                         help="guesses per accepted count drafted ahead (0: off)")  # fmt: skip
+    parser.add_argument("--draft-ahead-backup", choices=["auto", "always", "never"],
+                        default=d("draft_ahead_backup"),
+                        help="with --draft-ahead: a miss takes a backup proposal of no drafts "
+                             "(auto: where that commits more tokens per second)")  # fmt: skip
     parser.add_argument("--draft-ahead-slots", type=int, default=d("draft_ahead_slots"),
                         help="of --max-slots, the KV slots kept for draft-ahead")  # fmt: skip
+    parser.add_argument("--saguaro-scale", type=float, default=d("saguaro_scale"), metavar="C",
+                        help="with --draft-ahead: sample drafts from q with its F + 1 most likely "
+                             "tokens scaled by C in (0, 1] (Saguaro sampling; 1: off), so "
+                             "chains hit at temperature > 0; exact")  # fmt: skip
     parser.add_argument("--synthetic-hit-rate", type=float, default=d("synthetic_hit_rate"),
                         help="BENCHMARKING ONLY: the share of asks that find a chain drafted "
                              "ahead, whatever the verdict")  # fmt: skip
@@ -59,6 +67,8 @@ def draft_config(args: argparse.Namespace) -> DraftConfig:
         max_requests=args.max_requests,
         draft_ahead=args.draft_ahead,
         draft_ahead_slots=args.draft_ahead_slots,
+        draft_ahead_backup=args.draft_ahead_backup,
+        saguaro_scale=args.saguaro_scale,
         synthetic_hit_rate=args.synthetic_hit_rate,
         stand_in=args.stand_in,
         server=server_config(args),

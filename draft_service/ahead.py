@@ -141,3 +141,47 @@ def synthetic_hit(
         return verdict
     same_count = [key for key in chains if len(key) == len(verdict)]
     return same_count[0] if same_count else verdict
+
+
+EWMA_WEIGHT = 0.1  # of each new measurement in BackupChoice's averages
+
+
+@dataclass(slots=True)
+class BackupChoice:
+    """Whether the asks that found no chain are drafted now or get a backup proposal of no
+    drafts, by expected committed tokens per second of the step.
+
+    Drafting them now makes the whole step wait for a draft pass: B requests commit L tokens
+    each in T_step + T_draft. A backup (k = 0) commits one token for each of the m missed
+    requests (a target sample: exact, and the output does not change for greedy requests) and
+    L for the B - m hits, in T_step; their drafts for the next step are made behind the
+    verify (`DraftEngine.draft_ahead`). So back up when ((B - m) L + m) / T_step exceeds
+    B L / (T_step + T_draft). Example (8B / 1B on H100s, L = 3, T_step 7 ms, T_draft 5 ms):
+    batch 8 with 2 misses backs up (3.1 against 2.0 tokens/ms); batch 1 with its one miss drafts
+    now (0.25 against 0.14); at L = 1.5 that miss backs up too. L is the mean committed per
+    verdict on drafts, T_draft the wall time of drafting now, both measured here; T_step is the
+    hub's (ProposeBlock.target_step_s). Until all three are known, misses are drafted now.
+    """
+
+    mean_committed: float | None = None  # L
+    draft_s: float | None = None  # T_draft
+
+    def committed(self, tokens: int) -> None:
+        """A verdict on drafts committed `tokens`."""
+        self.mean_committed = _average(self.mean_committed, float(tokens))
+
+    def drafted(self, seconds: float) -> None:
+        """A pass drafting missed asks now took `seconds`."""
+        self.draft_s = _average(self.draft_s, seconds)
+
+    def pays(self, asks: int, missed: int, step_s: float) -> bool:
+        """Whether `missed` of `asks` requests with drafts wanted should take the backup."""
+        length, draft_s = self.mean_committed, self.draft_s
+        if length is None or draft_s is None or step_s <= 0 or not 0 < missed <= asks:
+            return False
+        backup = ((asks - missed) * length + missed) / step_s
+        return backup > asks * length / (step_s + draft_s)
+
+
+def _average(old: float | None, new: float) -> float:
+    return new if old is None else old + EWMA_WEIGHT * (new - old)

@@ -34,6 +34,15 @@ class DraftConfig:
     # the runner's KV slots are kept for the hypotheses (requests get the others)
     draft_ahead: int = 0
     draft_ahead_slots: int = 0
+    # with draft-ahead, whether an ask whose verdict was not drafted ahead gets a backup
+    # proposal of no drafts (the step does not wait; its drafts are made ahead for the next
+    # step): "auto" where that commits more tokens per second (ahead.BackupChoice), "always",
+    # or "never" (drafted now, as without draft-ahead). Seeded sampled requests never do.
+    draft_ahead_backup: Literal["auto", "always", "never"] = "auto"
+    # Saguaro sampling (draft_service.sampling), with draft_ahead: the draft samples from q with
+    # its draft_ahead + 1 most likely tokens scaled by this and renormalised, and sends that q,
+    # so a rejection's token is more often one it guessed. 1: off. Exact for any value.
+    saguaro_scale: float = 1.0
     # BENCHMARKING ONLY (with the target's synthetic acceptance, whose verdicts ignore the
     # drafts): an ask finds its chain drafted ahead with this probability whatever its verdict
     # token, so a benchmark on random weights sets the hit rate. None: real hits only.
@@ -63,8 +72,20 @@ class DraftConfig:
             raise ValueError(f"max_requests must be >= 1, got {self.max_requests}.")
         if not 0 <= self.draft_ahead <= 16:
             raise ValueError(f"draft_ahead must be in [0, 16], got {self.draft_ahead}.")
+        if self.draft_ahead_backup not in ("auto", "always", "never"):
+            raise ValueError(
+                "draft_ahead_backup must be 'auto', 'always' or 'never', "
+                f"got {self.draft_ahead_backup!r}."
+            )
         if self.draft_ahead and self.proposer != "model":
             raise ValueError("draft_ahead needs proposer 'model' (prompt lookup costs nothing).")
+        if not 0.0 < self.saguaro_scale <= 1.0:
+            raise ValueError(f"saguaro_scale must be in (0, 1] (1: off), got {self.saguaro_scale}.")
+        if self.saguaro_scale < 1.0 and not self.draft_ahead:
+            raise ValueError(
+                "saguaro_scale below 1 needs draft_ahead: it scales the tokens draft-ahead "
+                f"guesses, got saguaro_scale {self.saguaro_scale} with draft_ahead 0."
+            )
         rate = self.synthetic_hit_rate
         if rate is not None and not (self.draft_ahead and 0.0 <= rate <= 1.0):
             raise ValueError(

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from itertools import chain, product
@@ -55,9 +56,13 @@ WARMUP_PREFIX = "\x1fwarm-up "  # start-up requests' ids: no client id holds U+0
 GRAPHED_TAIL = 2
 
 
-def make_head(vocab_size: int, support_size: int | None) -> Head:
+def make_head(
+    vocab_size: int, support_size: int | None, top_scale: float = 1.0, top_count: int = 0
+) -> Head:
     """Step head: logits [B, n, V] → (token_ids [B], probs [B, K'|V][, ids [B, K']]), sampling
-    row b from its position last[b] (a catch-up's rows are padded to the longest)."""
+    row b from its position last[b] (a catch-up's rows are padded to the longest). With
+    `top_scale` < 1 (Saguaro sampling, `sampling.sample_draft`) the `top_count` most likely
+    tokens are scaled down in the q sampled from and sent."""
 
     def head(
         logits: torch.Tensor,  # [B, n, V]
@@ -70,7 +75,9 @@ def make_head(vocab_size: int, support_size: int | None) -> Head:
     ) -> tuple[torch.Tensor, ...]:
         index = last[:, None, None].expand(-1, 1, logits.shape[2])
         rows = logits.gather(1, index).squeeze(1)[:, :vocab_size]
-        s = sample_draft(rows, temperature, top_k, top_p, seed, position, support_size)
+        s = sample_draft(
+            rows, temperature, top_k, top_p, seed, position, support_size, top_scale, top_count
+        )
         if s.support_ids is None:
             return s.token_ids, s.probs
         return s.token_ids, s.probs, s.support_ids
@@ -117,6 +124,7 @@ class Proposal:
     ahead_hits: int = 0
     ahead_misses: int = 0
     ahead_s: float = 0.0
+    ahead_backups: int = 0
 
 
 @dataclass(slots=True)
@@ -126,6 +134,7 @@ class _Request:
     next_step: int
     kv: list[int] = field(default_factory=list)  # tokens in the runner's KV cache
     drafts: list[int] = field(default_factory=list)  # the last proposal's, for draft-ahead
+    k: int = 0  # the k the last ask wanted (a backup proposal drafted none of them)
     guesses: list[list[int]] = field(default_factory=list)  # [k][F + 1] ids at each draft
     chains: dict[tuple[int, ...], ahead.Chain] = field(default_factory=dict)  # by verdict
     chains_step: int = -1  # the step the chains are drafts for
@@ -143,10 +152,11 @@ class DraftEngine:
         self.config, self.runner, self.info = config, runner, info
         self.vocab_size = info.tokenizer_vocab_size
         support = config.support_size if config.q_form == "sparse" else None
-        self._head = make_head(self.vocab_size, support)
+        # Saguaro sampling scales down exactly the tokens draft-ahead guesses (`with_guesses`)
+        guesses = min(config.draft_ahead + 1, self.vocab_size)
+        self._head = make_head(self.vocab_size, support, config.saguaro_scale, guesses)
         self._greedy_head = make_greedy_head(self.vocab_size)
         # made once: the runner captures a graph per (shape, head)
-        guesses = min(config.draft_ahead + 1, self.vocab_size)
         self._guessing_heads = (
             with_guesses(self._head, self.vocab_size, guesses),
             with_guesses(self._greedy_head, self.vocab_size, guesses),
@@ -154,8 +164,10 @@ class DraftEngine:
         self._requests: dict[str, _Request] = {}
         self._lock = threading.Lock()
         self.ahead_hits = self.ahead_misses = 0  # asks that found a chain drafted ahead, or not
+        self.ahead_backups = 0  # asks that found none and got a backup proposal (no drafts)
         self._ahead_s = 0.0  # device time of the passes ahead since the last proposal
         self._accepted = ahead.AcceptedCounts()  # the verdicts' accepted counts seen so far
+        self._backup = ahead.BackupChoice()  # whether a miss drafts now or takes a backup
         if runner is not None:  # the `last` head input of one-token steps: row 0
             self._zeros = torch.zeros(
                 runner.config.max_slots, dtype=torch.long, device=runner.config.device
@@ -210,10 +222,11 @@ class DraftEngine:
         proposal = self.propose_timed(asks)
         return proposal.block, proposal.errors
 
-    def propose_timed(self, asks: Sequence[ProposeEntry]) -> Proposal:
+    def propose_timed(self, asks: Sequence[ProposeEntry], target_step_s: float = 0.0) -> Proposal:
         """`propose`, the device time of the step's forwards and its draft-ahead hits. A step
         that raises leaves every request as it was before it (tokens, step, KV), so the same
-        block may be sent again."""
+        block may be sent again. `target_step_s` is the hub's step time less its wait for
+        this service (0: unknown), for the backup choice (`ahead.BackupChoice`)."""
         with self._lock:
             counts: dict[str, int] = {}
             for a in asks:
@@ -227,6 +240,10 @@ class DraftEngine:
                 else:
                     errors.append((a.request_id, err))
             before = (self.ahead_hits, self.ahead_misses)
+            for a in ok:
+                req = self._requests[a.request_id]
+                if req.drafts and a.step == req.next_step:  # a verdict on drafts: tokens committed
+                    self._backup.committed(len(a.new_token_ids))
             hits = {a.request_id: c for a in ok if (c := self._take_chain(a)) is not None}
             ahead = (self.ahead_hits - before[0], self.ahead_misses - before[1], self._ahead_s)
             self._ahead_s = 0.0  # reported with this proposal (kept for the next if it fails)
@@ -239,8 +256,8 @@ class DraftEngine:
                     req.next_step = a.step + 1
                 if self.runner is None:
                     return Proposal(self._draft_ngram(ok), errors, StepTimes(), *ahead)
-                block, times = self._draft_model(ok, hits, applied)
-                return Proposal(block, errors, times, *ahead)
+                block, times, backups = self._draft_model(ok, hits, applied, target_step_s)
+                return Proposal(block, errors, times, *ahead, backups)
             except BaseException:
                 self._ahead_s += ahead[2]
                 for a, state in zip(ok, saved, strict=True):
@@ -288,16 +305,33 @@ class DraftEngine:
         return self._block(asks, ids, [Q_NONE] * len(asks))
 
     def _draft_model(
-        self, asks: list[ProposeEntry], hits: dict[str, ahead.Chain], applied: set[str]
-    ) -> tuple[DraftBlock, StepTimes]:
+        self,
+        asks: list[ProposeEntry],
+        hits: dict[str, ahead.Chain],
+        applied: set[str],
+        target_step_s: float,
+    ) -> tuple[DraftBlock, StepTimes, int]:
         """Drafts for the asks: a hit's chain (its slot becomes the request's, noted in
-        `applied`), the others drafted now in one pass."""
+        `applied`), the others drafted now in one pass, or given a backup proposal of no
+        drafts where that commits more tokens per second (`ahead.BackupChoice`); returns how
+        many got one."""
         assert self.runner is not None
         active = [a for a in asks if a.num_draft_tokens > 0 and a.request_id not in hits]
         drafts: dict[str, list[int]] = {}
         q_rows: dict[str, tuple[torch.Tensor, ...]] = {}
         times = StepTimes()
+        backups = set()
+        mode = self.config.draft_ahead_backup
+        fixed = any(a.fixed_num_draft_tokens for a in active)  # the step waits for them anyway
+        ahead_on = bool(self.config.draft_ahead and self.runner.can_fork)
+        if active and not fixed and mode != "never" and ahead_on:
+            wanted = sum(a.num_draft_tokens > 0 for a in asks)
+            if mode == "always" or self._backup.pays(wanted, len(active), target_step_s):
+                backups = {a.request_id for a in active}
+                self.ahead_backups += len(backups)
+                active = []
         if active:
+            started = time.perf_counter()
             with on_device(self.runner.device):  # gRPC threads start on cuda:0
                 ids = [a.request_id for a in active]
                 reqs = [self._requests[i] for i in ids]
@@ -306,6 +340,7 @@ class DraftEngine:
                 drafted, q, sampled, guesses, times = self._drafts(ids, reqs, ks, guess)
                 for req, g in zip(reqs, guesses, strict=True):
                     req.guesses = g
+            self._backup.drafted(time.perf_counter() - started)
             chosen = [i for i, s in zip(ids, sampled, strict=True) if s]
             k_of = dict(zip(ids, ks, strict=True))
             drafts = dict(zip(ids, drafted, strict=True))
@@ -323,15 +358,16 @@ class DraftEngine:
                     q_rows[a.request_id] = tuple(t[: a.num_draft_tokens] for t in chain.q)
         for a in asks:
             req = self._requests[a.request_id]
-            req.drafts = drafts.get(a.request_id, [])
-            if a.num_draft_tokens == 0:  # no forward ran: last step's guesses are for other
-                req.guesses = []  # positions, and nothing is drafted ahead of a k = 0 verdict
+            req.drafts, req.k = drafts.get(a.request_id, []), a.num_draft_tokens
+            if a.num_draft_tokens == 0 or a.request_id in backups:  # no forward ran: last
+                req.guesses = []  # step's guesses are for other positions (`draft_ahead`
+                # catches the KV up, and guesses for a backup's verdict)
         form = Q_SPARSE if self.config.q_form == "sparse" else Q_DENSE
         forms = [form if a.request_id in q_rows else Q_NONE for a in asks]
         rows = [q_rows[a.request_id] for a in asks if a.request_id in q_rows]
         block = self._block(asks, [drafts.get(a.request_id, []) for a in asks], forms,
                             _q_from_rows(rows))  # fmt: skip
-        return block, times
+        return block, times, len(backups)
 
     def _block(
         self, asks: list[ProposeEntry], ids: list[list[int]], forms: list[int], q: DraftQ = None
@@ -457,16 +493,21 @@ class DraftEngine:
     # Draft-ahead (draft_service.ahead)
 
     def draft_ahead(self, request_ids: Sequence[str]) -> int:
-        """Drafts the likely next steps of the requests just proposed for (each request's own
-        k, config.draft_ahead guesses per accepted count); returns how many chains it drafted.
-        Called between a proposal and the next ask, while the target verifies."""
+        """Called between a proposal and the next ask, while the target verifies: catches up
+        the KV of the requests just proposed for that drafted nothing (k = 0, or a backup
+        proposal), so that their next drafts need no long catch-up; then, with draft-ahead,
+        drafts their likely next steps (each request's own k, config.draft_ahead guesses per
+        accepted count). Returns how many chains it drafted."""
         runner = self.runner
-        if not self.config.draft_ahead or runner is None or not runner.can_fork:
+        if runner is None:
             return 0
         with self._lock, on_device(runner.device):
-            ready = [(rid, self._requests[rid]) for rid in dict.fromkeys(request_ids)
-                     if rid in self._requests and self._requests[rid].guesses]  # fmt: skip
-            ready = [(rid, r) for rid, r in ready if self._room_ahead(r)]
+            held = [(rid, self._requests[rid]) for rid in dict.fromkeys(request_ids)
+                    if rid in self._requests]  # fmt: skip
+            self._catch_up([(rid, r) for rid, r in held if not r.drafts and r.kv != r.tokens])
+            if not self.config.draft_ahead or not runner.can_fork:
+                return 0
+            ready = [(rid, r) for rid, r in held if r.guesses and r.k > 0 and self._room_ahead(r)]
             if not ready:
                 return 0
             added: list[str] = []
@@ -482,9 +523,28 @@ class DraftEngine:
                         self._release_branch(bid)
                 return 0
 
+    def _catch_up(self, lagging: list[tuple[str, _Request]]) -> None:
+        """One forward of the tokens the lagging requests' KV lacks (a short tail: a graph),
+        which leaves it holding every committed token; with draft-ahead it also gives the
+        guesses for the token their next verdict adds (the hypotheses of a backup proposal).
+        A failure only leaves the KV behind: the next proposal catches up as before."""
+        if not lagging:
+            return
+        ids = [rid for rid, _ in lagging]
+        reqs = [r for _, r in lagging]
+        guess = bool(self.config.draft_ahead and self.runner is not None and self.runner.can_fork)
+        try:
+            *_, guesses, times = self._drafts(ids, reqs, [1] * len(ids), guess, "ahead")
+        except Exception:  # the KV keeps the prefix it agrees on (`_catch_up_tails`)
+            log.exception("catching up %d request(s) failed; their next proposal does", len(ids))
+            return
+        self._ahead_s += times.forward_s
+        for req, g in zip(reqs, guesses, strict=True):
+            req.guesses = g if req.k > 0 else []
+
     def _room_ahead(self, req: _Request) -> bool:
         assert self.runner is not None
-        return len(req.tokens) + 2 * len(req.drafts) <= self.runner.config.max_seq_len
+        return len(req.tokens) + len(req.drafts) + req.k <= self.runner.config.max_seq_len
 
     def _ahead_budget(self) -> int:
         """How many hypotheses one pass drafts: the free slots beyond those kept for admissions,
@@ -508,7 +568,9 @@ class DraftEngine:
         for i, (_, req) in enumerate(ready):
             req.chains_step = req.next_step
             found = ahead.hypotheses(req.guesses, req.drafts, self.config.draft_ahead)
-            ranked += [(rank, i, h) for rank, h in enumerate(self._accepted.likely(found))]
+            if req.drafts:  # a backup's verdict accepts nothing, whatever the counts say
+                found = self._accepted.likely(found)
+            ranked += [(rank, i, h) for rank, h in enumerate(found)]
         ranked.sort(key=lambda x: (x[0], x[1]))
         chosen = ranked[: self._ahead_budget()]
         if not chosen:
@@ -527,7 +589,7 @@ class DraftEngine:
         clock.mark()
         runner.fork(forks)
         clock.mark()
-        ks = [len(ready[i][1].drafts) for _, i, _ in chosen]
+        ks = [ready[i][1].k for _, i, _ in chosen]
         drafted, q, sampled, guesses, times = self._drafts(ids, branches, ks, True, "ahead")
         self._ahead_s += clock.seconds(0, 1) + times.forward_s  # read after the drafts' sync
         tensors, start = _q_tensors(q) or (), 0
@@ -572,7 +634,8 @@ class DraftEngine:
         chain = None
         if req.chains_step == a.step and a.num_draft_tokens > 0:
             verdict = tuple(a.new_token_ids)
-            self._accepted.add(len(verdict) - 1)
+            if req.drafts:  # a backup proposal's verdict accepted nothing it drafted
+                self._accepted.add(len(verdict) - 1)
             rate = self.config.synthetic_hit_rate
             if rate is not None:  # BENCHMARKING ONLY: a chain of the same accepted count
                 verdict = ahead.synthetic_hit(req.chains, verdict, rate, a.request_id, a.step)

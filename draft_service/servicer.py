@@ -39,12 +39,12 @@ class DraftServicer(LifecycleServicer, draft_pb2_grpc.DraftServiceServicer):
                         f"entries[{i}]: {e}",
                     )
                     errors.append(_propose_error(pb.request_id, err))
-            proposal = self.engine.propose_timed(asks)
+            proposal = self.engine.propose_timed(asks, block.target_step_s)
             errors += [_propose_error(rid, err) for rid, err in proposal.errors]
             response = draft_pb2.ProposeResponse(
                 block=proposal.block.to_pb(), errors=errors,
                 draft_ahead_hits=proposal.ahead_hits, draft_ahead_misses=proposal.ahead_misses,
-                draft_ahead_s=proposal.ahead_s,
+                draft_ahead_s=proposal.ahead_s, draft_ahead_backups=proposal.ahead_backups,
             )  # fmt: skip
             response.timing.CopyFrom(step_timing(proposal.times, time.perf_counter() - start))
             yield response

@@ -36,7 +36,8 @@ counter specdec:steps_total, specdec:eager_steps_total (steps with a forward tha
 no captured CUDA graph fitted; every step on a CPU); gauge specdec:draft_up. Draft-ahead:
 counters specdec:draft_ahead_hits_total (draft asks answered from drafts made ahead for their
 verdict, no forward) and specdec:draft_ahead_misses_total (asks that had drafts made ahead but
-none for their verdict); hit rate = hits / (hits + misses). Counter
+none for their verdict); hit rate = hits / (hits + misses); specdec:draft_ahead_backups_total
+(misses answered with no drafts, so that their step did not wait for a draft pass). Counter
 specdec:draft_busy_seconds_total: the draft services' busy device time, their proposal
 forwards plus their passes ahead (admissions not counted), and gauge specdec:pairs, the pairs
 the orchestrator runs: `rate()` of the first over the second is the busy fraction of a pair's
@@ -189,6 +190,11 @@ class Metrics:
         self._ahead_misses = self._counter(
             "draft_ahead_misses", "Draft asks with drafts made ahead, none for their verdict."
         ).labels(self.model_pair)
+        self._ahead_backups = self._counter(
+            "draft_ahead_backups",
+            "Draft asks that missed and got a backup proposal of no drafts (the step did not "
+            "wait for their drafts).",
+        ).labels(self.model_pair)
         self._draft_busy = self._counter(
             "draft_busy_seconds",
             "Seconds the draft services were busy: their proposal forwards plus their passes "
@@ -253,6 +259,7 @@ class Metrics:
         self._draft_busy.inc(report.draft_s + report.draft_ahead_s)
         self._ahead_hits.inc(report.draft_ahead_hits)
         self._ahead_misses.inc(report.draft_ahead_misses)
+        self._ahead_backups.inc(report.draft_ahead_backups)
         self._step_verify.observe(report.verify_s)
         self._step_sampler.observe(report.sampler_s)
         self._step.observe(report.step_s)

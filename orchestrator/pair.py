@@ -127,13 +127,15 @@ class StepReport:
     fallback: str = ""
     num_fallback_requests: int = 0
     draft_ahead_s: float = 0.0  # the draft's passes ahead since the last step it answered
+    draft_ahead_backups: int = 0  # misses answered with no drafts: the step did not wait
 
     @classmethod
     def from_pb(cls, pb: target_pb2.ServeStep) -> StepReport:
         return cls(step_events(pb.verdicts, pb.proposers), pb.draft_s, pb.transport_s, pb.verify_s,
                    pb.sampler_s, pb.step_s, pb.draft_up, pb.graphed, pb.draft_ahead_hits,
                    pb.draft_ahead_misses, FALLBACKS.get(pb.draft_fallback, ""),
-                   pb.num_fallback_requests, pb.draft_ahead_s)  # fmt: skip
+                   pb.num_fallback_requests, pb.draft_ahead_s,
+                   pb.draft_ahead_backups)  # fmt: skip
 
 
 def step_events(

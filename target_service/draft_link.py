@@ -156,15 +156,19 @@ class DraftLink:
         self._watchdog = _Watchdog()
 
     def propose(
-        self, entries: Sequence[draft_pb2.ProposeEntry], deadline_s: float
+        self,
+        entries: Sequence[draft_pb2.ProposeEntry],
+        deadline_s: float,
+        target_step_s: float = 0.0,
     ) -> tuple[draft_pb2.ProposeResponse, float]:
         """The drafts for `entries` and the round trip's wall time in seconds; DraftStalled
         after `deadline_s` without an answer (the stream is then cancelled: `reopen` starts
-        another)."""
+        another). `target_step_s`: ProposeBlock.target_step_s."""
         start = time.perf_counter()
         self._watchdog.arm(self._propose, deadline_s)
+        block = draft_pb2.ProposeBlock(entries=entries, target_step_s=target_step_s)
         try:
-            response = self._propose(draft_pb2.ProposeBlock(entries=entries))
+            response = self._propose(block)
         except grpc.RpcError as e:
             self._broken = True
             if self._watchdog.disarm():

@@ -57,6 +57,8 @@ from target_service.speculation import KChooser
 log = logging.getLogger(__name__)
 
 _STOP = object()
+STEP_TIME_WEIGHT = 0.1  # of each new step in the step time sent to the draft
+WAIT_POLL_S = 0.005  # between looks at a stalled draft while only seeded requests wait for it
 
 
 @dataclass(slots=True)
@@ -74,6 +76,8 @@ class _Group:
     ahead_hits: int = 0  # the draft's asks answered from drafts made ahead, and those missed
     ahead_misses: int = 0
     ahead_s: float = 0.0  # the draft's passes ahead since it last answered
+    ahead_backups: int = 0  # asks that missed and got no drafts, so the step did not wait
+    wait_s: float = 0.0  # waiting for the draft's answer
     fallback: int = target_pb2.DRAFT_FALLBACK_NONE  # why draft requests ran at k = 0, and how many
     num_fallback: int = 0
 
@@ -135,6 +139,7 @@ class Hub:
         self._chooser = (KChooser(self._config.max_num_draft_tokens)
                          if self._config.dynamic_speculation else None)  # fmt: skip
         self._k_cap: int | None = None  # this step's k for the draft's requests, when dynamic
+        self._target_step_s = 0.0  # recent step time less the wait for the draft (0: unknown)
         self._thread = threading.Thread(target=self._run, name="hub", daemon=True)
 
     def start(self) -> None:
@@ -295,12 +300,20 @@ class Hub:
 
     def _step(self) -> None:
         start = time.perf_counter()
-        group = _Group([r for r in self._requests.values() if not r.done])
+        running = [r for r in self._requests.values() if not r.done]
+        group = _Group([r for r in running if not self._draft.waits_for_draft(r)])
+        if not group.requests:  # seeded requests wait out a draft stall (`hub_draft`)
+            self._draft.poll()
+            time.sleep(WAIT_POLL_S)
+            return
         self._k_cap = self._choose_k(group)
         verify_s = sampler_s = 0.0
         graphed = False
         try:
-            verdicts, times = self.engine.verify_timed(self._proposals(group))
+            block = self._proposals(group)
+            if not group.requests:  # its seeded requests sit out a stall that began now
+                return
+            verdicts, times = self.engine.verify_timed(block)
             verify_s, sampler_s = times.forward_s, times.sampler_s
             graphed = times.graphed and group.draft_graphed
         except Exception as e:
@@ -308,12 +321,16 @@ class Hub:
             verdicts = self._failed(group, e)
         else:
             self._observe(group, verdicts, time.perf_counter() - start)
+            if group.drafted:
+                own_s = time.perf_counter() - start - group.wait_s - group.poll_s
+                old = self._target_step_s or own_s
+                self._target_step_s = old + STEP_TIME_WEIGHT * (own_s - old)
         step = target_pb2.ServeStep(
             verdicts=verdicts.to_pb(), draft_s=group.draft_s, transport_s=group.transport_s,
             verify_s=verify_s, sampler_s=sampler_s, step_s=time.perf_counter() - start,
             draft_up=self._draft.up, graphed=graphed,
             draft_ahead_hits=group.ahead_hits, draft_ahead_misses=group.ahead_misses,
-            draft_ahead_s=group.ahead_s,
+            draft_ahead_s=group.ahead_s, draft_ahead_backups=group.ahead_backups,
             proposers=_proposers(group, verdicts),  # type: ignore[arg-type]
             draft_fallback=group.fallback,  # type: ignore[arg-type]
             num_fallback_requests=group.num_fallback,
@@ -362,7 +379,7 @@ class Hub:
         self._propose(retry)
         group.block, group.draft_s, group.transport_s = retry.block, 0.0, 0.0
         group.draft_graphed, group.drafted = True, False  # no drafts: it answered in vain
-        group.ahead_hits = group.ahead_misses = 0  # its hits' drafts were not used
+        group.ahead_hits = group.ahead_misses = group.ahead_backups = 0  # not used
         group.fallback, group.num_fallback = retry.fallback, retry.num_fallback
         return DraftBlock.from_pb(group.block, max_support_size=limit)
 
@@ -373,7 +390,12 @@ class Hub:
         group.poll_s = time.perf_counter() - start
         asks = [r for r in group.requests if r.on_draft]
         group.asked = bool(asks)
-        answer = self._draft.propose(asks, [self._ask(r) for r in asks]) if asks else None
+        answer = None
+        if asks:
+            entries = [self._ask(r) for r in asks]
+            asked = time.perf_counter()
+            answer = self._draft.propose(asks, entries, self._target_step_s)
+            group.wait_s = time.perf_counter() - asked
         served: set[str] = set()
         if answer is not None:  # else the draft failed: this step goes on at k = 0
             response, round_trip = answer
@@ -385,6 +407,9 @@ class Hub:
             group.ahead_hits = response.draft_ahead_hits
             group.ahead_misses = response.draft_ahead_misses
             group.ahead_s = response.draft_ahead_s
+            group.ahead_backups = response.draft_ahead_backups
+        if answer is None:  # seeded requests sit out this step too if the draft stalled
+            group.requests = [r for r in group.requests if not self._draft.waits_for_draft(r)]
         local = [r for r in group.requests if r.request_id not in served]
         self._append_local(group.block, local)
         # fallen back: draft requests that would have been drafted for (k > 0) but were not
@@ -400,6 +425,7 @@ class Hub:
         return draft_pb2.ProposeEntry(
             request_id=r.request_id, step=r.next_step, new_token_ids=r.tokens[r.told :],
             committed_length=len(r.tokens), num_draft_tokens=self._k(r),
+            fixed_num_draft_tokens=r.fixed_k,
         )  # fmt: skip
 
     def _k(self, r: HubRequest) -> int:

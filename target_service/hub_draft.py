@@ -15,6 +15,13 @@ PROPOSER_DRAFT request is admitted again from the target's tokens, and speculati
 probe that fails makes the draft down. The deadline is `TargetConfig.draft_deadline_s`, or
 DEADLINE_FACTOR times the median of the recent round trips where that is longer, so that a
 loaded draft answering slowly but steadily is not taken for a stalled one.
+
+A seeded sampled request (`fixed_k`) keeps its k whatever the draft's timing, because a step
+at k = 0 draws other tokens than a speculative one: a Propose that asks for one waits up to
+the longer `seeded_deadline_s` (DEADLINE_FACTOR deadlines), and while the draft is stalled such
+requests sit steps out (`waits_for_draft`) instead of running at k = 0. A stall that outlasts
+`seeded_deadline_s` takes the draft as down: only then does their k change (to 0, as their
+responses' steps show), and the output stays the target's distribution either way.
 """
 
 from __future__ import annotations
@@ -100,6 +107,17 @@ class DraftSide:
     def stalled(self) -> bool:
         return self._stall is not None
 
+    @property
+    def seeded_deadline_s(self) -> float:
+        """How long a step waits for the drafts of a seeded sampled request, and how long such
+        requests wait out a stall before the draft is taken as down."""
+        return DEADLINE_FACTOR * self._deadline_s
+
+    def waits_for_draft(self, req: HubRequest) -> bool:
+        """Whether the request sits this step out: seeded, sampled, drafted, and the draft is
+        stalled (at k = 0 its output would depend on the draft's timing)."""
+        return self._stall is not None and req.fixed_k and req.proposer == "draft"
+
     def poll(self) -> None:
         """Settles the admissions made since the last step (waiting up to the deadline for
         them: a request whose admission is still running decodes at k = 0 meanwhile), and
@@ -115,7 +133,14 @@ class DraftSide:
                 self._admitting.remove(item)
                 self.settle(*item)
         stall = self._stall
-        if stall is None or not stall.probe.done():
+        if stall is None:
+            return
+        if not stall.probe.done():
+            waited = time.monotonic() - stall.since
+            waiting = any(map(self.waits_for_draft, self._requests.values()))
+            if waiting and waited > self.seeded_deadline_s:
+                self.down(f"The draft service has not answered for {waited:.1f} s; seeded "
+                          "requests waiting for their drafts go on at k = 0.")  # fmt: skip
             return
         self._stall = None
         error = stall.probe.exception()
@@ -215,13 +240,18 @@ class DraftSide:
             r.on_draft = False
 
     def propose(
-        self, asks: list[HubRequest], entries: list[draft_pb2.ProposeEntry]
+        self,
+        asks: list[HubRequest],
+        entries: list[draft_pb2.ProposeEntry],
+        target_step_s: float = 0.0,
     ) -> tuple[draft_pb2.ProposeResponse, float] | None:
         """The draft's answer to `entries` (the asks of `asks`) and its round trip; None if the
-        draft service failed (it is down now)."""
+        draft service failed (it is down now). `target_step_s`: ProposeBlock.target_step_s."""
         assert self.link is not None
+        seeded = any(r.fixed_k for r in asks)
+        deadline_s = self.seeded_deadline_s if seeded else self._deadline_s
         try:
-            response, round_trip = self.link.propose(entries, self._deadline_s)
+            response, round_trip = self.link.propose(entries, deadline_s, target_step_s)
         except DraftDown as e:
             self.down(str(e))
             return None

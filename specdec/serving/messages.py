@@ -232,6 +232,7 @@ class ProposeEntry:
     new_token_ids: tuple[int, ...]
     committed_length: int
     num_draft_tokens: int
+    fixed_num_draft_tokens: bool = False  # no backup proposal (k = 0) on a miss
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -244,7 +245,7 @@ class ProposeEntry:
     def from_pb(cls, pb: draft_pb2.ProposeEntry) -> ProposeEntry:
         return cls(
             pb.request_id, pb.step, tuple(pb.new_token_ids), pb.committed_length,
-            pb.num_draft_tokens,
+            pb.num_draft_tokens, pb.fixed_num_draft_tokens,
         )  # fmt: skip
 
     def to_pb(self) -> draft_pb2.ProposeEntry:
@@ -254,4 +255,5 @@ class ProposeEntry:
             new_token_ids=self.new_token_ids,
             committed_length=self.committed_length,
             num_draft_tokens=self.num_draft_tokens,
+            fixed_num_draft_tokens=self.fixed_num_draft_tokens,
         )

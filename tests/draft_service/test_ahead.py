@@ -32,11 +32,14 @@ from tests.draft_service.models import (
 SLOTS, AHEAD_SLOTS = 64, 48
 
 
-def with_ahead(draft: DraftConfig, fanout: int) -> DraftConfig:
+def with_ahead(draft: DraftConfig, fanout: int, backup: str = "auto") -> DraftConfig:
     assert draft.runner is not None
     runner = replace(draft.runner, max_slots=SLOTS)
     slots = AHEAD_SLOTS if fanout else 0
-    return replace(draft, runner=runner, draft_ahead=fanout, draft_ahead_slots=slots)
+    return replace(
+        draft, runner=runner, draft_ahead=fanout, draft_ahead_slots=slots,
+        draft_ahead_backup=backup,  # type: ignore[arg-type]
+    )  # fmt: skip
 
 
 def _prompts(n: int) -> list[list[int]]:
@@ -49,7 +52,8 @@ def _prompts(n: int) -> list[list[int]]:
 def _run(
     target_dir: Path, draft: DraftConfig, params: list[SamplingParams], k: int, n: int
 ) -> tuple[list[list[int]], int, int]:
-    """Each request's tokens, and the draft's draft-ahead hits and misses."""
+    """Each request's tokens, and the draft's draft-ahead hits and misses (the pipeline asks
+    with fixed_num_draft_tokens for sampled requests, as the hub does for seeded ones)."""
     prompts = _prompts(len(params))
     with services(target_dir, draft, sampler_impl="torch") as svc:
         pipe = svc.pipeline()
@@ -93,7 +97,9 @@ def test_seeded_output_is_the_same_with_draft_ahead_on_and_off(
     params = [SamplingParams(0.3, top_k, top_p, seed=100 + i) for i in range(4)]
     draft = model_draft(draft_dir, q_form, support=8)
     off, _, _ = _run(target_dir, with_ahead(draft, 0), params, 3, 16)
-    on, hits, misses = _run(target_dir, with_ahead(draft, 3), params, 3, 16)
+    # a miss drafts now, whatever the backup setting: a backup (k = 0) step would draw other
+    # tokens than a speculative one
+    on, hits, misses = _run(target_dir, with_ahead(draft, 3, backup="always"), params, 3, 16)
     assert on == off
     assert hits > 0 and misses > 0, (hits, misses)
 
@@ -248,3 +254,62 @@ def test_trace_shows_each_kind_of_device_work(
     spans = [s for p in e2e_timeline.read(tmp_path / "trace") for s in p["spans"]]
     assert {name for name, _, _ in spans} >= {"draft", "ahead", "verify", "sampler"}
     assert all(start <= a <= b <= end for _, a, b in spans)
+
+
+def test_backups_keep_greedy_output_and_their_next_step_hits(
+    checkpoints: tuple[Path, Path], reference: ModelRunner
+) -> None:
+    """Backup proposals ("always"): every ask without a chain gets no drafts, so nothing is
+    drafted on the critical path; the pass ahead catches their KV up and drafts chains for the
+    token their verdict adds, which later asks hit. Greedy output stays target-only greedy."""
+    target_dir, draft_dir = checkpoints
+    params = [SamplingParams(temperature=0.0)] * 3
+    prompts = _prompts(3)
+    draft = with_ahead(model_draft(draft_dir), 2, backup="always")
+    with services(target_dir, draft, sampler_impl="torch") as svc:
+        engine = svc.draft_engine
+        pipe = svc.pipeline()
+        ids = [f"r{i}" for i in range(3)]
+        for rid, prompt, p in zip(ids, prompts, params, strict=True):
+            pipe.admit(rid, prompt, p)
+        pipe.generate(dict.fromkeys(ids, 3), 20)
+        out = [pipe.requests[r].generated[:20] for r in ids]
+        pipe.close()
+    for prompt, got in zip(prompts, out, strict=True):
+        assert got == greedy_reference(reference, prompt, len(got))
+    assert engine.ahead_backups > 0 and engine.ahead_hits > 0
+    assert engine._backup.draft_s is None, "no ask was drafted on the critical path"
+
+
+def test_a_k0_ask_leaves_the_kv_caught_up_after_the_pass(
+    checkpoints: tuple[Path, Path],
+) -> None:
+    """With draft-ahead off too: steps at k = 0 (dynamic speculation) keep the draft's KV
+    holding every committed token, so the next step at k > 0 catches up one token (a graph),
+    not everything since (an eager prefill that outlasted the hub's deadline)."""
+    target_dir, draft_dir = checkpoints
+    with services(target_dir, with_ahead(model_draft(draft_dir), 0), sampler_impl="torch") as svc:
+        engine = svc.draft_engine
+        assert engine.runner is not None
+        pipe = svc.pipeline()
+        pipe.admit("a", _prompts(1)[0], SamplingParams(temperature=0.0))
+        for _ in range(6):
+            pipe.step({"a": 0})
+            with engine._lock:  # after the pass that follows the answer
+                req = engine._requests["a"]
+                assert req.kv == req.tokens, "the KV holds every committed token"
+                assert engine.runner.cached_length("a") == len(req.tokens)
+        pipe.close()
+
+
+def test_backup_choice_weighs_tokens_per_second() -> None:
+    choice = ahead.BackupChoice()
+    assert not choice.pays(8, 2, 0.007), "nothing measured yet: misses are drafted now"
+    choice.committed(3)
+    choice.drafted(0.005)
+    assert choice.pays(8, 2, 0.007)  # (6 x 3 + 2) / 7 > 8 x 3 / 12 tokens per ms
+    assert not choice.pays(1, 1, 0.007)  # 1 / 7 < 3 / 12
+    assert not choice.pays(8, 2, 0.0), "the hub's step time unknown"
+    for _ in range(200):
+        choice.committed(1)  # L falls to about 1.5
+    assert ahead.BackupChoice(1.5, 0.005).pays(1, 1, 0.007)  # 1 / 7 > 1.5 / 12

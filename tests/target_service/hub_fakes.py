@@ -154,6 +154,7 @@ class FakeLink:
     timeout_s: float = 5.0
     held: dict[str, list[int]] = field(default_factory=dict)
     proposes: list[list[draft_pb2.ProposeEntry]] = field(default_factory=list)
+    deadlines: list[float] = field(default_factory=list)  # each Propose's
     released: list[str] = field(default_factory=list)
     admitting: bool = True
     admit_s: float = 0.0  # how long the hub waits for an admission's answer
@@ -169,8 +170,12 @@ class FakeLink:
         self.hold.set()
 
     def propose(
-        self, entries: Sequence[draft_pb2.ProposeEntry], deadline_s: float
+        self,
+        entries: Sequence[draft_pb2.ProposeEntry],
+        deadline_s: float,
+        target_step_s: float = 0.0,
     ) -> tuple[draft_pb2.ProposeResponse, float]:
+        self.deadlines.append(deadline_s)
         self.entered.set()
         assert self.hold.wait(10.0), "the test never let the Propose go on"
         self.proposes.append(list(entries))
@@ -277,13 +282,14 @@ class HubRun:
 
     def send_admit(
         self, rid: str, prompt: list[int], proposer: str = "draft", k: int = 4,
-        max_length: int = 0, sampling: SamplingParams = GREEDY,
+        max_length: int = 0, sampling: SamplingParams = GREEDY, fixed: bool = False,
     ) -> None:  # fmt: skip
-        """Sends the admission; `admitted` waits for its answer."""
+        """Sends the admission (`fixed`: a seeded sampled request's k, kept whatever the
+        draft's timing); `admitted` waits for its answer."""
         adm = AdmitRequest(rid, tuple(prompt), sampling, 0)
         pb = target_pb2.ServeAdmit(
             request=adm.to_pb(), proposer=TO_PB[proposer], num_draft_tokens=k,  # type: ignore[arg-type]
-            max_length=max_length,
+            max_length=max_length, fixed_num_draft_tokens=fixed,
         )  # fmt: skip
         self.hub.control(target_pb2.ServeControl(admit=pb))
 

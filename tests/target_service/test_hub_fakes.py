@@ -4,6 +4,7 @@ models, the sampler) is tested over loopback in test_hub.py."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -138,3 +139,73 @@ def test_a_request_released_while_its_draft_admission_is_in_flight_is_undone_the
     assert "a" in link.released and "a" not in link.held
     assert not link.proposes
     assert "a" not in run.engine.held
+
+
+def _ks(run: HubRun, rid: str) -> list[int]:
+    """The k of each of the request's verdicts, in order."""
+    out = []
+    for s in run.steps:
+        v = VerifyResponse.from_pb(s.verdicts)
+        out += [k for r, k in zip(v.request_ids, v.num_draft_tokens, strict=True) if r == rid]
+    return out
+
+
+def test_a_seeded_request_waits_out_a_stall_at_its_own_k(runs: list[HubRun]) -> None:
+    """A stalled draft puts unseeded requests at k = 0 but not a seeded sampled one (fixed k):
+    it sits the stall out, asks with the longer deadline, and every verdict it gets drafted its
+    k, so its output does not depend on the draft's timing."""
+    link = FakeLink("draft:1", script={3: "stall"})
+    run = _start(runs, link)
+    run.admit("seeded", PROMPT, "draft", k=4, fixed=True)
+    run.admit("free", PROMPT, "draft", k=4)
+    first = run.next(lambda e: e.HasField("step") and e.step.draft_fallback != 0).step
+    assert first.draft_fallback == target_pb2.DRAFT_FALLBACK_DEADLINE
+    stalled = len(run.steps)
+    for _ in range(3):  # steps while stalled: "free" at k = 0, "seeded" waits
+        run.next(lambda e: e.HasField("step"))
+    assert all(
+        VerifyResponse.from_pb(s.verdicts).request_ids == ["free"] for s in run.steps[stalled:]
+    )
+    link.probes[0].finish()
+    run.next(lambda e: e.HasField("step") and "seeded" in e.step.verdicts.request_ids)
+    run.next(lambda e: e.HasField("step"))
+    ks = _ks(run, "seeded")
+    assert ks and all(k == 4 for k in ks), ks
+    assert 0 in _ks(run, "free")
+    draft_side = run.hub._draft
+    # every Propose that held the seeded request waited the longer deadline
+    assert max(link.deadlines) == pytest.approx(draft_side.seeded_deadline_s)
+    assert min(link.deadlines) < draft_side.seeded_deadline_s
+    assert run.tokens["seeded"] == greedy(PROMPT, len(run.tokens["seeded"]))
+
+
+def test_a_stall_longer_than_the_seeded_deadline_takes_the_draft_as_down(
+    runs: list[HubRun],
+) -> None:
+    """A seeded request waits out a stall only up to seeded_deadline_s: then the draft is down,
+    and it goes on at k = 0 (its responses' steps show it), never stuck."""
+    link = FakeLink("draft:1", script={2: "stall"})
+    run = _start(runs, link, draft_deadline_s=0.01)
+    run.admit("seeded", PROMPT, "draft", k=4, fixed=True)
+    down = run.next(lambda e: e.HasField("draft_down"))
+    assert "seeded requests" in down.draft_down.message
+    run.next(lambda e: e.HasField("step") and "seeded" in e.step.verdicts.request_ids)
+    assert _ks(run, "seeded")[-1] == 0
+
+
+def test_a_step_of_seeded_requests_only_that_meets_a_stall_verifies_nothing(
+    runs: list[HubRun],
+) -> None:
+    link = FakeLink("draft:1", script={2: "stall"})
+    run = _start(runs, link)
+    run.admit("seeded", PROMPT, "draft", k=4, fixed=True)
+    deadline = time.monotonic() + 10.0
+    while not link.probes and time.monotonic() < deadline:  # the second Propose stalls
+        time.sleep(0.001)
+    assert link.probes, "the draft never stalled"
+    time.sleep(0.05)  # the hub loops meanwhile: its only request waits, so no step
+    link.probes[0].finish()
+    for _ in range(3):
+        run.next(lambda e: e.HasField("step"))
+    assert all(s.verdicts.request_ids == ["seeded"] for s in run.steps), "no empty step"
+    assert _ks(run, "seeded") == [4] * len(run.steps)

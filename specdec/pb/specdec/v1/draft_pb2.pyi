@@ -8,40 +8,46 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class ProposeEntry(_message.Message):
-    __slots__ = ("request_id", "step", "new_token_ids", "committed_length", "num_draft_tokens")
+    __slots__ = ("request_id", "step", "new_token_ids", "committed_length", "num_draft_tokens", "fixed_num_draft_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     COMMITTED_LENGTH_FIELD_NUMBER: _ClassVar[int]
     NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FIXED_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     step: int
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     committed_length: int
     num_draft_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ...) -> None: ...
+    fixed_num_draft_tokens: bool
+    def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., fixed_num_draft_tokens: _Optional[bool] = ...) -> None: ...
 
 class ProposeBlock(_message.Message):
-    __slots__ = ("entries",)
+    __slots__ = ("entries", "target_step_s")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    TARGET_STEP_S_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[ProposeEntry]
-    def __init__(self, entries: _Optional[_Iterable[_Union[ProposeEntry, _Mapping]]] = ...) -> None: ...
+    target_step_s: float
+    def __init__(self, entries: _Optional[_Iterable[_Union[ProposeEntry, _Mapping]]] = ..., target_step_s: _Optional[float] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("block", "errors", "timing", "draft_ahead_hits", "draft_ahead_misses", "draft_ahead_s")
+    __slots__ = ("block", "errors", "timing", "draft_ahead_hits", "draft_ahead_misses", "draft_ahead_s", "draft_ahead_backups")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AHEAD_HITS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AHEAD_MISSES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AHEAD_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_BACKUPS_FIELD_NUMBER: _ClassVar[int]
     block: _common_pb2.DraftBlock
     errors: _containers.RepeatedCompositeFieldContainer[ProposeError]
     timing: _common_pb2.StepTiming
     draft_ahead_hits: int
     draft_ahead_misses: int
     draft_ahead_s: float
-    def __init__(self, block: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[ProposeError, _Mapping]]] = ..., timing: _Optional[_Union[_common_pb2.StepTiming, _Mapping]] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., draft_ahead_s: _Optional[float] = ...) -> None: ...
+    draft_ahead_backups: int
+    def __init__(self, block: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[ProposeError, _Mapping]]] = ..., timing: _Optional[_Union[_common_pb2.StepTiming, _Mapping]] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., draft_ahead_s: _Optional[float] = ..., draft_ahead_backups: _Optional[int] = ...) -> None: ...
 
 class ProposeError(_message.Message):
     __slots__ = ("request_id", "error")
