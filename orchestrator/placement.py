@@ -69,7 +69,7 @@ class ServiceActor:
         self._failure: ServiceStartError | None = None
         host = ray.util.get_node_ip_address()
         try:
-            self._server, self._info = start_service(role, config)
+            self._server, self._info = start_service(role, config, host)
         except Exception as e:
             self._failure = ServiceStartError(f"{type(e).__name__}: {e}", traceback.format_exc())
             return
