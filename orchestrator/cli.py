@@ -108,6 +108,11 @@ def _services_args(parser: argparse.ArgumentParser) -> None:
     b.add_argument("--synthetic-acceptance-length", type=float, metavar="L",
                    default=d("synthetic_acceptance_length"),
                    help="BENCHMARKING ONLY: the target accepts drafts at mean acceptance "
+    g.add_argument("--saguaro-scale", type=float, default=d("saguaro_scale"), metavar="C",
+                   help="with --draft-ahead: the draft samples from its q with the F + 1 "
+                        "tokens it guesses scaled by C in (0, 1] and sends that q (Saguaro "
+                        "sampling: exact, and chains hit more often at temperature > 0; "
+                        "1: off)")  # fmt: skip
                         "length L in [1, k + 1] for k = --num-draft-tokens")  # fmt: skip
     b.add_argument("--synthetic-hit-rate", type=float, metavar="H",
                    default=d("synthetic_hit_rate"),
@@ -291,6 +296,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             synthetic_num_draft_tokens=None if args.synthetic_acceptance_length is None
             else args.num_draft_tokens,
             tls_cert=args.service_tls_cert, tls_key=args.service_tls_key,
+            saguaro_scale=args.saguaro_scale,
             tls_root_cert=args.service_tls_root_cert,
             tls_server_name=args.service_tls_server_name,
             tls_client_cert=args.service_tls_client_cert,

@@ -94,6 +94,8 @@ class ServiceConfig:
     draft_deadline_s: float = 0.3
     # BENCHMARKING ONLY: the target's acceptance test replaced by a synthetic mean acceptance
     # length L for k = synthetic_num_draft_tokens (target_service.synthetic); the output is
+    # with draft-ahead: Saguaro sampling's scale of the draft's top tokens (DraftConfig), 1 = off
+    saguaro_scale: float = 1.0
     # then NOT distributed as the target's. Both None (the default) or both set.
     synthetic_acceptance_length: float | None = None
     synthetic_num_draft_tokens: int | None = None
@@ -132,6 +134,13 @@ class ServiceConfig:
             raise ValueError("draft_ahead needs a draft model and draft_ahead_slots >= 1.")
         rate = self.synthetic_hit_rate
         if rate is not None and not (self.draft_ahead and 0.0 <= rate <= 1.0):
+        if not 0.0 < self.saguaro_scale <= 1.0:
+            raise ValueError(f"saguaro_scale must be in (0, 1] (1: off), got {self.saguaro_scale}.")
+        if self.saguaro_scale < 1.0 and not self.draft_ahead:
+            raise ValueError(
+                "saguaro_scale below 1 needs draft_ahead: it scales the tokens draft-ahead "
+                f"guesses, got saguaro_scale {self.saguaro_scale} with draft_ahead 0."
+            )
             raise ValueError(
                 f"synthetic_hit_rate must be in [0, 1] and needs draft_ahead, got {rate}."
             )

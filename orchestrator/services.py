@@ -108,6 +108,7 @@ def start_service(role: str, config: ServiceConfig, host: str) -> tuple[Any, Mod
                 draft_ahead_slots=config.draft_ahead_slots,
                 synthetic_hit_rate=config.synthetic_hit_rate,
                 stand_in=None if stand_in is None else str(stand_in),
+                saguaro_scale=config.saguaro_scale,
                 server=server,
             )
         )

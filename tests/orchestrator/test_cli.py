@@ -141,6 +141,23 @@ def test_draft_ahead_sizes_the_draft_slots(checkpoints: tuple[Path, Path]) -> No
         serve_config(parse_args(["serve", "--target", str(target), "--draft-ahead", "1"]))
 
 
+def test_saguaro_scale_flag_and_config_key(checkpoints: tuple[Path, Path], tmp_path: Path) -> None:
+    target, draft = checkpoints
+    base = ["serve", "--target", str(target), "--draft", str(draft), "--draft-ahead", "2"]
+    assert serve_config(parse_args(base)).services.saguaro_scale == 1.0
+    chosen = serve_config(parse_args([*base, "--saguaro-scale", "0.25"])).services
+    assert chosen.saguaro_scale == 0.25
+    toml = tmp_path / "serve.toml"
+    toml.write_text(
+        f'target = "{target}"\ndraft = "{draft}"\ndraft-ahead = 1\nsaguaro-scale = 0.5\n'
+    )
+    assert serve_config(parse_args(["serve", "--config", str(toml)])).services.saguaro_scale == 0.5
+    with pytest.raises(ValueError, match=r"saguaro_scale must be in \(0, 1\] \(1: off\), got 0.0"):
+        serve_config(parse_args([*base, "--saguaro-scale", "0"]))
+    with pytest.raises(ValueError, match="saguaro_scale below 1 needs draft_ahead"):
+        serve_config(parse_args([*base[:-2], "--saguaro-scale", "0.5"]))
+
+
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
     return build_parser()[1]
 

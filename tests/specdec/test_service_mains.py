@@ -138,3 +138,19 @@ def test_synthetic_length_and_rates_are_exclusive(checkpoint: Path) -> None:
             ]
         )
     assert exc.value.code == 2
+
+
+def test_saguaro_scale_flag(checkpoint: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    ahead = ["--model", str(checkpoint), "--max-slots", "8", "--draft-ahead", "2",
+             "--draft-ahead-slots", "4"]  # fmt: skip
+    config = draft_config(draft_parser().parse_args([*ahead, "--saguaro-scale", "0.5"]))
+    assert (config.draft_ahead, config.saguaro_scale) == (2, 0.5)
+    for flags, message in [
+        ([*ahead, "--saguaro-scale", "0"], "saguaro_scale must be in (0, 1] (1: off), got 0.0."),
+        ([*ahead, "--saguaro-scale", "1.5"], "saguaro_scale must be in (0, 1] (1: off), got 1.5."),
+        (["--model", str(checkpoint), "--saguaro-scale", "0.5"],
+         "saguaro_scale below 1 needs draft_ahead"),
+    ]:  # fmt: skip
+        assert draft_main(flags) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("draft_service: ") and message in err and err.count("\n") == 1
