@@ -83,3 +83,10 @@ class ChatTemplate:
             )
         except jinja2.TemplateError as e:
             raise ValueError(f"The chat template failed on these messages: {e}.") from None
+        except (TypeError, AttributeError, KeyError, ValueError, IndexError, RecursionError) as e:
+            # a field of a type the template does not expect (`tool_calls: 5` iterated): the
+            # client's fault, however the template's own code trips over it
+            raise ValueError(
+                f"The chat template failed on these messages ({type(e).__name__}: {e}); check "
+                f"the type of each message field."
+            ) from None

@@ -2,9 +2,10 @@
 response bodies built from `GenerateResponse`s.
 
 Bodies are pydantic models that refuse unknown fields (a misspelt field is an error, not a
-silent default). The extra fields vLLM takes are taken here too (`top_k`, `stop_token_ids`,
-`ignore_eos`, `include_stop_str_in_output`, `add_generation_prompt`), plus `speculation`,
-shaped as the gRPC `GenerateRequest.speculation`:
+silent default) and take each field only in its JSON type, as OpenAI's API does (`"5"`, `5.0`
+and `true` are not integers; `1` is a number but not a boolean). The extra fields vLLM takes
+are taken here too (`top_k`, `stop_token_ids`, `ignore_eos`, `include_stop_str_in_output`,
+`add_generation_prompt`), plus `speculation`, shaped as the gRPC `GenerateRequest.speculation`:
 
     {"speculation": {"proposer": "draft" | "ngram" | "off" | "default", "num_draft_tokens": 4}}
 
@@ -22,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.client import PROPOSERS  # the gRPC client's names: one spelling
 from specdec.errors import SpecdecError
+from specdec.limits import MAX_SEED, check_range
 from specdec.pb.specdec.v1 import generate_pb2
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
@@ -43,8 +45,16 @@ class ModelNotFoundError(SpecdecError):
     grpc_code = "NOT_FOUND"
 
 
+class FieldError(ValueError):
+    """A refusal of one field, named by `param` (`messages[0].content`)."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class Speculation(_Body):
@@ -64,7 +74,7 @@ class _Sampling(_Body):
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = Field(None, ge=-1, le=UINT32)  # -1 or 0: off (vLLM takes -1)
-    seed: int | None = Field(None, ge=0, le=2**64 - 1)
+    seed: int | None = None  # its range: generate_request, in the gRPC API's words
     stop: str | list[str] | None = None
     stop_token_ids: list[Int32] | None = None
     n: int = 1
@@ -87,12 +97,15 @@ class CompletionRequest(_Sampling):
 
 
 class ChatMessage(BaseModel):
-    """A message as OpenAI's clients send it; fields besides role and content (name,
-    tool_calls, ...) reach the chat template as they are."""
+    """A message as OpenAI's clients send it; the fields chat templates read are typed as
+    OpenAI types them, others reach the template as they are."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
     role: str
     content: str | list[dict[str, Any]] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
 
 
 class ChatRequest(_Sampling):
@@ -112,8 +125,10 @@ def _refuse_unsupported(body: _Sampling) -> None:
     if isinstance(body, CompletionRequest):
         if body.logprobs is not None:
             raise ValueError("logprobs is not supported by this server; leave it unset.")
-        if body.echo or body.suffix is not None or body.best_of not in (None, 1):
-            raise ValueError("echo, suffix and best_of are not supported by this server.")
+        for name, unset in (("echo", not body.echo), ("suffix", body.suffix is None),
+                            ("best_of", body.best_of in (None, 1))):  # fmt: skip
+            if not unset:
+                raise ValueError(f"{name} is not supported by this server; leave it unset.")
     elif isinstance(body, ChatRequest) and (body.logprobs or body.top_logprobs is not None):
         raise ValueError("logprobs and top_logprobs are not supported by this server.")
 
@@ -127,8 +142,9 @@ def check_model(model: str | None, served_name: str) -> None:
         )
 
 
-def completion_prompt(body: CompletionRequest) -> str | list[int]:
-    """The one prompt of a completion request: text or token ids."""
+def completion_prompt(body: CompletionRequest, vocab_size: int) -> str | list[int]:
+    """The one prompt of a completion request: text or token ids (each a token of the
+    vocabulary, as the gRPC API checks them)."""
     prompt = body.prompt
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
@@ -137,12 +153,24 @@ def completion_prompt(body: CompletionRequest) -> str | list[int]:
             f"prompt must be one string or one list of token ids; a batch of {len(prompt)} "
             f"prompts is not supported (send one request per prompt)."
         )
+    if isinstance(prompt, list):
+        for i, token in enumerate(prompt):
+            if not 0 <= token < vocab_size:  # type: ignore[operator]
+                raise FieldError(
+                    "prompt", f"prompt token_ids[{i}] must be in [0, {vocab_size}), got {token}."
+                )
     return prompt  # type: ignore[return-value]
 
 
 def generate_request(body: _Sampling, prompt: str | list[int]) -> generate_pb2.GenerateRequest:
     """The GenerateRequest of an HTTP request whose model was checked (`check_model`)."""
     _refuse_unsupported(body)
+    if body.stream_options is not None and not body.stream:
+        raise FieldError(
+            "stream_options", "stream_options is only allowed when stream is true (as OpenAI's)."
+        )
+    if body.seed is not None:
+        check_range(body.seed, "seed", 0, MAX_SEED)  # SamplingParams' sentence
     request = generate_pb2.GenerateRequest(
         stop=[body.stop] if isinstance(body.stop, str) else body.stop or [],
         stop_token_ids=body.stop_token_ids or [],
@@ -259,14 +287,24 @@ def _text_of(i: int, content: str | list[dict[str, Any]] | None) -> str:
     texts = []
     for j, part in enumerate(content):
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
-            raise ValueError(
+            raise FieldError(
+                f"messages[{i}].content[{j}]",
                 f"messages[{i}].content[{j}] must be a text part ({{'type': 'text', 'text': "
-                f"...}}); got type {part.get('type')!r}: this server takes text only."
+                f"...}}); got type {part.get('type')!r}: this server takes text only.",
             )
         texts.append(part["text"])
     return "".join(texts)
 
 
 def chat_messages(messages: list[ChatMessage]) -> list[dict[str, Any]]:
-    """The messages as the chat template takes them: content as one string."""
-    return [m.model_dump() | {"content": _text_of(i, m.content)} for i, m in enumerate(messages)]
+    """The messages as the chat template takes them: the fields the client set (a template
+    may test whether one is defined), content as one string."""
+    return [m.model_dump(exclude_unset=True) | {"content": _text_of(i, m.content)}
+            for i, m in enumerate(messages)]  # fmt: skip
+
+
+# every body and the objects inside them: the names a field path may hold
+BODIES: tuple[type[BaseModel], ...] = (
+    CompletionRequest, ChatRequest, ChatMessage, Speculation, StreamOptions, TokenizeRequest,
+    DetokenizeRequest,
+)  # fmt: skip

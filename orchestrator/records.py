@@ -78,7 +78,7 @@ class StopCriteria:
         room = max_seq_len - prompt_len
         if room < 1:
             raise ValueError(
-                f"the prompt has {prompt_len} tokens, which leaves no room for one more below "
+                f"prompt holds {prompt_len} tokens, which leaves no room for one more below "
                 f"max_seq_len {max_seq_len}."
             )
         max_tokens = request.max_tokens if request.HasField("max_tokens") else None

@@ -235,7 +235,7 @@ class Orchestrator:
         tls = None if c.tls_cert is None or c.tls_key is None else (
             TlsFiles(c.tls_cert, c.tls_key, c.tls_client_ca))  # fmt: skip
         template = ChatTemplate.from_dir(c.services.target)
-        api = HttpApi(self.frontend, template, c.api_key)
+        api = HttpApi(self.frontend, template, c.api_key, max_request_bytes=c.request_bytes)
         return HttpServer(api.app, sock, c.grace_s, tls)
 
     @property
