@@ -1,4 +1,4 @@
-"""Draft-ahead's real hit rate on a real pair, per fan-out F and temperature.
+"""Draft-ahead's real hit rate on a real pair, per fan-out F, temperature and Saguaro scale C.
 
 The hit rate is how often the verdict of a step is one the draft drafted ahead for
 (draft_service.ahead); the acceptance comes with it. The demo pair (trained once from its fixed
@@ -13,9 +13,20 @@ another shape, whose rounding can move q or the target's logits in the last bits
 decision; the outputs are then equal in distribution, not bit for bit, and the report counts
 those that differ.
 
+Saguaro sampling (`--saguaro-scales`, DraftConfig.saguaro_scale) makes the draft sample from q
+with its F + 1 most likely tokens scaled by C, so that the target's residual after a rejection
+falls on the tokens draft-ahead guesses: it raises the hit rate at temperature > 0 and lowers
+the acceptance. Each row reports both, and what they give together in the throughput model of
+BENCHMARKS.md ("How well the design's throughput model predicted"): modelled tokens per ms at
+batch 1 with an 8B / 1B pair's measured H100 costs, E[L] / (T_verify + eps + P(miss) (k T_draft
++ RTT)). A Saguaro row's output differs from the run with draft-ahead off by construction (it
+samples from another q, equal in distribution after verification), so only C = 1 rows are
+compared with it.
+
     PYTHONPATH=. python bench/draft_ahead_hits.py --out bench/results             # CPU, minutes
     PYTHONPATH=. python bench/draft_ahead_hits.py --device cuda --out bench/results  # a GPU
     PYTHONPATH=. python bench/draft_ahead_hits.py --smoke --out /tmp/hits          # CI's pair
+    PYTHONPATH=. python bench/draft_ahead_hits.py --saguaro-scales --out /tmp/hits  # no Saguaro
 
 Writes draft_ahead_hits_<device>.md and .json in --out (cpu, or the GPU's name), with `smoke_`
 or the target folder's name before the device for a smoke run or a pair of your own.
@@ -42,6 +53,17 @@ from specdec.sampling_params import SamplingParams
 from specdec.serving.cli import checkpoint_seq_len
 from target_service.config import TargetConfig
 
+# an 8B target / 1B draft on H100s at batch 1, k = 4 (BENCHMARKS.md, the throughput model): the
+# verify, the k draft steps a miss waits for, the round trip plus Python, and the rest, in ms
+VERIFY_MS, DRAFT_K_MS, RTT_MS, EPSILON_MS = 5.9, 4.8, 1.4, 0.3
+
+
+def modelled_tokens_per_ms(mean_acceptance_length: float, hit_rate: float) -> float:
+    """Tokens per ms at batch 1 in the throughput model: a hit hides the draft, a miss waits
+    for it. E.g. L = 2, h = 0.5: 2 / (5.9 + 0.3 + 0.5 * 6.2) = 0.215."""
+    miss_ms = (1.0 - hit_rate) * (DRAFT_K_MS + RTT_MS)
+    return mean_acceptance_length / (VERIFY_MS + EPSILON_MS + miss_ms)
+
 
 def context(
     target: Path, draft: Path, prompts: Sequence[str], tokens: int, k: int
@@ -62,14 +84,14 @@ def context(
 
 def run_one(
     target: Path, draft: Path, fanout: int, temperature: float, k: int, tokens: int,
-    device: str, dtype: str, encoded: list[list[int]], length: int,
+    device: str, dtype: str, encoded: list[list[int]], length: int, saguaro_scale: float = 1.0,
 ) -> dict[str, Any]:  # fmt: skip
     slots = len(encoded)
     ahead_slots = fanout * (k + 1) * slots
     runner = {"max_seq_len": length, "device": device, "dtype": dtype}
     draft_config = DraftConfig(
         runner=RunnerConfig(str(draft), max_slots=slots + ahead_slots, **runner),
-        draft_ahead=fanout, draft_ahead_slots=ahead_slots,
+        draft_ahead=fanout, draft_ahead_slots=ahead_slots, saguaro_scale=saguaro_scale,
     )  # fmt: skip
     target_config = TargetConfig(RunnerConfig(str(target), max_slots=slots, **runner),
                                  sampler_impl="torch")  # fmt: skip
@@ -82,14 +104,20 @@ def run_one(
         out = [pipe.requests[r].generated[:tokens] for r in ids]
         accepted = sum(r.num_accepted for r in pipe.requests.values())
         drafted = sum(r.num_draft_tokens for r in pipe.requests.values())
+        proposals = sum(r.num_drafts for r in pipe.requests.values())
         pipe.close()
         engine = svc.draft_engine
         asks = engine.ahead_hits + engine.ahead_misses
+    hit_rate = engine.ahead_hits / asks if asks else None
+    length_ = 1 + accepted / proposals if proposals else None
     return {
-        "fanout": fanout, "temperature": temperature, "k": k, "tokens": tokens,
-        "hits": engine.ahead_hits, "asks_with_chains": asks,
-        "hit_rate": engine.ahead_hits / asks if asks else None,
+        "fanout": fanout, "temperature": temperature, "saguaro_scale": saguaro_scale, "k": k,
+        "tokens": tokens, "hits": engine.ahead_hits, "asks_with_chains": asks,
+        "hit_rate": hit_rate,
         "acceptance_rate": accepted / drafted if drafted else None,
+        "mean_acceptance_length": length_,
+        "modelled_tokens_per_ms": None if length_ is None
+        else modelled_tokens_per_ms(length_, hit_rate or 0.0),
         "output": out,
     }  # fmt: skip
 
@@ -107,7 +135,11 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tokens", type=int, help="new tokens per prompt (default 64; smoke 16)")
     p.add_argument("-k", type=int, default=4)
     p.add_argument("--fanouts", type=int, nargs="+", default=[1, 2, 4])
-    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
+    p.add_argument("--temperatures", type=float, nargs="+",
+                   help="default 0 0.7 1 (smoke: 0 0.7)")  # fmt: skip
+    p.add_argument("--saguaro-scales", type=float, nargs="*", metavar="C",
+                   help="Saguaro scales C < 1 also run at each temperature > 0 and F (default "
+                        "0.5 0.25, smoke 0.25; none given: plain draft-ahead only)")  # fmt: skip
     args = p.parse_args(argv)
     if (args.target is None) != (args.draft is None):
         p.error("--target and --draft go together")
@@ -117,9 +149,54 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         p.error("--device cuda: this machine has no CUDA device")
     if any(f < 1 for f in args.fanouts) or args.k < 1:
         p.error("-k and every --fanouts value must be at least 1")
+    if args.temperatures is None:
+        args.temperatures = [0.0, 0.7] if args.smoke else [0.0, 0.7, 1.0]
+    if args.saguaro_scales is None:
+        args.saguaro_scales = [0.25] if args.smoke else [0.5, 0.25]
+    if any(not 0 < c < 1 for c in args.saguaro_scales):
+        p.error("every --saguaro-scales value must be in (0, 1): 1 is the plain row")
     if args.tokens is not None and args.tokens < 1:
         p.error(f"--tokens must be at least 1, got {args.tokens}")
     return args
+
+
+def configs(args: argparse.Namespace) -> list[tuple[float, int, float]]:
+    """(temperature, F, C) of every run: F = 0 (draft-ahead off) first at each temperature,
+    then each F plain, then each F with each Saguaro scale (temperature > 0 only: greedy rows
+    ignore it)."""
+    out = []
+    for t in args.temperatures:
+        out += [(t, f, 1.0) for f in [0, *args.fanouts]]
+        if t > 0:
+            out += [(t, f, c) for c in args.saguaro_scales for f in args.fanouts]
+    return out
+
+
+def table(header: str, rows: list[dict[str, Any]]) -> str:
+    """The markdown report: a row per run with draft-ahead on."""
+
+    def num(x: float | None, digits: int = 3) -> str:
+        return "-" if x is None else f"{x:.{digits}f}"
+
+    lines = [
+        f"{header}. Modelled tokens/ms: the throughput model at batch 1 with an 8B / 1B pair's "
+        "H100 costs (see the script's docstring); Saguaro C = 1 is plain draft-ahead.",
+        "",
+        "| temperature | F | Saguaro C | hit rate | hits / asks | acceptance rate | "
+        "mean acceptance length | modelled tokens/ms | output same as off |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r["fanout"] == 0:
+            continue
+        same = "-" if r["same_output_as_off"] is None else str(r["same_output_as_off"])
+        lines.append(
+            f"| {r['temperature']} | {r['fanout']} | {r['saguaro_scale']:g} | "
+            f"{num(r['hit_rate'])} | {r['hits']} / {r['asks_with_chains']} | "
+            f"{num(r['acceptance_rate'])} | {num(r['mean_acceptance_length'], 2)} | "
+            f"{num(r['modelled_tokens_per_ms'])} | {same} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -137,30 +214,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         pair = "the CI recipe's demo pair" if args.smoke else "the demo pair"
     encoded, length = context(target, draft, prompts, tokens, args.k)
     rows = []
-    configs = [(t, f) for t in args.temperatures for f in [0, *args.fanouts]]
-    for t, f in tqdm(configs, desc="draft-ahead hit rates"):
-        rows.append(run_one(target, draft, f, t, args.k, tokens, device, dtype, encoded, length))
-    for r in rows:  # draft-ahead never changes a seeded output
+    for t, f, c in tqdm(configs(args), desc="draft-ahead hit rates"):
+        rows.append(run_one(target, draft, f, t, args.k, tokens, device, dtype, encoded, length, c))
+    for r in rows:  # draft-ahead never changes a seeded output; Saguaro's q does (see above)
         base = next(b for b in rows if b["temperature"] == r["temperature"] and b["fanout"] == 0)
-        r["same_output_as_off"] = r["output"] == base["output"]
+        r["same_output_as_off"] = r["output"] == base["output"] if r["saguaro_scale"] == 1 else None
     where = torch.device(device)
-    lines = [
+    header = (
         f"Draft-ahead hit rate on {pair} (commit {commit(short=True)}, {machine(where)}, "
-        f"{dtype}), k = {args.k}, {len(prompts)} prompts x {tokens} tokens, seeded:",
-        "",
-        "| temperature | F | hit rate | hits / asks | acceptance rate | output same as off |",
-        "|---|---|---|---|---|---|",
-    ]
-    for r in rows:
-        if r["fanout"] == 0:
-            continue
-        rate = "-" if r["hit_rate"] is None else f"{r['hit_rate']:.3f}"
-        lines.append(
-            f"| {r['temperature']} | {r['fanout']} | {rate} | "
-            f"{r['hits']} / {r['asks_with_chains']} | {r['acceptance_rate']:.3f} | "
-            f"{r['same_output_as_off']} |"
-        )
-    text = "\n".join(lines) + "\n"
+        f"{dtype}), k = {args.k}, {len(prompts)} prompts x {tokens} tokens, seeded"
+    )
+    text = table(header, rows)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     label = "smoke_" if args.smoke else "" if args.target is None else f"{args.target.name}_"
@@ -169,7 +233,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for r in rows:
         del r["output"]
     (args.out / f"{name}.json").write_text(json.dumps(rows, indent=1))
-    differ = [r for r in rows if not r["same_output_as_off"]]
+    differ = [r for r in rows if r["same_output_as_off"] is False]
     exact = device == "cpu" and dtype == "float32"
     if differ and exact:
         print(f"{len(differ)} configuration(s) changed a seeded output: on the CPU in float32 "
