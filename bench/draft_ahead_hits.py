@@ -134,6 +134,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="default: float32 on the CPU, bfloat16 on a GPU")  # fmt: skip
     p.add_argument("--tokens", type=int, help="new tokens per prompt (default 64; smoke 16)")
     p.add_argument("-k", type=int, default=4)
+    p.add_argument("--seeds", type=int, default=1,
+                   help="requests per prompt, each its own seed (more asks a row)")  # fmt: skip
     p.add_argument("--fanouts", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--temperatures", type=float, nargs="+",
                    help="default 0 0.7 1 (smoke: 0 0.7)")  # fmt: skip
@@ -155,6 +157,8 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
         args.saguaro_scales = [0.25] if args.smoke else [0.5, 0.25]
     if any(not 0 < c < 1 for c in args.saguaro_scales):
         p.error("every --saguaro-scales value must be in (0, 1): 1 is the plain row")
+    if args.seeds < 1:
+        p.error(f"--seeds must be at least 1, got {args.seeds}")
     if args.tokens is not None and args.tokens < 1:
         p.error(f"--tokens must be at least 1, got {args.tokens}")
     return args
@@ -213,6 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         target, draft = demo.target, demo.draft
         pair = "the CI recipe's demo pair" if args.smoke else "the demo pair"
     encoded, length = context(target, draft, prompts, tokens, args.k)
+    encoded *= args.seeds  # request i has seed 1234 + i: the first seeds' are the same as ever
     rows = []
     for t, f, c in tqdm(configs(args), desc="draft-ahead hit rates"):
         rows.append(run_one(target, draft, f, t, args.k, tokens, device, dtype, encoded, length, c))
@@ -222,7 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     where = torch.device(device)
     header = (
         f"Draft-ahead hit rate on {pair} (commit {commit(short=True)}, {machine(where)}, "
-        f"{dtype}), k = {args.k}, {len(prompts)} prompts x {tokens} tokens, seeded"
+        f"{dtype}), k = {args.k}, {len(prompts)} prompts x {args.seeds} seeds x {tokens} "
+        "tokens"
     )
     text = table(header, rows)
     print(text)

@@ -47,6 +47,7 @@ def test_smoke_has_a_row_per_fanout_and_the_same_outputs(tmp_path: Path) -> None
         (["--device", "tpu"], "--device must be cpu or cuda"),
         (["--fanouts", "0"], "at least 1"),
         (["--tokens", "0"], "--tokens must be at least 1"),
+        (["--seeds", "0"], "--seeds must be at least 1"),
         (["--saguaro-scales", "1"], "every --saguaro-scales value must be in (0, 1)"),
     ],
 )
