@@ -92,6 +92,12 @@ def _services_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--draft-ahead", type=int, default=d("draft_ahead"), metavar="F",
                    help="draft-ahead: while the target verifies, the draft drafts the next "
                         "step for its F best guesses of each verdict (0: off)")  # fmt: skip
+    g.add_argument("--draft-ahead-backup", choices=["auto", "always", "never"],
+                   default=d("draft_ahead_backup"),
+                   help="with --draft-ahead: a request whose verdict was not drafted ahead "
+                        "takes a backup step of no drafts instead of making the whole step "
+                        "wait (auto: where that commits more tokens per second; seeded "
+                        "sampled requests never do)")  # fmt: skip
     g.add_argument("--dynamic-speculation", action=argparse.BooleanOptionalAction,
                    default=d("dynamic_speculation"),
                    help="the target chooses each step's k (0 included) from the measured "
@@ -102,17 +108,17 @@ def _services_args(parser: argparse.ArgumentParser) -> None:
                    help="a draft that has not answered a step's Propose after this long (or "
                         "10 times its median round trip, if longer) is given up for that step: "
                         "its requests decode at k = 0 until it answers again")  # fmt: skip
+    g.add_argument("--saguaro-scale", type=float, default=d("saguaro_scale"), metavar="C",
+                   help="with --draft-ahead: the draft samples from its q with the F + 1 "
+                        "tokens it guesses scaled by C in (0, 1] and sends that q (Saguaro "
+                        "sampling: exact, and chains hit more often at temperature > 0; "
+                        "1: off)")  # fmt: skip
     b = parser.add_argument_group(
         "benchmarking only", "The served output is NOT distributed as the target's."
     )
     b.add_argument("--synthetic-acceptance-length", type=float, metavar="L",
                    default=d("synthetic_acceptance_length"),
                    help="BENCHMARKING ONLY: the target accepts drafts at mean acceptance "
-    g.add_argument("--saguaro-scale", type=float, default=d("saguaro_scale"), metavar="C",
-                   help="with --draft-ahead: the draft samples from its q with the F + 1 "
-                        "tokens it guesses scaled by C in (0, 1] and sends that q (Saguaro "
-                        "sampling: exact, and chains hit more often at temperature > 0; "
-                        "1: off)")  # fmt: skip
                         "length L in [1, k + 1] for k = --num-draft-tokens")  # fmt: skip
     b.add_argument("--synthetic-hit-rate", type=float, metavar="H",
                    default=d("synthetic_hit_rate"),
@@ -286,9 +292,11 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             support_size=args.support_size, sampler_impl=args.sampler_impl,
             cuda_graph_batch_sizes=tuple(args.cuda_graph_batch_sizes),
             draft_ahead=args.draft_ahead, draft_deadline_s=args.draft_deadline_ms / 1e3,
+            draft_ahead_backup=args.draft_ahead_backup,
             dynamic_speculation=args.dynamic_speculation,
             synthetic_hit_rate=args.synthetic_hit_rate,
             draft_stand_in=args.draft_stand_in,
+            saguaro_scale=args.saguaro_scale,
             # hypotheses for up to 8 requests at the served k
             draft_ahead_slots=args.draft_ahead * (args.num_draft_tokens + 1)
             * min(args.max_requests, 8),
@@ -296,7 +304,6 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             synthetic_num_draft_tokens=None if args.synthetic_acceptance_length is None
             else args.num_draft_tokens,
             tls_cert=args.service_tls_cert, tls_key=args.service_tls_key,
-            saguaro_scale=args.saguaro_scale,
             tls_root_cert=args.service_tls_root_cert,
             tls_server_name=args.service_tls_server_name,
             tls_client_cert=args.service_tls_client_cert,

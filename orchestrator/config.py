@@ -87,15 +87,17 @@ class ServiceConfig:
     # the extra KV slots its runner holds for the hypotheses
     draft_ahead: int = 0
     draft_ahead_slots: int = 0
+    # with draft-ahead, a miss's backup proposal of no drafts (DraftConfig.draft_ahead_backup)
+    draft_ahead_backup: Literal["auto", "always", "never"] = "auto"
     # the target chooses each step's k (target_service.speculation)
     dynamic_speculation: bool = False
     # the hub's deadline for each Propose: past it the step goes on at k = 0 and the draft is
     # resynchronised once it answers again (TargetConfig.draft_deadline_s)
     draft_deadline_s: float = 0.3
-    # BENCHMARKING ONLY: the target's acceptance test replaced by a synthetic mean acceptance
-    # length L for k = synthetic_num_draft_tokens (target_service.synthetic); the output is
     # with draft-ahead: Saguaro sampling's scale of the draft's top tokens (DraftConfig), 1 = off
     saguaro_scale: float = 1.0
+    # BENCHMARKING ONLY: the target's acceptance test replaced by a synthetic mean acceptance
+    # length L for k = synthetic_num_draft_tokens (target_service.synthetic); the output is
     # then NOT distributed as the target's. Both None (the default) or both set.
     synthetic_acceptance_length: float | None = None
     synthetic_num_draft_tokens: int | None = None
@@ -132,8 +134,6 @@ class ServiceConfig:
             raise ValueError(f"draft_ahead must be in [0, 16], got {self.draft_ahead}.")
         if self.draft_ahead and (self.draft is None or self.draft_ahead_slots < 1):
             raise ValueError("draft_ahead needs a draft model and draft_ahead_slots >= 1.")
-        rate = self.synthetic_hit_rate
-        if rate is not None and not (self.draft_ahead and 0.0 <= rate <= 1.0):
         if not 0.0 < self.saguaro_scale <= 1.0:
             raise ValueError(f"saguaro_scale must be in (0, 1] (1: off), got {self.saguaro_scale}.")
         if self.saguaro_scale < 1.0 and not self.draft_ahead:
@@ -141,6 +141,8 @@ class ServiceConfig:
                 "saguaro_scale below 1 needs draft_ahead: it scales the tokens draft-ahead "
                 f"guesses, got saguaro_scale {self.saguaro_scale} with draft_ahead 0."
             )
+        rate = self.synthetic_hit_rate
+        if rate is not None and not (self.draft_ahead and 0.0 <= rate <= 1.0):
             raise ValueError(
                 f"synthetic_hit_rate must be in [0, 1] and needs draft_ahead, got {rate}."
             )

@@ -106,9 +106,10 @@ def start_service(role: str, config: ServiceConfig, host: str) -> tuple[Any, Mod
                 max_num_draft_tokens=config.max_num_draft_tokens,
                 draft_ahead=config.draft_ahead,
                 draft_ahead_slots=config.draft_ahead_slots,
+                draft_ahead_backup=config.draft_ahead_backup,
                 synthetic_hit_rate=config.synthetic_hit_rate,
-                stand_in=None if stand_in is None else str(stand_in),
                 saguaro_scale=config.saguaro_scale,
+                stand_in=None if stand_in is None else str(stand_in),
                 server=server,
             )
         )
