@@ -186,22 +186,27 @@ def test_the_hub_stops_drafting_what_is_never_accepted(checkpoints: tuple[Path, 
 def test_the_target_warms_up_every_k_it_may_run() -> None:
     """Under dynamic speculation any k up to the limit can come: each is verified once before
     serving, so no request pays a compile (the sampler's kernels are compiled per k)."""
-    from target_service.server import WARMUP_ID, warm_up
+    from target_service.server import warm_ks, warm_up
 
     class Engine:
         def __init__(self) -> None:
             self.held: set[str] = set()
-            self.verified: list[int] = []
+            self.verified: list[list[int]] = []
 
         def admit(self, adm: object) -> None:
-            self.held.add(WARMUP_ID)
+            self.held.add(adm.request_id)  # type: ignore[attr-defined]
 
         def verify(self, block: object) -> None:
-            self.verified.append(block.num_draft_tokens[0])  # type: ignore[attr-defined]
+            self.verified.append(list(block.num_draft_tokens))  # type: ignore[attr-defined]
 
         def release(self, ids: list[str]) -> None:
             self.held -= set(ids)
 
     engine = Engine()
     warm_up(engine, range(1, 5))  # type: ignore[arg-type]
-    assert engine.verified == [1, 2, 3, 4] and not engine.held
+    # per k a block of k alone, then one mixing k with k = 0 (the sampler's gather)
+    assert engine.verified == [[1], [1, 0], [2], [2, 0], [3], [3, 0], [4], [4, 0]]
+    assert not engine.held
+    assert warm_ks(16, dynamic=False) == [1, 2, 4, 8, 16]  # each power of two the kernels see
+    assert warm_ks(5, dynamic=False) == [1, 2, 4, 5]
+    assert warm_ks(3, dynamic=True) == [1, 2, 3] and warm_ks(0, dynamic=True) == []
