@@ -144,6 +144,7 @@ def synthetic_hit(
 
 
 EWMA_WEIGHT = 0.1  # of each new measurement in BackupChoice's averages
+REMEASURE_EVERY = 32  # backups in a row after which misses are drafted now once, to time it
 
 
 @dataclass(slots=True)
@@ -160,11 +161,14 @@ class BackupChoice:
     batch 8 with 2 misses backs up (3.1 against 2.0 tokens/ms); batch 1 with its one miss drafts
     now (0.25 against 0.14); at L = 1.5 that miss backs up too. L is the mean committed per
     verdict on drafts, T_draft the wall time of drafting now, both measured here; T_step is the
-    hub's (ProposeBlock.target_step_s). Until all three are known, misses are drafted now.
+    hub's (ProposeBlock.target_step_s). Until all three are known, misses are drafted now; and
+    once in REMEASURE_EVERY backups in a row, so that T_draft follows the draft's load (a first
+    measurement that was slow would otherwise hold backups on for good).
     """
 
     mean_committed: float | None = None  # L
     draft_s: float | None = None  # T_draft
+    backups_in_a_row: int = 0
 
     def committed(self, tokens: int) -> None:
         """A verdict on drafts committed `tokens`."""
@@ -173,14 +177,19 @@ class BackupChoice:
     def drafted(self, seconds: float) -> None:
         """A pass drafting missed asks now took `seconds`."""
         self.draft_s = _average(self.draft_s, seconds)
+        self.backups_in_a_row = 0
 
     def pays(self, asks: int, missed: int, step_s: float) -> bool:
         """Whether `missed` of `asks` requests with drafts wanted should take the backup."""
         length, draft_s = self.mean_committed, self.draft_s
         if length is None or draft_s is None or step_s <= 0 or not 0 < missed <= asks:
             return False
+        if self.backups_in_a_row >= REMEASURE_EVERY:
+            return False
         backup = ((asks - missed) * length + missed) / step_s
-        return backup > asks * length / (step_s + draft_s)
+        pays = backup > asks * length / (step_s + draft_s)
+        self.backups_in_a_row += pays
+        return pays
 
 
 def _average(old: float | None, new: float) -> float:

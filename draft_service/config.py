@@ -34,10 +34,11 @@ class DraftConfig:
     # the runner's KV slots are kept for the hypotheses (requests get the others)
     draft_ahead: int = 0
     draft_ahead_slots: int = 0
-    # with draft-ahead, whether an ask whose verdict was not drafted ahead gets a backup
-    # proposal of no drafts (the step does not wait; its drafts are made ahead for the next
-    # step): "auto" where that commits more tokens per second (ahead.BackupChoice), "always",
-    # or "never" (drafted now, as without draft-ahead). Seeded sampled requests never do.
+    # with draft-ahead, whether an ask that had chains drafted ahead, none for its verdict,
+    # gets a backup proposal of no drafts (the step does not wait; its drafts are made ahead
+    # for the next step): "auto" where that commits more tokens per second
+    # (ahead.BackupChoice), "always", or "never" (drafted now, as without draft-ahead). Seeded
+    # sampled requests never do, nor a step that drafts now for another request anyway.
     draft_ahead_backup: Literal["auto", "always", "never"] = "auto"
     # Saguaro sampling (draft_service.sampling), with draft_ahead: the draft samples from q with
     # its draft_ahead + 1 most likely tokens scaled by this and renormalised, and sends that q,

@@ -244,7 +244,8 @@ class DraftEngine:
                 req = self._requests[a.request_id]
                 if req.drafts and a.step == req.next_step:  # a verdict on drafts: tokens committed
                     self._backup.committed(len(a.new_token_ids))
-            hits = {a.request_id: c for a in ok if (c := self._take_chain(a)) is not None}
+            missed: set[str] = set()  # asks with chains drafted ahead, none for their verdict
+            hits = {a.request_id: c for a in ok if (c := self._take_chain(a, missed)) is not None}
             ahead = (self.ahead_hits - before[0], self.ahead_misses - before[1], self._ahead_s)
             self._ahead_s = 0.0  # reported with this proposal (kept for the next if it fails)
             saved = [self._save(a.request_id) for a in ok]
@@ -256,7 +257,9 @@ class DraftEngine:
                     req.next_step = a.step + 1
                 if self.runner is None:
                     return Proposal(self._draft_ngram(ok), errors, StepTimes(), *ahead)
-                block, times, backups = self._draft_model(ok, hits, applied, target_step_s)
+                block, times, backups = self._draft_model(ok, hits, missed, applied,
+                                                          target_step_s)  # fmt: skip
+                self.ahead_backups += backups
                 return Proposal(block, errors, times, *ahead, backups)
             except BaseException:
                 self._ahead_s += ahead[2]
@@ -308,13 +311,16 @@ class DraftEngine:
         self,
         asks: list[ProposeEntry],
         hits: dict[str, ahead.Chain],
+        missed: set[str],
         applied: set[str],
         target_step_s: float,
     ) -> tuple[DraftBlock, StepTimes, int]:
         """Drafts for the asks: a hit's chain (its slot becomes the request's, noted in
-        `applied`), the others drafted now in one pass, or given a backup proposal of no
-        drafts where that commits more tokens per second (`ahead.BackupChoice`); returns how
-        many got one."""
+        `applied`), the others drafted now in one pass; or, where every other is a miss (it
+        had chains, none for its verdict), backup proposals of no drafts for them if that
+        commits more tokens per second (`ahead.BackupChoice`). Returns how many got one. An
+        ask without chains (just admitted, or left out of the last pass by its budget) is
+        drafted now, so a request the pass ahead has no room for is never stuck at k = 0."""
         assert self.runner is not None
         active = [a for a in asks if a.num_draft_tokens > 0 and a.request_id not in hits]
         drafts: dict[str, list[int]] = {}
@@ -322,13 +328,14 @@ class DraftEngine:
         times = StepTimes()
         backups = set()
         mode = self.config.draft_ahead_backup
-        fixed = any(a.fixed_num_draft_tokens for a in active)  # the step waits for them anyway
+        # a seeded request's k is fixed, and an ask without chains is drafted now: the step
+        # waits for a draft pass anyway, and the misses ride along in it for nothing
+        waits = any(a.fixed_num_draft_tokens or a.request_id not in missed for a in active)
         ahead_on = bool(self.config.draft_ahead and self.runner.can_fork)
-        if active and not fixed and mode != "never" and ahead_on:
+        if active and not waits and mode != "never" and ahead_on:
             wanted = sum(a.num_draft_tokens > 0 for a in asks)
             if mode == "always" or self._backup.pays(wanted, len(active), target_step_s):
                 backups = {a.request_id for a in active}
-                self.ahead_backups += len(backups)
                 active = []
         if active:
             started = time.perf_counter()
@@ -626,8 +633,9 @@ class DraftEngine:
             req.guesses = [*req.guesses, row]
         return clock.seconds(0, 1, "ahead")
 
-    def _take_chain(self, a: ProposeEntry) -> ahead.Chain | None:
-        """The chain drafted ahead for this ask's verdict, if any; every other is dropped."""
+    def _take_chain(self, a: ProposeEntry, missed: set[str]) -> ahead.Chain | None:
+        """The chain drafted ahead for this ask's verdict, if any (an ask that had chains and
+        finds none for its verdict goes into `missed`); every other is dropped."""
         req = self._requests[a.request_id]
         if not req.chains:
             return None
@@ -648,6 +656,7 @@ class DraftEngine:
             self.ahead_hits += 1
         elif a.num_draft_tokens > 0:  # an ask for no drafts (k = 0) has nothing to miss
             self.ahead_misses += 1
+            missed.add(a.request_id)
         return chain
 
     def _apply_chain(self, request_id: str, chain: ahead.Chain, k: int, applied: set[str]) -> None:

@@ -321,8 +321,8 @@ class Hub:
             verdicts = self._failed(group, e)
         else:
             self._observe(group, verdicts, time.perf_counter() - start)
-            if group.drafted:
-                own_s = time.perf_counter() - start - group.wait_s - group.poll_s
+            if group.drafted:  # less what drafting now cost it: a backup saves that only
+                own_s = time.perf_counter() - start - group.draft_s - group.poll_s
                 old = self._target_step_s or own_s
                 self._target_step_s = old + STEP_TIME_WEIGHT * (own_s - old)
         step = target_pb2.ServeStep(

@@ -96,6 +96,9 @@ class DraftSide:
         self.link: DraftLink | None = None
         self._stall: _Stall | None = None
         self._admitting: list[tuple[PendingAdmits, list[HubRequest]]] = []  # not settled yet
+        # a stalled draft taken as down may still hold requests: its address and their ids,
+        # released there if it is named again (`replace`)
+        self._left: tuple[str, set[str]] | None = None
         self._round_trips: deque[float] = deque(maxlen=ROUND_TRIPS)
         self._deadline_s = config.draft_deadline_s
 
@@ -116,7 +119,8 @@ class DraftSide:
     def waits_for_draft(self, req: HubRequest) -> bool:
         """Whether the request sits this step out: seeded, sampled, drafted, and the draft is
         stalled (at k = 0 its output would depend on the draft's timing)."""
-        return self._stall is not None and req.fixed_k and req.proposer == "draft"
+        stalled = self._stall is not None
+        return stalled and req.fixed_k and req.proposer == "draft" and not req.done
 
     def poll(self) -> None:
         """Settles the admissions made since the last step (waiting up to the deadline for
@@ -138,7 +142,8 @@ class DraftSide:
         if not stall.probe.done():
             waited = time.monotonic() - stall.since
             waiting = any(map(self.waits_for_draft, self._requests.values()))
-            if waiting and waited > self.seeded_deadline_s:
+            if waiting and waited > self.seeded_deadline_s and self.link is not None:
+                self._left = (self.link.address, set(stall.held))
                 self.down(f"The draft service has not answered for {waited:.1f} s; seeded "
                           "requests waiting for their drafts go on at k = 0.")  # fmt: skip
             return
@@ -188,6 +193,9 @@ class DraftSide:
         self.release([r for r in self._requests.values() if r.on_draft])
         old = self.link.address if self.link is not None else None
         held = sorted(self._stall.held) if self._stall is not None else []
+        if self._left is not None and old is None:  # went down from a stall
+            old, held = self._left[0], sorted(self._left[1])
+        self._left = None
         self.close()
         if not address:
             return

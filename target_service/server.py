@@ -43,16 +43,6 @@ def warm_up(engine: TargetEngine, ks: Iterable[int] = (1,)) -> None:
             engine.release(ids)
 
 
-def warm_ks(k_max: int, dynamic: bool) -> list[int]:
-    """The k warmed up: every k to k_max under dynamic speculation, else 1 and the powers of
-    two up to k_max (the sampler's kernels are specialised by the power of two above k)."""
-    if k_max < 1:
-        return []
-    if dynamic:
-        return list(range(1, k_max + 1))
-    return sorted({1, *(2**i for i in range(1, k_max.bit_length()) if 2**i <= k_max), k_max})
-
-
 def check_draft(engine: TargetEngine, config: TargetConfig) -> None:
     """Fetches the draft's ModelInfo and raises CheckpointError if its tokenizer differs."""
     assert config.draft_address is not None
@@ -95,7 +85,12 @@ def start(config: TargetConfig, runner: ModelRunner | None = None) -> tuple[Serv
         k_max = min(config.max_num_draft_tokens, engine.info.max_seq_len - 3)
         if config.synthetic is not None:  # BENCHMARKING ONLY: it refuses any larger k
             k_max = min(k_max, config.synthetic.num_draft_tokens)
-        warm_up(engine, warm_ks(k_max, config.dynamic_speculation))
+        # any k up to the limit can come (the hub lowers k at a request's last tokens, dynamic
+        # speculation every step): on a GPU the sampler's kernels are specialised by powers of
+        # two of k and k + 1, so each k is compiled before the first request; the CPU compiles
+        # nothing, and under dynamic speculation each k is warmed up there as before
+        every_k = config.dynamic_speculation or engine.runner.device.type == "cuda"
+        warm_up(engine, range(1, k_max + 1) if every_k else (1,))
         if config.draft_address is not None:
             check_draft(engine, config)
     except BaseException:

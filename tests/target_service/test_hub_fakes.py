@@ -191,6 +191,14 @@ def test_a_stall_longer_than_the_seeded_deadline_takes_the_draft_as_down(
     assert "seeded requests" in down.draft_down.message
     run.next(lambda e: e.HasField("step") and "seeded" in e.step.verdicts.request_ids)
     assert _ks(run, "seeded")[-1] == 0
+    # the draft was only slow: named again, it is told to release what it may still hold
+    # (else its slots leak, and the re-admission finds the request already there)
+    link.released.clear()
+    set_draft = target_pb2.SetDraft(address=link.address)
+    run.hub.control(target_pb2.ServeControl(set_draft=set_draft))
+    run.next(lambda e: e.HasField("draft_up"))
+    assert link.released == ["seeded"]
+    run.next(lambda e: e.HasField("step") and _ks(run, "seeded")[-1] == 4)
 
 
 def test_a_step_of_seeded_requests_only_that_meets_a_stall_verifies_nothing(
