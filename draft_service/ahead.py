@@ -7,7 +7,7 @@ when j < k, the bonus token when j = k). For each j and each of the draft's own 
 tokens t at that position (never d_{j+1}: a rejection does not add the token it rejected), a
 *hypothesis* drafts k tokens on S + d_1..d_j + t in a KV slot of its own, forked from the
 request's at length n + j. The guesses for j < k come out of the proposal's own draft forwards
-(the same captured graphs, `engine.with_guesses`); the all-accepted verdict's (j = k) take one
+(the same captured graphs, `drafting.with_guesses`); the all-accepted verdict's (j = k) take one
 more draft forward, of d_k, made only while that verdict comes true often enough. Example,
 k = 2, F = 1, drafts (7, 9): hypotheses (j=0: t=g0), (j=1: 7, g1), (j=2: 7, 9, g2), where g_j
 is the draft's best token at that position other than d_{j+1}. Only the accepted counts that

@@ -20,7 +20,7 @@ Saguaro sampling (SSD, arXiv 2603.03251), for draft-ahead at temperature > 0: wi
 `top_scale` C < 1 the row samples from q' = q with its `top_count` most likely tokens'
 probabilities multiplied by C and renormalised, and returns q', so after a rejection the
 target's residual max(0, p - q') / Z falls mostly on those tokens, the ones draft-ahead guesses
-(`engine.with_guesses` takes the same count). Exact for any C: the q returned, and so sent, is
+(`drafting.with_guesses` takes the same count). Exact for any C: the q returned, and so sent, is
 the one sampled from. Example: q = (0.6, 0.3, 0.1), top_count 1, C = 0.5 gives
 q' = (0.3, 0.3, 0.1) / 0.7 = (0.43, 0.43, 0.14); if the target's p is q, the residual after a
 rejection is all on token 0.

@@ -342,7 +342,7 @@ def measure(runner: ModelRunner, guesses: int, repeats: int = 20) -> StandInTime
     """The times a `StandInRunner` for this runner waits: each captured batch size's one- and
     two-token steps with the greedy head (and `guesses` draft-ahead guesses, as served with
     draft-ahead), an eager forward at several lengths, and the KV copies of a fork."""
-    from draft_service.engine import make_greedy_head, with_guesses
+    from draft_service.drafting import make_greedy_head, with_guesses
 
     vocab = runner.info.tokenizer_vocab_size or runner.vocab_size
     head = make_greedy_head(vocab)

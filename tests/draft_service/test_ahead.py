@@ -219,13 +219,13 @@ def test_a_failing_ahead_pass_changes_nothing(
     with services(target_dir, with_ahead(model_draft(draft_dir), 2)) as svc:
         engine, runner = svc.draft_engine, svc.draft_engine.runner
         assert runner is not None
-        real = engine._draft_chains
+        real = engine._ahead._draft_chains
 
         def broken(ready: list, added: list[str]) -> int:
             real(ready, added)
             raise RuntimeError("an ahead pass that fails")
 
-        monkeypatch.setattr(engine, "_draft_chains", broken)
+        monkeypatch.setattr(engine._ahead, "_draft_chains", broken)
         free = runner.free_slots
         pipe = svc.pipeline()
         prompt = _prompts(1)[0]

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from draft_service.engine import DraftEngine, _read_drafts, _Step
+from draft_service.drafting import _read_drafts, _Step
+from draft_service.engine import DraftEngine
 from draft_service.server import model_info
 from specdec.runner import ModelRunner
 from specdec.sampling_params import SamplingParams

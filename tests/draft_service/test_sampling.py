@@ -7,7 +7,7 @@ import pytest
 import torch
 from scipy import stats
 
-from draft_service.engine import make_head, with_guesses
+from draft_service.drafting import make_head, with_guesses
 from draft_service.sampling import PAD_ID, sample_draft
 
 VOCAB = 40

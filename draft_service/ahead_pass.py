@@ -1,0 +1,225 @@
+"""The pass ahead: between a proposal and the next ask, while the target verifies, the draft
+catches up the KV of the requests that drafted nothing and drafts chains for the verdicts it
+thinks likely (what a hypothesis is, and why a hit is exact: `draft_service.ahead`). The next
+ask takes the chain drafted for its verdict, if any, and every other chain's slot goes back.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+
+from draft_service import ahead
+from draft_service.config import DraftConfig
+from draft_service.drafting import Drafter, DraftRequest, q_tensors
+from specdec.runner import ModelRunner
+from specdec.runner.timing import StepClock
+from specdec.serving.messages import ModelInfo, ProposeEntry
+
+log = logging.getLogger(__name__)
+
+
+class AheadPass:
+    """Draft-ahead's chains and counts over the engine's requests (the same dict); the engine
+    calls every method under its one lock."""
+
+    def __init__(
+        self,
+        config: DraftConfig,
+        runner: ModelRunner | None,
+        info: ModelInfo,
+        drafter: Drafter,
+        requests: dict[str, DraftRequest],
+    ):
+        self.config, self.runner, self.info = config, runner, info
+        self._drafter = drafter
+        self._requests = requests
+        self.hits = self.misses = 0  # asks that found a chain drafted ahead, or not
+        self.seconds = 0.0  # device time of the passes ahead since the last proposal
+        self._accepted = ahead.AcceptedCounts()  # the verdicts' accepted counts seen so far
+
+    def run(self, request_ids: Sequence[str]) -> int:
+        """`DraftEngine.draft_ahead`'s pass, on the runner's device: the catch-up, then the
+        chains. Returns how many chains it drafted."""
+        runner = self.runner
+        assert runner is not None
+        held = [(rid, self._requests[rid]) for rid in dict.fromkeys(request_ids)
+                if rid in self._requests]  # fmt: skip
+        self._catch_up([(rid, r) for rid, r in held if not r.drafts and r.kv != r.tokens])
+        if not self.config.draft_ahead or not runner.can_fork:
+            return 0
+        ready = [(rid, r) for rid, r in held if r.guesses and r.k > 0 and self._room_ahead(r)]
+        if not ready:
+            return 0
+        added: list[str] = []
+        try:
+            return self._draft_chains(ready, added)
+        except Exception:  # draft-ahead only saves time: a failure never breaks the stream
+            log.exception("draft-ahead failed; these requests draft after their verdicts")
+            kept = {c.branch_id for _, r in ready for c in r.chains.values()}
+            for _, req in ready:
+                self.drop(req)
+            for bid in added:
+                if bid not in kept:
+                    self.release_branch(bid)
+            return 0
+
+    def _catch_up(self, lagging: list[tuple[str, DraftRequest]]) -> None:
+        """One forward of the tokens the lagging requests' KV lacks (a short tail: a graph),
+        which leaves it holding every committed token; with draft-ahead it also gives the
+        guesses for the token their next verdict adds (the hypotheses of a backup proposal).
+        A failure only leaves the KV behind: the next proposal catches up as before."""
+        if not lagging:
+            return
+        ids = [rid for rid, _ in lagging]
+        reqs = [r for _, r in lagging]
+        guess = bool(self.config.draft_ahead and self.runner is not None and self.runner.can_fork)
+        try:
+            *_, guesses, times = self._drafter.drafts(ids, reqs, [1] * len(ids), guess, "ahead")
+        except Exception:  # the KV keeps the prefix it agrees on (`Drafter._catch_up_tails`)
+            log.exception("catching up %d request(s) failed; their next proposal does", len(ids))
+            return
+        self.seconds += times.forward_s
+        for req, g in zip(reqs, guesses, strict=True):
+            req.guesses = g if req.k > 0 else []
+
+    def _room_ahead(self, req: DraftRequest) -> bool:
+        assert self.runner is not None
+        return len(req.tokens) + len(req.drafts) + req.k <= self.runner.config.max_seq_len
+
+    def _budget(self) -> int:
+        """How many hypotheses one pass drafts: the free slots beyond those kept for admissions,
+        and no more than the largest captured graph (an eager pass would cost more than the
+        verify it hides behind)."""
+        runner = self.runner
+        assert runner is not None
+        budget = runner.free_slots - (self.info.max_requests - len(self._requests))
+        sizes = runner.config.cuda_graph_batch_sizes
+        if sizes and runner.uses_graphs:
+            budget = min(budget, max(sizes))
+        return max(budget, 0)
+
+    def _draft_chains(self, ready: list[tuple[str, DraftRequest]], added: list[str]) -> int:
+        """Drafts the hypotheses; `added` collects the branch slots taken, for the caller's
+        clean-up if this raises."""
+        runner = self.runner
+        assert runner is not None
+        self.seconds += self._bonus_guesses(ready)
+        ranked = []  # (rank, request) order: every request's first guess before any second
+        for i, (_, req) in enumerate(ready):
+            req.chains_step = req.next_step
+            found = ahead.hypotheses(req.guesses, req.drafts, self.config.draft_ahead)
+            if req.drafts:  # a backup's verdict accepts nothing, whatever the counts say
+                found = self._accepted.likely(found)
+            ranked += [(rank, i, h) for rank, h in enumerate(found)]
+        ranked.sort(key=lambda x: (x[0], x[1]))
+        chosen = ranked[: self._budget()]
+        if not chosen:
+            return 0
+        ids, branches, forks = [], [], []
+        for _, i, h in chosen:
+            rid, req = ready[i]
+            bid = ahead.branch_id(rid, h)
+            runner.add_request(bid)
+            added.append(bid)
+            prefix = req.tokens + req.drafts[: h.accepted]
+            ids.append(bid)
+            branches.append(
+                DraftRequest([*prefix, h.token], req.sampling, req.next_step + 1, prefix)
+            )
+            forks.append((rid, bid, len(prefix)))
+        clock = StepClock(runner.device)  # the KV copies count as the pass's device time
+        clock.mark()
+        runner.fork(forks)
+        clock.mark()
+        ks = [ready[i][1].k for _, i, _ in chosen]
+        drafted, q, sampled, guesses, times = self._drafter.drafts(ids, branches, ks, True, "ahead")
+        self.seconds += clock.seconds(0, 1) + times.forward_s  # read after the drafts' sync
+        tensors, start = q_tensors(q) or (), 0
+        for n, (_, i, h) in enumerate(chosen):
+            req = ready[i][1]
+            rows = None
+            if sampled[n]:
+                rows = tuple(t[start : start + ks[n]] for t in tensors)
+                start += ks[n]
+            chain = ahead.Chain(ids[n], drafted[n], rows, branches[n].kv, guesses[n])
+            req.chains[h.verdict(req.drafts)] = chain
+        return len(ids)
+
+    def _bonus_guesses(self, ready: list[tuple[str, DraftRequest]]) -> float:
+        """Guesses for the all-accepted verdict's bonus token: one more draft forward, of d_k,
+        for the requests whose k accepted drafts come true often enough; its device time."""
+        runner = self.runner
+        assert runner is not None
+        k_of = {rid: len(r.drafts) for rid, r in ready}
+        wanted = [(rid, r) for rid, r in ready
+                  if len(r.guesses) == k_of[rid] and self._accepted.wants(k_of[rid])]  # fmt: skip
+        if not wanted:
+            return 0.0
+        ids = [rid for rid, _ in wanted]
+        clock = StepClock(runner.device)
+        clock.mark()
+        last = runner.upload(torch.tensor([[r.drafts[-1]] for _, r in wanted], dtype=torch.long))
+        out = self._drafter.bonus_step(ids, last)
+        clock.mark()
+        top = runner.to_host(out[-1])[0].tolist()  # the synchronisation
+        for (_, req), row in zip(wanted, top, strict=True):
+            req.kv = req.tokens + req.drafts
+            req.guesses = [*req.guesses, row]
+        return clock.seconds(0, 1, "ahead")
+
+    def take_chain(self, a: ProposeEntry, missed: set[str]) -> ahead.Chain | None:
+        """The chain drafted ahead for this ask's verdict, if any (an ask that had chains and
+        finds none for its verdict goes into `missed`); every other is dropped."""
+        req = self._requests[a.request_id]
+        if not req.chains:
+            return None
+        chain = None
+        if req.chains_step == a.step and a.num_draft_tokens > 0:
+            verdict = tuple(a.new_token_ids)
+            if req.drafts:  # a backup proposal's verdict accepted nothing it drafted
+                self._accepted.add(len(verdict) - 1)
+            rate = self.config.synthetic_hit_rate
+            if rate is not None:  # BENCHMARKING ONLY: a chain of the same accepted count
+                verdict = ahead.synthetic_hit(req.chains, verdict, rate, a.request_id, a.step)
+            chain = req.chains.pop(verdict, None)
+            if chain is not None and len(chain.tokens) < a.num_draft_tokens:
+                self.release_branch(chain.branch_id)
+                chain = None
+        self.drop(req)
+        if chain is not None:
+            self.hits += 1
+        elif a.num_draft_tokens > 0:  # an ask for no drafts (k = 0) has nothing to miss
+            self.misses += 1
+            missed.add(a.request_id)
+        return chain
+
+    def apply_chain(self, request_id: str, chain: ahead.Chain, k: int, applied: set[str]) -> None:
+        """The chain's slot becomes the request's; the request's old slot goes. Asked for fewer
+        drafts than the chain holds (the hub lowered k), the KV keeps those it sends: all but
+        the last, as after drafting them, so the next forward appends where they end."""
+        assert self.runner is not None and 0 < k <= len(chain.tokens)
+        self.runner.swap(request_id, chain.branch_id)
+        self.release_branch(chain.branch_id)
+        applied.add(request_id)  # its slot is the request's now: a failure must not free it
+        req = self._requests[request_id]
+        keep = len(req.tokens) + k - 1
+        if len(chain.kv) > keep:
+            self.runner.truncate(request_id, keep)
+        req.kv = chain.kv[:keep]
+        if self.config.synthetic_hit_rate is not None:  # BENCHMARKING ONLY
+            # a synthetic hit's chain assumed another verdict token than the committed one; its
+            # KV is taken to hold the committed tokens, as a real hit's does, so the next
+            # catch-up is as short as after a real hit (not up to k + 1 tokens, prefilled eagerly)
+            req.kv = req.tokens + req.kv[len(req.tokens) :]
+
+    def drop(self, req: DraftRequest) -> None:
+        for c in req.chains.values():
+            self.release_branch(c.branch_id)
+        req.chains.clear()
+
+    def release_branch(self, branch_id: str) -> None:
+        assert self.runner is not None
+        self.runner.release(branch_id)
