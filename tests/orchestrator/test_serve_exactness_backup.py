@@ -1,0 +1,170 @@
+"""Exactness of sampled output through the client API with draft-ahead's backup proposals
+(`draft_service.ahead.BackupChoice`, here `draft_ahead_backup="always"`): an ask that had chains
+drafted ahead, none for its verdict, gets no drafts that step (the target samples its one token
+from p) and its drafts for the next step are made behind the verify. The client API
+(`orchestrator.server.Orchestrator`) runs in this process in front of a local pair
+(`tests.orchestrator.inprocess`); many unseeded sampled requests (a seeded one is never backed
+up) are sent concurrently by `AsyncClient`; the seeds the server draws for them come from a
+seeded generator here, so that a run is the same every time.
+
+Every committed token after the first is mapped through its own conditional CDF given the
+tokens before it (randomized PIT, `test_serve_exactness.pit`) and tested by chi-square on
+equal-width bins, in a run that made at least 50 backup proposals and answered at least 50 asks
+from chains. Mutant, rejected by the same statistic: the tokens against the target at another
+temperature. Greedy output with backups equals target-only greedy output, token for token.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import orchestrator.requests
+from bench.local import local_pair
+from draft_service.config import DraftConfig
+from orchestrator.config import SchedulerConfig, ServeConfig, ServiceConfig
+from orchestrator.server import Orchestrator
+from specdec.client import AsyncClient
+from specdec.runner import RunnerConfig
+from target_service.config import TargetConfig
+from tests.draft_service.models import build_checkpoints
+from tests.orchestrator.inprocess import api_on
+from tests.orchestrator.test_serve_exactness import (
+    MAX_SEQ_LEN,
+    REJECT_BELOW,
+    Case,
+    K,
+    distributions,
+    pit,
+    pit_pvalue,
+)
+from tests.orchestrator.test_serve_exactness_ahead import _total
+
+FANOUT = 2
+MAX_REQUESTS = 16
+NEW_TOKENS = 12  # tokens 2 to 12 of each request are tested
+CASE = Case("draft", temperature=0.5)
+COUNTERS = ("specdec:draft_ahead_hits_total", "specdec:draft_ahead_misses_total",
+            "specdec:draft_ahead_backups_total")  # fmt: skip
+
+
+@dataclass
+class Served:
+    orchestrator: Orchestrator
+    address: str
+    target_dir: Path
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    target, draft = build_checkpoints(tmp_path_factory.mktemp("backup"))
+    ahead_slots = FANOUT * (K + 1) * MAX_REQUESTS
+    draft_config = DraftConfig(
+        runner=RunnerConfig(str(draft), max_slots=MAX_REQUESTS + ahead_slots + 1,
+                            max_seq_len=MAX_SEQ_LEN),
+        draft_ahead=FANOUT, draft_ahead_slots=ahead_slots, draft_ahead_backup="always",
+    )  # fmt: skip
+    target_config = TargetConfig(
+        RunnerConfig(str(target), max_slots=MAX_REQUESTS + 1, max_seq_len=MAX_SEQ_LEN),
+        sampler_impl="torch",
+    )
+    config = ServeConfig(
+        ServiceConfig(str(target), str(draft), device="cpu", max_requests=MAX_REQUESTS,
+                      max_seq_len=MAX_SEQ_LEN, draft_ahead=FANOUT, draft_ahead_slots=ahead_slots,
+                      draft_ahead_backup="always"),
+        scheduler=SchedulerConfig(max_queue=4 * MAX_REQUESTS, proposer="draft",
+                                  num_draft_tokens=K),
+        host="127.0.0.1", port=0, metrics_port=None, grace_s=2.0,
+    )  # fmt: skip
+    with local_pair(draft_config, target_config) as pair, api_on(pair, config) as orchestrator:
+        yield Served(orchestrator, f"127.0.0.1:{orchestrator.port}", target)
+
+
+async def _generate(
+    address: str, prompts: list[list[int]], temperature: float, proposer: str
+) -> np.ndarray:
+    """[len(prompts), NEW_TOKENS]: a request a prompt, unseeded, MAX_REQUESTS in flight."""
+    limit = asyncio.Semaphore(MAX_REQUESTS)
+    async with AsyncClient(address, timeout=300.0) as client:
+
+        async def one(i: int) -> tuple[int, ...]:
+            async with limit:
+                out = await client.complete(
+                    prompts[i], max_tokens=NEW_TOKENS, ignore_eos=True,
+                    temperature=temperature, proposer=proposer, num_draft_tokens=K,
+                )  # fmt: skip
+            assert out.finish_reason == "length" and len(out.token_ids) == NEW_TOKENS, out
+            return out.token_ids
+
+        return np.array(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+
+
+def _run(served: Served, prompts: list[list[int]], temperature: float, proposer: str = "draft"
+         ) -> tuple[np.ndarray, list[float]]:  # fmt: skip
+    """The tokens of the requests, and the draft-ahead hits, misses and backups they made."""
+    before = [_total(served.orchestrator, name) for name in COUNTERS]
+    tokens = asyncio.run(_generate(served.address, prompts, temperature, proposer))
+    counts = [_total(served.orchestrator, n) - b for n, b in zip(COUNTERS, before, strict=True)]
+    print(f"\n{len(prompts)} requests at T={temperature}: draft-ahead {counts[0]:.0f} hits / "
+          f"{counts[1]:.0f} misses, {counts[2]:.0f} backups")  # fmt: skip
+    return tokens, counts
+
+
+def _pit_pvalue(served: Served, tokens: np.ndarray, temperature: float) -> float:
+    """Chi-square p-value of the PIT of every token after the first against the target at
+    `temperature`."""
+    prompt = tuple(CASE.prompt)
+    rows = tokens.tolist()
+    prefix_of = [(*prompt, *row[:t]) for row in rows for t in range(1, NEW_TOKENS)]
+    token = np.array([row[t] for row in rows for t in range(1, NEW_TOKENS)])
+    prefixes = sorted(set(prefix_of))
+    index = {prefix: i for i, prefix in enumerate(prefixes)}
+    p = distributions(served.target_dir, prefixes, CASE, temperature).numpy()
+    p = p[np.array([index[prefix] for prefix in prefix_of])]
+    if (p[np.arange(len(token)), token] == 0).any():
+        return 0.0  # a token the target cannot produce
+    return pit_pvalue(pit(token, p, seed=17))
+
+
+class _Seeds:
+    """Stands in for the `secrets` module where the orchestrator draws an unseeded request's
+    seed: the same draws every run."""
+
+    def __init__(self, seed: int) -> None:
+        self._random = random.Random(seed)
+
+    def randbelow(self, n: int) -> int:
+        return self._random.randrange(n)
+
+
+@pytest.fixture(autouse=True)
+def drawn_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(orchestrator.requests, "secrets", _Seeds(5))
+
+
+def test_every_token_follows_target_with_backups(served: Served) -> None:
+    tokens, (hits, misses, backups) = _run(served, [list(CASE.prompt)] * 400, CASE.temperature)
+    assert backups >= 50, f"only {backups:.0f} backup proposals"
+    assert hits >= 50, f"draft-ahead answered only {hits:.0f} asks from chains"
+    assert backups <= misses, "only misses are backed up"
+    exact = _pit_pvalue(served, tokens, CASE.temperature)
+    print(f"PIT of {tokens[:, 1:].size} tokens: p-value {exact:.3g}")
+    assert exact > REJECT_BELOW, exact
+    wrong = _pit_pvalue(served, tokens, CASE.temperature * 2)
+    print(f"against the target at temperature {CASE.temperature * 2:g}: p-value {wrong:.3g}")
+    assert wrong < REJECT_BELOW, wrong
+
+
+def test_greedy_output_with_backups_is_target_only_greedy(served: Served) -> None:
+    prompts = [[*CASE.prompt, 3 + i] for i in range(96)]  # 96 different continuations
+    drafted, (_, _, backups) = _run(served, prompts, 0.0)
+    alone, _ = _run(served, prompts, 0.0, "off")
+    assert len({tuple(row) for row in alone.tolist()}) > 48, "too few distinct outputs"
+    assert backups >= 3, f"only {backups:.0f} backup proposals"  # greedy seldom misses
+    assert np.array_equal(drafted, alone)
