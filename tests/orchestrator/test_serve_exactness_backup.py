@@ -19,34 +19,20 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 import orchestrator.requests
-from bench.local import local_pair
-from draft_service.config import DraftConfig
-from orchestrator.config import SchedulerConfig, ServeConfig, ServiceConfig
-from orchestrator.server import Orchestrator
 from specdec.client import AsyncClient
-from specdec.runner import RunnerConfig
-from target_service.config import TargetConfig
-from tests.draft_service.models import build_checkpoints
-from tests.orchestrator.inprocess import api_on
+from tests.orchestrator.local_exactness import Served, pit_against_target, serving_ahead
 from tests.orchestrator.test_serve_exactness import (
-    MAX_SEQ_LEN,
     REJECT_BELOW,
     Case,
     K,
-    distributions,
-    pit,
-    pit_pvalue,
 )
 from tests.orchestrator.test_serve_exactness_ahead import _total
 
-FANOUT = 2
 MAX_REQUESTS = 16
 NEW_TOKENS = 12  # tokens 2 to 12 of each request are tested
 CASE = Case("draft", temperature=0.5)
@@ -54,36 +40,11 @@ COUNTERS = ("specdec:draft_ahead_hits_total", "specdec:draft_ahead_misses_total"
             "specdec:draft_ahead_backups_total")  # fmt: skip
 
 
-@dataclass
-class Served:
-    orchestrator: Orchestrator
-    address: str
-    target_dir: Path
-
-
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
-    target, draft = build_checkpoints(tmp_path_factory.mktemp("backup"))
-    ahead_slots = FANOUT * (K + 1) * MAX_REQUESTS
-    draft_config = DraftConfig(
-        runner=RunnerConfig(str(draft), max_slots=MAX_REQUESTS + ahead_slots + 1,
-                            max_seq_len=MAX_SEQ_LEN),
-        draft_ahead=FANOUT, draft_ahead_slots=ahead_slots, draft_ahead_backup="always",
-    )  # fmt: skip
-    target_config = TargetConfig(
-        RunnerConfig(str(target), max_slots=MAX_REQUESTS + 1, max_seq_len=MAX_SEQ_LEN),
-        sampler_impl="torch",
-    )
-    config = ServeConfig(
-        ServiceConfig(str(target), str(draft), device="cpu", max_requests=MAX_REQUESTS,
-                      max_seq_len=MAX_SEQ_LEN, draft_ahead=FANOUT, draft_ahead_slots=ahead_slots,
-                      draft_ahead_backup="always"),
-        scheduler=SchedulerConfig(max_queue=4 * MAX_REQUESTS, proposer="draft",
-                                  num_draft_tokens=K),
-        host="127.0.0.1", port=0, metrics_port=None, grace_s=2.0,
-    )  # fmt: skip
-    with local_pair(draft_config, target_config) as pair, api_on(pair, config) as orchestrator:
-        yield Served(orchestrator, f"127.0.0.1:{orchestrator.port}", target)
+    with serving_ahead(tmp_path_factory.mktemp("backup"), MAX_REQUESTS,
+                       draft_ahead_backup="always") as served:  # fmt: skip
+        yield served
 
 
 async def _generate(
@@ -119,17 +80,7 @@ def _run(served: Served, prompts: list[list[int]], temperature: float, proposer:
 def _pit_pvalue(served: Served, tokens: np.ndarray, temperature: float) -> float:
     """Chi-square p-value of the PIT of every token after the first against the target at
     `temperature`."""
-    prompt = tuple(CASE.prompt)
-    rows = tokens.tolist()
-    prefix_of = [(*prompt, *row[:t]) for row in rows for t in range(1, NEW_TOKENS)]
-    token = np.array([row[t] for row in rows for t in range(1, NEW_TOKENS)])
-    prefixes = sorted(set(prefix_of))
-    index = {prefix: i for i, prefix in enumerate(prefixes)}
-    p = distributions(served.target_dir, prefixes, CASE, temperature).numpy()
-    p = p[np.array([index[prefix] for prefix in prefix_of])]
-    if (p[np.arange(len(token)), token] == 0).any():
-        return 0.0  # a token the target cannot produce
-    return pit_pvalue(pit(token, p, seed=17))
+    return pit_against_target(served, CASE, tokens, temperature, seed=17)
 
 
 class _Seeds:
