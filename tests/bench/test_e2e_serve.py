@@ -229,3 +229,98 @@ def test_results_of_several_gpus_are_named_so_and_runs_merge_for_the_length_plot
     assert e2e_bench.main(["--by-length", *map(str, paths)]) == 0
     assert (tmp_path / "run_l3_by_length.png").stat().st_size > 10_000
     assert e2e_bench.main(["--by-length", str(paths[0])]) == 1  # one length: nothing to draw
+
+
+def test_mixed_traffic_spreads_pass_through_to_specdec_serve(
+    checkpoints: tuple[Path, Path],
+) -> None:
+    """BENCHMARKING ONLY: the serve rows' per-request spreads of L and h reach the services;
+    none given, the flags are not passed at all (the rows run as before)."""
+    target, draft = checkpoints
+    s = {"paths": {"target": str(target), "draft": str(draft)}, "target_device": "cpu",
+         "dtype": "float32", "max_slots": 4, "max_seq_len": 256, "num_draft_tokens": 4,
+         "graph_sizes": [], "draft_ahead": 2}  # fmt: skip
+    plain = serve_args(s, 3.0, 1, 2, 0.8)
+    assert not any("spread" in flag for flag in plain)
+    mixed = s | {"serve_acceptance_spread": 1.5, "serve_hit_rate_spread": 0.2}
+    services = serve_config(parse_args(serve_args(mixed, 3.0, 1, 2, 0.8))).services
+    assert (services.synthetic_acceptance_spread, services.synthetic_hit_rate_spread) == (1.5, 0.2)
+    lockstep = serve_config(parse_args(serve_args(mixed, 3.0, 1, 2))).services
+    assert (lockstep.synthetic_acceptance_spread, lockstep.synthetic_hit_rate_spread) == (1.5, 0)
+
+
+@pytest.mark.parametrize(
+    ("spreads", "configs", "logs"),
+    [
+        ({}, ["target_only", "lockstep_L3", "ahead_h0.8_L3", "standin_ahead_h1_L3"],
+         ["serve_shared_L3", "serve_shared_L3_ahead_h0.8", "serve_shared_L3_ahead_h1_standin"]),
+        ({"serve_acceptance_spread": 0.5, "serve_hit_rate_spread": 0.2},
+         ["target_only", "lockstep_L3±0.5", "ahead_h0.8±0.2_L3±0.5",
+          "standin_ahead_h1±0.2_L3±0.5"],
+         ["serve_shared_L3pm0.5", "serve_shared_L3pm0.5_ahead_h0.8pm0.2",
+          "serve_shared_L3pm0.5_ahead_h1pm0.2_standin"]),
+    ],
+)  # fmt: skip
+def test_row_names_show_the_spreads(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    spreads: dict[str, float],
+    configs: list[str],
+    logs: list[str],
+) -> None:
+    from types import SimpleNamespace
+
+    from bench import e2e_serve
+
+    started: list[tuple[str, list[str]]] = []  # each specdec serve's log name and flags
+
+    def popen(cmd: list[str], stdout: Any, **kw: Any) -> Any:
+        started.append((Path(stdout.name).stem, cmd))
+        return SimpleNamespace()
+
+    class FakeClient:
+        def __init__(self, address: str) -> None:
+            pass
+
+        def __enter__(self) -> Any:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+        def model_info(self) -> list[Any]:
+            return [SimpleNamespace(max_seq_len=4096)]
+
+    monkeypatch.setattr(e2e_serve.subprocess, "Popen", popen)
+    monkeypatch.setattr(e2e_serve, "wait_serving", lambda *a: None)
+    monkeypatch.setattr(e2e_serve, "stop_serve", lambda *a: "stopped")
+    monkeypatch.setattr(e2e_serve, "Client", FakeClient)
+    monkeypatch.setattr(
+        e2e_serve,
+        "measure_row",
+        lambda serve, spec, *a: {"config": spec.config, "batch": spec.batch},
+    )
+    monkeypatch.setattr(e2e_serve, "measure_ttft", lambda serve, name, *a: {"config": name})
+    monkeypatch.setattr(e2e_serve, "measure_stand_in", lambda *a: tmp_path / "times.json")
+    (tmp_path / "times.json").write_text("{}")
+    s = {"serve_lengths": [3.0], "serve_hit_rates": [0.8], "serve_stand_in": [1.0],
+         "num_draft_tokens": 4, "batches": [1], "prompt_len": 8, "warmup": 1, "serve_steps": 1,
+         "serve_placements": ["shared"], "target_device": "cpu", "draft_ahead": 2,
+         "paths": {"target": "t", "draft": "d"}, "dtype": "float32", "max_slots": 4,
+         "max_seq_len": 256, "graph_sizes": []} | spreads  # fmt: skip
+    result: dict[str, Any] = {"settings": s, "environment": {"gpu_count": 0},
+                              "serve": {"rows": [], "ttft": [], "stops": []}}  # fmt: skip
+    e2e_serve.section(result, tmp_path, 1.0, lambda _: None, lambda _: None)
+    assert [r["config"] for r in result["serve"]["rows"]] == configs
+    assert [name for name, _ in started] == logs  # the services' log files: plain ASCII
+    flags = [" ".join(cmd) for _, cmd in started]
+    assert all(("--synthetic-acceptance-spread 0.5" in f) == bool(spreads) for f in flags)
+    hit_spread = ["--synthetic-hit-rate-spread 0.2" in f for f in flags]
+    assert hit_spread == [False, bool(spreads), bool(spreads)]  # lock-step has no hit rate
+    assert ("mixed traffic" in e2e_report._mixed_text(s)) == bool(spreads)
+
+
+def test_the_length_plot_keeps_a_spread_of_l_apart() -> None:
+    assert e2e_report._less_length("ahead_h0.8_L3") == "ahead_h0.8"
+    assert e2e_report._less_length("lockstep_L1.5") == "lockstep"
+    assert e2e_report._less_length("ahead_h0.8±0.2_L3±0.5") == "ahead_h0.8±0.2_L±0.5"
