@@ -44,7 +44,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import math
 import shlex
 import signal
 import sys
@@ -135,8 +134,6 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         out |= {
             "serve_lengths": args.serve_lengths,
             "serve_hit_rates": args.serve_hit_rates,
-            "serve_acceptance_spread": args.serve_acceptance_spread,
-            "serve_hit_rate_spread": args.serve_hit_rate_spread,
             "serve_placements": args.serve_placements,
             "serve_dynamic": args.serve_dynamic,
             "serve_stand_in": args.serve_stand_in,
@@ -375,24 +372,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "at a synthetic hit rate h (BENCHMARKING ONLY); default 0.5 0.8 1 (--smoke: 1); "
         "empty: lock-step only",
     )
-    p.add_argument(
-        "--serve-acceptance-spread",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="BENCHMARKING ONLY, mixed traffic: in every serve row, each request's own synthetic "
-        "L uniform in [L - S, L + S] (clipped to [1, k + 1]), keyed by its request id; rows are "
-        "named L<L>±<S>",
-    )
-    p.add_argument(
-        "--serve-hit-rate-spread",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="BENCHMARKING ONLY, mixed traffic: in every draft-ahead serve row, each request's "
-        "own synthetic hit rate uniform in [h - S, h + S] (clipped to [0, 1]), keyed by its "
-        "request id; rows are named h<h>±<S>",
-    )
     p.add_argument("--draft-ahead", type=int, default=2, help="F of the draft-ahead rows")
     p.add_argument(
         "--serve-dynamic",
@@ -473,17 +452,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             p.error(f"--serve-lengths must be in [1, {k + 1}], got {args.serve_lengths}.")
         if not all(0.0 <= h <= 1.0 for h in args.serve_stand_in):
             p.error(f"--serve-stand-in hit rates must be in [0, 1], got {args.serve_stand_in}.")
-        for flag, spread in (
-            ("--serve-acceptance-spread", args.serve_acceptance_spread),
-            ("--serve-hit-rate-spread", args.serve_hit_rate_spread),
-        ):
-            if not (math.isfinite(spread) and spread >= 0.0):
-                p.error(f"{flag} must be a finite number >= 0, got {spread}.")
-        if args.serve_hit_rate_spread and not (args.serve_hit_rates or args.serve_stand_in):
-            p.error(
-                "--serve-hit-rate-spread needs draft-ahead rows (--serve-hit-rates or "
-                "--serve-stand-in): it spreads their hit rates."
-            )
         if importlib.util.find_spec("ray") is None:
             p.error(
                 "the serve rows run `specdec serve`, which needs ray importable (PYTHONPATH); "

@@ -260,15 +260,6 @@ def _greedy(result: dict[str, Any]) -> str:
     )
 
 
-def _mixed_text(s: dict[str, Any]) -> str:
-    """The serve rows' mixed synthetic traffic, if any: "±S" in a config name is a spread."""
-    parts = [f"each request's {what} uniform within ±{s[key]:g} of the row's"
-             for key, what in (("serve_acceptance_spread", "L"),
-                               ("serve_hit_rate_spread", "hit rate h"))
-             if s.get(key)]  # fmt: skip
-    return f" (mixed traffic, keyed by request id: {'; '.join(parts)})" if parts else ""
-
-
 def _serve(result: dict[str, Any]) -> list[str]:
     serve, s = result["serve"], result["settings"]
     lines = [
@@ -279,8 +270,7 @@ def _serve(result: dict[str, Any]) -> list[str]:
         f"`specdec.client`: B concurrent greedy streams (one thread each) of "
         f"{s['prompt_len']}-token prompts, ignore_eos, k = {s['num_draft_tokens']} for "
         f"speculation; synthetic acceptance (BENCHMARKING ONLY) per serve start, L = "
-        f"{', '.join(f'{x:g}' for x in s['serve_lengths'])}{_mixed_text(s)}; target-only rows "
-        "(proposer off, "
+        f"{', '.join(f'{x:g}' for x in s['serve_lengths'])}; target-only rows (proposer off, "
         f"no acceptance test at k = 0) ran on the first. Window: from {s['warmup']} to "
         f"{s['warmup'] + s['serve_steps']} step responses per request. Client figures are "
         "medians over requests of each request's responses in the window: TPOT = "
@@ -571,14 +561,6 @@ def merged_by_length(results: list[dict[str, Any]]) -> dict[str, Any]:
     return {"serve": {"rows": rows}, "environment": {"gpu": gpu}}
 
 
-def _less_length(config: str) -> str:
-    """The config less its L value, a spread of L kept: "ahead_h1_L3" -> "ahead_h1",
-    "ahead_h1_L3±0.5" -> "ahead_h1_L±0.5"."""
-    base, _, length = config.rpartition("_L")
-    _, mark, spread = length.partition("±")
-    return f"{base}_L±{spread}" if mark else base
-
-
 def plot_lengths(result: dict[str, Any], path: Path) -> bool:
     """Served tokens/s against the synthetic acceptance length L, one panel per batch, one line
     per placement and config (its L suffix dropped), target-only as a level; False where
@@ -598,7 +580,7 @@ def plot_lengths(result: dict[str, Any], path: Path) -> bool:
             if r["config"] == TARGET_ONLY:
                 ax.axhline(r["tokens_per_s"], color="k", lw=0.8, label="target-only")
                 continue
-            family = config_label(_less_length(r["config"]))
+            family = config_label(r["config"].rsplit("_L", 1)[0])  # the config less its L
             name = f"{r.get('placement', '')} {family}".strip()
             lines.setdefault(name, []).append((r["synthetic_length"], r["tokens_per_s"]))
         for name, points in lines.items():

@@ -113,38 +113,15 @@ def serve_args(
         out += ["--cuda-graph-batch-sizes", *map(str, s["graph_sizes"])]
         if placement == "shared":
             out += ["--num-gpus", "1"]
-    length_spread, hit_spread = spreads(s)
     if length is not None:  # BENCHMARKING ONLY
         out += ["--synthetic-acceptance-length", str(length)]
-        if length_spread:  # mixed traffic: each request's own L
-            out += ["--synthetic-acceptance-spread", str(length_spread)]
     if hit_rate is not None:  # draft-ahead, its hit rate set: BENCHMARKING ONLY
         out += ["--draft-ahead", str(s["draft_ahead"]), "--synthetic-hit-rate", str(hit_rate)]
-        if hit_spread:  # mixed traffic: each request's own hit rate
-            out += ["--synthetic-hit-rate-spread", str(hit_spread)]
     if dynamic:
         out.append("--dynamic-speculation")
     if stand_in is not None:
         out += ["--draft-stand-in", str(stand_in)]
     return out
-
-
-def spreads(s: dict[str, Any]) -> tuple[float, float]:
-    """The serve rows' per-request spreads of L and of the hit rate (mixed synthetic traffic,
-    BENCHMARKING ONLY); 0 where every request runs at the row's own value."""
-    return s.get("serve_acceptance_spread", 0.0), s.get("serve_hit_rate_spread", 0.0)
-
-
-def length_name(s: dict[str, Any], length: float) -> str:
-    """A config name's L part: "L3", with a spread "L3±0.5" (each request's L in [2.5, 3.5])."""
-    spread = spreads(s)[0]
-    return f"L{length:g}" + (f"±{spread:g}" if spread else "")
-
-
-def hit_rate_name(s: dict[str, Any], hit_rate: float) -> str:
-    """A config name's hit rate part: "h0.8", with a spread "h0.8±0.2"."""
-    spread = spreads(s)[1]
-    return f"h{hit_rate:g}" + (f"±{spread:g}" if spread else "")
 
 
 def serve_env(trace_dir: Path | None = None) -> dict[str, str]:
@@ -198,9 +175,8 @@ def serving(
     (`stopped` is told how); with `hit_rate`, draft-ahead at that synthetic hit rate; with
     `stand_in`, the draft stand-in (BENCHMARKING ONLY)."""
     port, metrics_port = free_port(), free_port()
-    name = f"serve_{placement}_{'plain' if length is None else length_name(s, length)}"
-    name += "" if hit_rate is None else f"_ahead_{hit_rate_name(s, hit_rate)}"
-    name = name.replace("±", "pm")  # a file name in plain ASCII
+    name = f"serve_{placement}_{'plain' if length is None else f'L{length:g}'}"
+    name += "" if hit_rate is None else f"_ahead_h{hit_rate:g}"
     name += "_dynamic" if dynamic else ""
     name += "_standin" if stand_in is not None else ""
     trace_dir = log_dir / f"trace_{name}"
@@ -568,15 +544,13 @@ def section(
     first = True
     for placement in out["placements"]:
         for length in s["serve_lengths"]:
-            ell = length_name(s, length)
-            lockstep = f"lockstep_{ell}"
+            lockstep = f"lockstep_L{length:g}"
             starts = [
                 (lockstep, None, False),
-                *((f"ahead_{hit_rate_name(s, h)}_{ell}", h, False)
-                  for h in s.get("serve_hit_rates", [])),
-            ]  # fmt: skip
+                *((f"ahead_h{h:g}_L{length:g}", h, False) for h in s.get("serve_hit_rates", [])),
+            ]
             if s.get("serve_dynamic"):
-                starts.append((f"dynamic_{ell}", None, True))
+                starts.append((f"dynamic_L{length:g}", None, True))
             for config, hit_rate, dynamic in starts:
                 phase(f"starting specdec serve ({placement} {config})")
                 with serving(s, length, log_dir, timeout_s, out["stops"].append, hit_rate,
@@ -604,12 +578,11 @@ def section(
         times = measure_stand_in(s, log_dir, timeout_s)
         out["stand_in"] = json.loads(times.read_text())
         for length in s["serve_lengths"]:
-            ell = length_name(s, length)
             stand_ins: list[tuple[str, float | None]] = [
-                (f"standin_ahead_{hit_rate_name(s, h)}_{ell}", h) for h in s["serve_stand_in"]
+                (f"standin_ahead_h{h:g}_L{length:g}", h) for h in s["serve_stand_in"]
             ]
             if s.get("serve_stand_in_lockstep"):
-                stand_ins.insert(0, (f"standin_lockstep_{ell}", None))
+                stand_ins.insert(0, (f"standin_lockstep_L{length:g}", None))
             for config, hit_rate in stand_ins:
                 phase(f"starting specdec serve (stand-in {config})")
                 with serving(s, length, log_dir, timeout_s, out["stops"].append, hit_rate,

@@ -48,11 +48,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--synthetic-hit-rate", type=float, default=d("synthetic_hit_rate"),
                         help="BENCHMARKING ONLY: the share of asks that find a chain drafted "
                              "ahead, whatever the verdict")  # fmt: skip
-    parser.add_argument("--synthetic-hit-rate-spread", type=float, metavar="S",
-                        default=d("synthetic_hit_rate_spread"),
-                        help="BENCHMARKING ONLY, with --synthetic-hit-rate H: each request's own "
-                             "rate uniform in [H - S, H + S] (clipped to [0, 1]), keyed by its "
-                             "request id")  # fmt: skip
     parser.add_argument("--stand-in", metavar="TIMES_JSON", default=d("stand_in"),
                         help="BENCHMARKING ONLY: no model and no GPU; each forward waits the "
                              "time measured by `python -m draft_service.stand_in` (greedy "
@@ -75,7 +70,6 @@ def draft_config(args: argparse.Namespace) -> DraftConfig:
         draft_ahead_backup=args.draft_ahead_backup,
         saguaro_scale=args.saguaro_scale,
         synthetic_hit_rate=args.synthetic_hit_rate,
-        synthetic_hit_rate_spread=args.synthetic_hit_rate_spread,
         stand_in=args.stand_in,
         server=server_config(args),
     )

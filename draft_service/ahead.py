@@ -125,17 +125,6 @@ class AcceptedCounts:
         return [h for _, h in sorted(keyed, key=lambda x: x[0])]
 
 
-def request_hit_rate(rate: float, spread: float, request_id: str) -> float:
-    """BENCHMARKING ONLY, mixed traffic: the request's own hit rate, uniform in
-    [rate - spread, rate + spread] by a hash of its id (so reruns agree), clipped to [0, 1];
-    `rate` itself without a spread."""
-    if not spread:
-        return rate
-    digest = hashlib.blake2b(f"hit_rate:{request_id}".encode(), digest_size=8).digest()
-    u = int.from_bytes(digest, "little") / 2**64
-    return min(max(rate + spread * (2.0 * u - 1.0), 0.0), 1.0)
-
-
 def synthetic_hit(
     chains: dict[tuple[int, ...], Chain],
     verdict: tuple[int, ...],

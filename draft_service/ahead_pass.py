@@ -183,8 +183,6 @@ class AheadPass:
                 self._accepted.add(len(verdict) - 1)
             rate = self.config.synthetic_hit_rate
             if rate is not None:  # BENCHMARKING ONLY: a chain of the same accepted count
-                spread = self.config.synthetic_hit_rate_spread
-                rate = ahead.request_hit_rate(rate, spread, a.request_id)
                 verdict = ahead.synthetic_hit(req.chains, verdict, rate, a.request_id, a.step)
             chain = req.chains.pop(verdict, None)
             if chain is not None and len(chain.tokens) < a.num_draft_tokens:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -49,10 +48,6 @@ class DraftConfig:
     # drafts): an ask finds its chain drafted ahead with this probability whatever its verdict
     # token, so a benchmark on random weights sets the hit rate. None: real hits only.
     synthetic_hit_rate: float | None = None
-    # BENCHMARKING ONLY, mixed traffic: each request's own hit rate uniform in
-    # [synthetic_hit_rate - spread, synthetic_hit_rate + spread], clipped to [0, 1], keyed by its
-    # request id (draft_service.ahead.request_hit_rate); 0: every request at synthetic_hit_rate
-    synthetic_hit_rate_spread: float = 0.0
     # BENCHMARKING ONLY: the times file of `draft_service.stand_in`; the runner is then the
     # stand-in, which waits the measured forward times on no GPU and drafts no model's tokens
     stand_in: str | None = None
@@ -96,16 +91,6 @@ class DraftConfig:
         if rate is not None and not (self.draft_ahead and 0.0 <= rate <= 1.0):
             raise ValueError(
                 f"synthetic_hit_rate must be in [0, 1] and needs draft_ahead, got {rate}."
-            )
-        spread = self.synthetic_hit_rate_spread
-        if not (math.isfinite(spread) and spread >= 0.0):
-            raise ValueError(
-                f"synthetic_hit_rate_spread must be a finite number >= 0, got {spread}."
-            )
-        if spread and rate is None:
-            raise ValueError(
-                "synthetic_hit_rate_spread needs synthetic_hit_rate: it spreads each request's "
-                f"hit rate around it, got synthetic_hit_rate_spread {spread} with no rate."
             )
         if self.stand_in is not None and self.proposer != "model":
             raise ValueError("stand_in stands in for a draft model: it needs proposer 'model'.")

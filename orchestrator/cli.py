@@ -124,16 +124,6 @@ def _services_args(parser: argparse.ArgumentParser) -> None:
                    default=d("synthetic_hit_rate"),
                    help="BENCHMARKING ONLY, with --draft-ahead: the draft finds a chain drafted "
                         "ahead for this share of its asks, whatever the verdict")  # fmt: skip
-    b.add_argument("--synthetic-acceptance-spread", type=float, metavar="S",
-                   default=d("synthetic_acceptance_spread"),
-                   help="BENCHMARKING ONLY, with --synthetic-acceptance-length: mixed traffic, "
-                        "each request's own L uniform in [L - S, L + S] (clipped to [1, k + 1]), "
-                        "keyed by its request id")  # fmt: skip
-    b.add_argument("--synthetic-hit-rate-spread", type=float, metavar="S",
-                   default=d("synthetic_hit_rate_spread"),
-                   help="BENCHMARKING ONLY, with --synthetic-hit-rate: mixed traffic, each "
-                        "request's own hit rate uniform in [H - S, H + S] (clipped to [0, 1]), "
-                        "keyed by its request id")  # fmt: skip
     b.add_argument("--draft-stand-in", type=Path, metavar="TIMES_JSON",
                    default=d("draft_stand_in"),
                    help="BENCHMARKING ONLY, with --synthetic-acceptance-length: the draft "
@@ -305,14 +295,12 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             draft_ahead_backup=args.draft_ahead_backup,
             dynamic_speculation=args.dynamic_speculation,
             synthetic_hit_rate=args.synthetic_hit_rate,
-            synthetic_hit_rate_spread=args.synthetic_hit_rate_spread,
             draft_stand_in=args.draft_stand_in,
             saguaro_scale=args.saguaro_scale,
             # hypotheses for up to 8 requests at the served k
             draft_ahead_slots=args.draft_ahead * (args.num_draft_tokens + 1)
             * min(args.max_requests, 8),
             synthetic_acceptance_length=args.synthetic_acceptance_length,
-            synthetic_acceptance_spread=args.synthetic_acceptance_spread,
             synthetic_num_draft_tokens=None if args.synthetic_acceptance_length is None
             else args.num_draft_tokens,
             tls_cert=args.service_tls_cert, tls_key=args.service_tls_key,

@@ -62,19 +62,6 @@ def _check_tls_pair(flag: str, cert: Path | None, key: Path | None) -> None:
         _check_pem(f"{flag}-key", key)
 
 
-def _check_spread(base: str, value: float | None, spread: float) -> None:
-    """A synthetic setting's per-request spread (BENCHMARKING ONLY): >= 0, and only around a
-    value that is set."""
-    name = base.removesuffix("_length") + "_spread"
-    if not (math.isfinite(spread) and spread >= 0.0):
-        raise ValueError(f"{name} must be a finite number >= 0, got {spread}.")
-    if spread and value is None:
-        raise ValueError(
-            f"{name} needs {base}: it spreads each request's value around it, got {name} "
-            f"{spread} with no {base}."
-        )
-
-
 @dataclass(frozen=True, slots=True)
 class ServiceConfig:
     """What each pair's target and draft services load and the limits they hold.
@@ -114,14 +101,9 @@ class ServiceConfig:
     # then NOT distributed as the target's. Both None (the default) or both set.
     synthetic_acceptance_length: float | None = None
     synthetic_num_draft_tokens: int | None = None
-    # BENCHMARKING ONLY, mixed traffic: each request's own L uniform in [L - spread, L + spread]
-    # (clipped to [1, k + 1]), keyed by its request id; 0: every request at L
-    synthetic_acceptance_spread: float = 0.0
     # BENCHMARKING ONLY, with draft_ahead: the draft's hit rate set instead of guessed
-    # (draft_service.ahead.synthetic_hit), and, mixed traffic, each request's own rate uniform
-    # in [rate - spread, rate + spread] (clipped to [0, 1]), keyed by its request id
+    # (draft_service.ahead.synthetic_hit)
     synthetic_hit_rate: float | None = None
-    synthetic_hit_rate_spread: float = 0.0
     # BENCHMARKING ONLY, with synthetic acceptance: the draft service runs the stand-in of
     # draft_service.stand_in (no model, no GPU, each forward taking the time measured in this
     # file) instead of the draft model: "the draft on a GPU of its own" on a one-GPU machine
@@ -164,7 +146,6 @@ class ServiceConfig:
             raise ValueError(
                 f"synthetic_hit_rate must be in [0, 1] and needs draft_ahead, got {rate}."
             )
-        _check_spread("synthetic_hit_rate", rate, self.synthetic_hit_rate_spread)
         if self.draft_stand_in is not None:
             if self.draft is None or self.synthetic_acceptance_length is None:
                 raise ValueError(
@@ -239,7 +220,6 @@ class ServiceConfig:
             raise ValueError(
                 "synthetic_acceptance_length and synthetic_num_draft_tokens go together."
             )
-        _check_spread("synthetic_acceptance_length", length, self.synthetic_acceptance_spread)
         if length is None or k is None:
             return
         if not 1 <= k <= self.max_num_draft_tokens:

@@ -97,25 +97,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="K",
         help="number of draft tokens the rates apply to (default: the number of --synthetic-rates)",
     )
-    g.add_argument(
-        "--synthetic-acceptance-spread",
-        type=float,
-        default=0.0,
-        metavar="S",
-        help="with --synthetic-acceptance-length: each request's own length uniform in "
-        f"[L - S, L + S] (clipped to [1, k + 1]), keyed by its request id. {BENCHMARK_ONLY}",
-    )
     return parser
 
 
 def synthetic(args: argparse.Namespace) -> SyntheticAcceptance | None:
     """The synthetic acceptance the flags ask for, or None; ValueError if they are incomplete."""
     length, k = args.synthetic_acceptance_length, args.synthetic_num_draft_tokens
-    if args.synthetic_acceptance_spread and length is None:
-        raise ValueError(
-            "--synthetic-acceptance-spread needs --synthetic-acceptance-length: it spreads "
-            "each request's length around it."
-        )
     if args.synthetic_rates is not None:
         try:
             rates = tuple(float(r) for r in args.synthetic_rates.split(","))
@@ -130,9 +117,7 @@ def synthetic(args: argparse.Namespace) -> SyntheticAcceptance | None:
                 "--synthetic-acceptance-length needs --synthetic-num-draft-tokens (the k it "
                 "applies to)."
             )
-        return SyntheticAcceptance(
-            k, mean_acceptance_length=length, spread=args.synthetic_acceptance_spread
-        )
+        return SyntheticAcceptance(k, mean_acceptance_length=length)
     if k is not None:
         raise ValueError(
             "--synthetic-num-draft-tokens needs --synthetic-acceptance-length or --synthetic-rates."
@@ -159,8 +144,8 @@ def target_config(args: argparse.Namespace) -> TargetConfig:
     )
     if config.synthetic is not None:
         log.warning(
-            "synthetic acceptance is on (%s for k = %d): %s",
-            config.synthetic.describe(),
+            "synthetic acceptance is on (rates %s for k = %d): %s",
+            config.synthetic.unconditional_rates(),
             config.synthetic.num_draft_tokens,
             BENCHMARK_ONLY,
         )

@@ -58,18 +58,17 @@ class BatchLayout:
     row_draft: torch.Tensor  # [R] draft token scored by the row, -1 for a last row
     token_req: torch.Tensor  # [T] owning request of each draft token
     sorted_rows: torch.Tensor  # [r] rows whose request has top-k or top-p (thresholds)
-    rates: torch.Tensor | None  # [T] float32 synthetic acceptance rate of each draft token
+    rates: torch.Tensor | None  # [max_k] float32 synthetic acceptance rates
 
 
 def batch_layout(
     num_draft_tokens: Sequence[int],
     truncated: Sequence[bool],
-    rates: Sequence[Sequence[float]] | None,  # [B][K >= max k_b] per request, synthetic only
+    rates: Sequence[float] | None,
     device: torch.device,
 ) -> BatchLayout:
     """The layout of a batch with these per-request k_b, top-k/top-p flags and synthetic
-    rates (request b's first k_b, laid out per draft token), built on the host and moved to
-    `device` in one copy."""
+    rates, built on the host and moved to `device` in one copy."""
     k = np.asarray(num_draft_tokens, dtype=np.int64)
     rows = k + 1
     requests = np.arange(k.shape[0])
@@ -82,11 +81,9 @@ def batch_layout(
     columns = {"num_draft": k, "row_start": row_start, "draft_start": draft_start,
                "row_req": row_req, "row_draft": row_draft, "token_req": np.repeat(requests, k),
                "sorted_rows": sorted_rows}  # fmt: skip
-    arrays: list[np.ndarray] = [a.astype(np.int32) for a in columns.values()]
+    arrays = [a.astype(np.int32) for a in columns.values()]
     if rates is not None:
-        width = max((len(r) for r in rates), default=0)
-        table = np.asarray(rates, dtype=np.float32).reshape(len(rates), width)  # [B, K]
-        arrays.append(table[np.arange(table.shape[1])[None, :] < k[:, None]])  # request-major
+        arrays.append(np.asarray(rates, dtype=np.float32))
     moved = upload(arrays, device)
     return BatchLayout(
         **dict(zip(columns, moved, strict=False)), rates=moved[-1] if rates is not None else None

@@ -81,7 +81,7 @@ class KernelInputs:
     q_mode: int  # Q_NONE | Q_DENSE | Q_SPARSE
     q_probs: torch.Tensor | None  # dense [T, Vq] or sparse [T, S] float32, sparse sorted by id
     q_ids: torch.Tensor | None  # sparse [T, S] int32 sorted, padding SPARSE_PAD_ID
-    synthetic_rates: torch.Tensor | None  # [T] float32 conditional acceptance rate per draft
+    synthetic_rates: torch.Tensor | None  # [max_k] float32 conditional acceptance rates
     vocab_size: int  # ids >= vocab_size are padding: probability 0, never emitted
     max_k: int
 
@@ -233,7 +233,7 @@ def _decide_sample_kernel(
     seed_ptr,  # [B] int64
     position_ptr,  # [B] int64
     status_in_ptr,  # [B] int32
-    rates_ptr,  # [T] float32 (SYNTHETIC only)
+    rates_ptr,  # [max_k] float32 (SYNTHETIC only)
     q_ptr,  # dense [T, Vq] | sparse [T, S] float32
     q_stride,
     q_ids_ptr,  # sparse [T, S] int32, sorted ascending
@@ -320,7 +320,7 @@ def _decide_sample_kernel(
     bad = tl.sum(tl.sum(tl.load(part_bad_ptr + tile, mask=live, other=0), 1), 0)
     p_x = tl.where(keep, tl.exp(logit * inv_t - row_max) / row_sum, 0.0)
     if SYNTHETIC:
-        accept = u < tl.load(rates_ptr + t, mask=is_draft, other=0.0)
+        accept = u < tl.load(rates_ptr + j, mask=is_draft, other=0.0)
     else:
         pval = tl.load(part_amax_val_ptr + tile, mask=live, other=float("-inf"))
         pidx = tl.load(part_amax_idx_ptr + tile, mask=live, other=2147483647)
@@ -661,7 +661,6 @@ def rejection_sample_triton(
     accepted = torch.empty((batch, max(x.max_k, 1)), dtype=torch.int8, device=device)
     status = torch.empty(batch, dtype=torch.int32, device=device)
     rates = x.synthetic_rates if x.synthetic_rates is not None else dummy_f
-    rates = rates if rates.numel() else dummy_f  # no null pointers (no draft tokens)
     _decide_sample_kernel[(batch, n_race)](
         x.logits, x.logits.stride(0), x.thresholds, x.num_draft, x.row_start, x.draft_start,
         draft_ids, x.inv_temperature, x.greedy, x.seed, x.position, x.status_in, rates,
@@ -705,7 +704,7 @@ def rejection_sample_torch(inputs: KernelInputs) -> KernelOutputs:
     pos = x.position[tok_req] + j
     u = rng.position_uniform(x.seed[tok_req], pos, rng.Stream.ACCEPT)
     if x.synthetic_rates is not None:
-        accept = u < x.synthetic_rates
+        accept = u < x.synthetic_rates[j]
     else:
         accept = torch.where(x.greedy[tok_req] != 0, draft == argmax[draft_rows], u * q_x < p_x)
     first_reject = k.clone()

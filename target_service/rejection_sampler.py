@@ -219,7 +219,6 @@ def rejection_sample(
     sampling: RequestSampling,
     *,
     synthetic: SyntheticAcceptance | None = None,
-    request_ids: Sequence[str] | None = None,
     vocab_size: int | None = None,
     impl: Literal["auto", "triton", "torch"] = "auto",
     host: HostShape | None = None,
@@ -228,12 +227,11 @@ def rejection_sample(
     number of real token ids; wider logits columns are padding and get probability 0.
     impl "auto" runs the Triton kernels on CUDA or under TRITON_INTERPRET=1, else the reference.
     With `host` (and `sampling` from `RequestSampling.from_params`) the Triton path reads
-    nothing back from the device. `request_ids` (one per request) key a synthetic acceptance
-    spread's per-request lengths.
+    nothing back from the device.
     """
     inputs = prepare(
         num_draft_tokens, draft_token_ids, target_logits, draft_probs, sampling,
-        synthetic=synthetic, request_ids=request_ids, vocab_size=vocab_size, host=host,
+        synthetic=synthetic, vocab_size=vocab_size, host=host,
     )  # fmt: skip
     if impl == "auto":
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
@@ -251,7 +249,6 @@ def prepare(
     sampling: RequestSampling,
     *,
     synthetic: SyntheticAcceptance | None = None,
-    request_ids: Sequence[str] | None = None,
     vocab_size: int | None = None,
     host: HostShape | None = None,
 ) -> KernelInputs:
@@ -269,7 +266,7 @@ def prepare(
             f"synthetic acceptance is configured for {synthetic.num_draft_tokens} draft "
             f"tokens but a request has {host.max_k}."
         )
-    rates = _synthetic_rates(synthetic, request_ids, len(host.num_draft_tokens))
+    rates = synthetic.conditional_rates() if synthetic is not None else None
     layout = batch_layout(host.num_draft_tokens, sampling.read_truncated(), rates, device)
     thresholds, inv_t, greedy = _thresholds(target_logits[:, :vocab], sampling, layout)
     status = torch.zeros(len(host.num_draft_tokens), dtype=torch.int32, device=device)
@@ -282,22 +279,6 @@ def prepare(
         position=sampling.position.long(), status_in=status, q_mode=q_mode, q_probs=q_probs,
         q_ids=q_ids, synthetic_rates=layout.rates, vocab_size=vocab, max_k=host.max_k,
     )  # fmt: skip
-
-
-def _synthetic_rates(
-    synthetic: SyntheticAcceptance | None, request_ids: Sequence[str] | None, batch: int
-) -> list[tuple[float, ...]] | None:
-    """Each request's conditional synthetic rates (BENCHMARKING ONLY), None without."""
-    if synthetic is None:
-        return None
-    if not synthetic.spread:
-        return [synthetic.conditional_rates()] * batch
-    if request_ids is None or len(request_ids) != batch:
-        raise ValueError(
-            f"a synthetic acceptance spread needs request_ids with one id per request ({batch}), "
-            f"got {None if request_ids is None else len(request_ids)}."
-        )
-    return [synthetic.conditional_rates(rid) for rid in request_ids]
 
 
 def _thresholds(

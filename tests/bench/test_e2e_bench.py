@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from bench import e2e_report
-from bench.e2e_bench import parse, settings
+from bench.e2e_bench import parse
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIGS = ("target_only", "lockstep_L1.5", "lockstep_L3")
@@ -148,24 +148,6 @@ def test_goals_compare_against_the_bounds() -> None:
 def test_serve_rows_are_the_default() -> None:
     assert parse(["--smoke"]).serve and parse(["--smoke", "--serve"]).serve
     assert not parse(["--smoke", "--no-serve"]).serve
-
-
-def test_mixed_traffic_options(capsys: pytest.CaptureFixture[str]) -> None:
-    """BENCHMARKING ONLY: per-request spreads of the serve rows' L and h; 0 by default."""
-    args = parse(["--smoke"])
-    assert (args.serve_acceptance_spread, args.serve_hit_rate_spread) == (0.0, 0.0)
-    args = parse(["--smoke", "--serve-acceptance-spread", "0.5", "--serve-hit-rate-spread", "0.2"])
-    s = settings(args)
-    assert (s["serve_acceptance_spread"], s["serve_hit_rate_spread"]) == (0.5, 0.2)
-    for flags, message in [
-        (["--serve-acceptance-spread", "-1"], "--serve-acceptance-spread must be a finite number"),
-        (["--serve-hit-rate-spread", "inf"], "--serve-hit-rate-spread must be a finite number"),
-        (["--serve-hit-rates", "--serve-hit-rate-spread", "0.1"],
-         "--serve-hit-rate-spread needs draft-ahead rows"),
-    ]:  # fmt: skip
-        with pytest.raises(SystemExit):
-            parse(["--smoke", *flags])
-        assert message in capsys.readouterr().err
 
 
 def test_the_plot_shows_speed_up_over_target_only_per_batch_and_path(tmp_path: Path) -> None:

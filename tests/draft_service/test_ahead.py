@@ -9,7 +9,6 @@ The hits must be real: a test that never hit would prove nothing.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -196,45 +195,6 @@ def test_synthetic_hit_rate_picks_a_chain_of_the_verdicts_accepted_count() -> No
     assert all(ahead.synthetic_hit(chains, (7, 8), 0.0, "r", s) == (7, 8) for s in range(50))  # type: ignore[arg-type]
     hits = sum(ahead.synthetic_hit(chains, (7, 8), 0.3, "r", s) != (7, 8) for s in range(2000))  # type: ignore[arg-type]
     assert 500 < hits < 700, hits
-
-
-def test_request_hit_rates_are_fixed_by_the_id_within_bounds_with_the_configured_mean() -> None:
-    ids = [f"req-{i}" for i in range(4000)]
-    rates = [ahead.request_hit_rate(0.6, 0.3, rid) for rid in ids]
-    assert rates == [ahead.request_hit_rate(0.6, 0.3, rid) for rid in ids]  # reruns agree
-    assert all(0.3 <= r <= 0.9 for r in rates) and min(rates) < 0.31 and max(rates) > 0.89
-    sigma = 0.6 / math.sqrt(12) / math.sqrt(len(ids))  # uniform on [0.3, 0.9]: 5 sigma of the mean
-    assert abs(sum(rates) / len(ids) - 0.6) < 5 * sigma
-    clipped = [ahead.request_hit_rate(0.9, 0.3, rid) for rid in ids]  # drawn in [0.6, 1.2]
-    assert max(clipped) == 1.0 and min(clipped) >= 0.6
-    share = clipped.count(1.0) / len(ids)  # P = 0.2 / 0.6
-    assert abs(share - 1 / 3) < 5 * math.sqrt(2 / 9 / len(ids)), share
-    assert all(ahead.request_hit_rate(0.8, 0.0, rid) == 0.8 for rid in ids)  # spread 0: h itself
-
-
-def test_a_request_s_hit_rate_is_what_its_asks_hit_at() -> None:
-    chains = {(7, 4): None}
-    for rid in ("a", "b", "c"):
-        rate = ahead.request_hit_rate(0.5, 0.5, rid)
-        hits = sum(ahead.synthetic_hit(chains, (7, 8), rate, rid, s) != (7, 8) for s in range(3000))  # type: ignore[arg-type]
-        assert abs(hits / 3000 - rate) < 5 * math.sqrt(rate * (1 - rate) / 3000) + 1e-9, rid
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"synthetic_hit_rate": 0.8, "synthetic_hit_rate_spread": -0.1},
-         r"synthetic_hit_rate_spread must be a finite number >= 0, got -0.1"),
-        ({"synthetic_hit_rate_spread": 0.2}, "synthetic_hit_rate_spread needs synthetic_hit_rate"),
-    ],
-)  # fmt: skip
-def test_hit_rate_spread_refusals(
-    checkpoints: tuple[Path, Path], kwargs: dict, message: str
-) -> None:
-    draft = with_ahead(model_draft(checkpoints[1]), 1)
-    assert replace(draft, synthetic_hit_rate=0.8, synthetic_hit_rate_spread=0.2)
-    with pytest.raises(ValueError, match=message):
-        replace(draft, **kwargs)
 
 
 def test_synthetic_hit_rate_through_the_services(

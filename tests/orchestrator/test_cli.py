@@ -158,57 +158,6 @@ def test_saguaro_scale_flag_and_config_key(checkpoints: tuple[Path, Path], tmp_p
         serve_config(parse_args([*base[:-2], "--saguaro-scale", "0.5"]))
 
 
-def test_mixed_synthetic_traffic_flags_and_config_keys(
-    checkpoints: tuple[Path, Path], tmp_path: Path
-) -> None:
-    """BENCHMARKING ONLY: per-request spreads of the synthetic L and hit rate reach the target's
-    SyntheticAcceptance and the draft; 0 (the default) is today's one value for all."""
-    from orchestrator.services import synthetic_acceptance
-
-    target, draft = checkpoints
-    base = ["serve", "--target", str(target), "--draft", str(draft), "-k", "4",
-            "--synthetic-acceptance-length", "3", "--draft-ahead", "2",
-            "--synthetic-hit-rate", "0.8"]  # fmt: skip
-    plain = serve_config(parse_args(base)).services
-    assert (plain.synthetic_acceptance_spread, plain.synthetic_hit_rate_spread) == (0.0, 0.0)
-    assert synthetic_acceptance(plain).spread == 0.0
-    mixed = serve_config(parse_args([*base, "--synthetic-acceptance-spread", "1.5",
-                                     "--synthetic-hit-rate-spread", "0.2"])).services  # fmt: skip
-    assert (mixed.synthetic_acceptance_spread, mixed.synthetic_hit_rate_spread) == (1.5, 0.2)
-    synthetic = synthetic_acceptance(mixed)
-    assert (synthetic.mean_acceptance_length, synthetic.spread) == (3.0, 1.5)
-    toml = tmp_path / "serve.toml"
-    toml.write_text(
-        f'target = "{target}"\ndraft = "{draft}"\nsynthetic-acceptance-length = 2.5\n'
-        "synthetic-acceptance-spread = 0.5\ndraft-ahead = 1\nsynthetic-hit-rate = 0.5\n"
-        "synthetic-hit-rate-spread = 0.25\n"
-    )
-    keyed = serve_config(parse_args(["serve", "--config", str(toml)])).services
-    assert (keyed.synthetic_acceptance_spread, keyed.synthetic_hit_rate_spread) == (0.5, 0.25)
-
-
-@pytest.mark.parametrize(
-    ("flags", "message"),
-    [
-        (["--synthetic-acceptance-length", "3", "--synthetic-acceptance-spread", "-1"],
-         r"synthetic_acceptance_spread must be a finite number >= 0, got -1.0\."),
-        (["--synthetic-acceptance-spread", "0.5"],
-         "synthetic_acceptance_spread needs synthetic_acceptance_length"),
-        (["--draft-ahead", "1", "--synthetic-hit-rate", "0.5", "--synthetic-hit-rate-spread",
-          "nan"], "synthetic_hit_rate_spread must be a finite number >= 0, got nan"),
-        (["--draft-ahead", "1", "--synthetic-hit-rate-spread", "0.1"],
-         "synthetic_hit_rate_spread needs synthetic_hit_rate"),
-    ],
-)  # fmt: skip
-def test_mixed_synthetic_traffic_refusals(
-    checkpoints: tuple[Path, Path], flags: list[str], message: str
-) -> None:
-    target, draft = checkpoints
-    base = ["serve", "--target", str(target), "--draft", str(draft)]
-    with pytest.raises(ValueError, match=message):
-        serve_config(parse_args([*base, *flags]))
-
-
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
     return build_parser()[1]
 

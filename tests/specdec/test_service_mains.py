@@ -93,16 +93,6 @@ def test_synthetic_flags(checkpoint: Path, caplog: pytest.LogCaptureFixture) -> 
     assert _synthetic(checkpoint, "--synthetic-rates", "1,0.5") == SyntheticAcceptance(
         2, rates=(1.0, 0.5)
     )
-    mixed = _synthetic(
-        checkpoint,
-        "--synthetic-acceptance-length",
-        "3",
-        "--synthetic-num-draft-tokens",
-        "4",
-        "--synthetic-acceptance-spread",
-        "1",
-    )
-    assert mixed == SyntheticAcceptance(4, mean_acceptance_length=3.0, spread=1.0)  # fmt: skip
     help_text = target_parser().format_help()
     assert "BENCHMARKING ONLY: output is NOT distributed as the target's" in " ".join(
         help_text.split()
@@ -123,21 +113,6 @@ def test_synthetic_flags(checkpoint: Path, caplog: pytest.LogCaptureFixture) -> 
         (
             ["--synthetic-rates", "1,1,1", "--max-num-draft-tokens", "2"],
             "num_draft_tokens must be in [1, max_num_draft_tokens=2], got 3",
-        ),
-        (
-            ["--synthetic-acceptance-spread", "0.5"],
-            "--synthetic-acceptance-spread needs --synthetic-acceptance-length",
-        ),
-        (
-            [
-                "--synthetic-acceptance-length",
-                "3",
-                "--synthetic-num-draft-tokens",
-                "4",
-                "--synthetic-acceptance-spread",
-                "-1",
-            ],
-            "spread must be a finite number >= 0, got -1.0.",
         ),
         (["--max-support-size", "0"], "max_support_size must be >= 1, got 0."),
     ],
@@ -175,26 +150,6 @@ def test_saguaro_scale_flag(checkpoint: Path, capsys: pytest.CaptureFixture[str]
         ([*ahead, "--saguaro-scale", "1.5"], "saguaro_scale must be in (0, 1] (1: off), got 1.5."),
         (["--model", str(checkpoint), "--saguaro-scale", "0.5"],
          "saguaro_scale below 1 needs draft_ahead"),
-    ]:  # fmt: skip
-        assert draft_main(flags) == 2
-        err = capsys.readouterr().err
-        assert err.startswith("draft_service: ") and message in err and err.count("\n") == 1
-
-
-def test_synthetic_hit_rate_spread_flag(
-    checkpoint: Path, capsys: pytest.CaptureFixture[str]
-) -> None:
-    ahead = ["--model", str(checkpoint), "--max-slots", "8", "--draft-ahead", "2",
-             "--draft-ahead-slots", "4", "--synthetic-hit-rate", "0.8"]  # fmt: skip
-    assert draft_config(draft_parser().parse_args(ahead)).synthetic_hit_rate_spread == 0.0
-    args = draft_parser().parse_args([*ahead, "--synthetic-hit-rate-spread", "0.2"])
-    config = draft_config(args)
-    assert (config.synthetic_hit_rate, config.synthetic_hit_rate_spread) == (0.8, 0.2)
-    for flags, message in [
-        ([*ahead, "--synthetic-hit-rate-spread", "-0.2"],
-         "synthetic_hit_rate_spread must be a finite number >= 0, got -0.2."),
-        ([*ahead[:-2], "--synthetic-hit-rate-spread", "0.2"],
-         "synthetic_hit_rate_spread needs synthetic_hit_rate"),
     ]:  # fmt: skip
         assert draft_main(flags) == 2
         err = capsys.readouterr().err
