@@ -260,6 +260,26 @@ def _options(max_message_bytes: int, server_name: str | None) -> list[tuple[str,
     return options
 
 
+def _credentials(
+    root_certificates: bytes | None,
+    certificate_chain: bytes | None,
+    private_key: bytes | None,
+) -> grpc.ChannelCredentials | None:
+    """TLS credentials, presenting a client certificate where both its PEM parts are given (a
+    server started with --tls-client-ca refuses a client without one); None: plaintext."""
+    if (certificate_chain is None) != (private_key is None):
+        raise ValueError("certificate_chain and private_key must be given together.")
+    if root_certificates is None:
+        if certificate_chain is not None:
+            raise ValueError("A client certificate needs TLS: give root_certificates too.")
+        return None
+    return grpc.ssl_channel_credentials(
+        root_certificates=root_certificates,
+        private_key=private_key,
+        certificate_chain=certificate_chain,
+    )
+
+
 class _Base:
     def __init__(self, address: str, timeout: float | None, api_key: str | None) -> None:
         if timeout is not None and timeout <= 0:
@@ -282,7 +302,8 @@ class _Base:
 
 class Client(_Base):
     """Blocking client. `timeout` (seconds) is every call's default deadline; None: no deadline.
-    TLS when `root_certificates` (PEM) is given; `server_name` overrides the name checked.
+    TLS when `root_certificates` (PEM) is given; `server_name` overrides the name checked;
+    `certificate_chain` and `private_key` (PEM) present a client certificate.
     `api_key` (default: $SPECDEC_API_KEY) is sent as `authorization: Bearer KEY`."""
 
     def __init__(
@@ -294,13 +315,15 @@ class Client(_Base):
         server_name: str | None = None,
         max_message_bytes: int = 64 * 1024 * 1024,
         api_key: str | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
     ) -> None:
         super().__init__(address, timeout, api_key)
         options = _options(max_message_bytes, server_name)
-        if root_certificates is None:
+        creds = _credentials(root_certificates, certificate_chain, private_key)
+        if creds is None:
             self._channel = grpc.insecure_channel(address, options=options)
         else:
-            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
             self._channel = grpc.secure_channel(address, creds, options=options)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
@@ -392,13 +415,15 @@ class AsyncClient(_Base):
         server_name: str | None = None,
         max_message_bytes: int = 64 * 1024 * 1024,
         api_key: str | None = None,
+        certificate_chain: bytes | None = None,
+        private_key: bytes | None = None,
     ) -> None:
         super().__init__(address, timeout, api_key)
         options = _options(max_message_bytes, server_name)
-        if root_certificates is None:
+        creds = _credentials(root_certificates, certificate_chain, private_key)
+        if creds is None:
             self._channel = grpc.aio.insecure_channel(address, options=options)
         else:
-            creds = grpc.ssl_channel_credentials(root_certificates=root_certificates)
             self._channel = grpc.aio.secure_channel(address, creds, options=options)
         self._stub = generate_pb2_grpc.GenerateServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)

@@ -147,3 +147,34 @@ def test_with_a_client_ca_both_ports_refuse_a_client_without_one_at_the_handshak
         grpc_complete(channel)
     assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
     print(f"gRPC, {who}: {info.value.details()}")  # type: ignore[attr-defined]
+
+
+def test_the_client_library_presents_a_client_certificate(mutual: Orchestrator, pki: Pki) -> None:
+    """`specdec.client.Client` / `AsyncClient` with certificate_chain and private_key are served
+    where --tls-client-ca is set; without them the same client is refused."""
+    import asyncio
+
+    from specdec.client import AsyncClient, Client, SpecdecClientError
+
+    ca, (chain, key) = pki.ca.read_bytes(), (p.read_bytes() for p in pki.client)
+    address = f"127.0.0.1:{mutual.port}"
+    with Client(address, root_certificates=ca, certificate_chain=chain, private_key=key,
+                timeout=60) as client:  # fmt: skip
+        out = client.complete(PROMPT, max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert len(out.token_ids) == 4
+
+    async def complete() -> int:
+        async with AsyncClient(address, root_certificates=ca, certificate_chain=chain,
+                               private_key=key, timeout=60) as client:  # fmt: skip
+            result = await client.complete(PROMPT, max_tokens=4, temperature=0.0, ignore_eos=True)
+        return len(result.token_ids)
+
+    assert asyncio.run(complete()) == 4
+    plain = Client(address, root_certificates=ca, timeout=60)
+    with plain, pytest.raises(SpecdecClientError) as refused:
+        plain.complete(PROMPT, max_tokens=4, temperature=0.0, ignore_eos=True)
+    assert refused.value.code == grpc.StatusCode.UNAVAILABLE
+    with pytest.raises(ValueError, match="together"):
+        Client(address, root_certificates=ca, certificate_chain=chain)
+    with pytest.raises(ValueError, match="needs TLS"):
+        Client(address, certificate_chain=chain, private_key=key)
