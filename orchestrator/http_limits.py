@@ -35,6 +35,10 @@ from orchestrator.openai_protocol import FieldError
 MAX_JSON_DEPTH = 64  # OpenAI's deepest request (a tool's JSON schema) nests far less
 HEADER_TIMEOUT_S = 10.0
 BODY_TIMEOUT_S = 30.0  # 1 MiB at 35 KB/s
+# open connections the HTTP port holds per call it serves at once (max_concurrent_calls): idle
+# keep-alive connections of clients' pools count; past it a new request is answered 503 at
+# once, so that no number of clients (half-sent or idle) exhausts the process's sockets
+CONNECTIONS_PER_CALL = 4
 
 
 def too_large(limit: int, size: int | None = None) -> RequestTooLargeError:

@@ -19,6 +19,8 @@ import uvicorn
 
 from orchestrator.http_limits import HEADER_TIMEOUT_S, header_timeout_protocol
 
+MAX_CONNECTIONS = 1024  # open connections held at once (uvicorn's limit_concurrency)
+
 
 @dataclass(frozen=True, slots=True)
 class TlsFiles:
@@ -50,13 +52,14 @@ class HttpServer:
         grace_s: float,
         tls: TlsFiles | None = None,
         header_timeout_s: float = HEADER_TIMEOUT_S,  # a request's headers: orchestrator.http_limits
+        max_connections: int = MAX_CONNECTIONS,  # past it a request is answered 503 at once
     ) -> None:
         self.port = int(sock.getsockname()[1])
         self.scheme = "http" if tls is None else "https"
         config = uvicorn.Config(
             app, lifespan="off", log_level="warning", access_log=False,
             timeout_graceful_shutdown=math.ceil(grace_s) + 1,
-            http=header_timeout_protocol(header_timeout_s),
+            http=header_timeout_protocol(header_timeout_s), limit_concurrency=max_connections,
             **({} if tls is None else tls.uvicorn_options()),
         )  # fmt: skip
         self._server = uvicorn.Server(config)

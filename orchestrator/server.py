@@ -228,6 +228,7 @@ class Orchestrator:
     def _http_server(self) -> HttpServer:
         """The HTTP API on its bound port, with the gRPC port's TLS (not yet started)."""
         from orchestrator.http_api import HttpApi  # Starlette and uvicorn only with --http-port
+        from orchestrator.http_limits import CONNECTIONS_PER_CALL
         from orchestrator.http_server import HttpServer, TlsFiles
 
         c = self.config
@@ -236,7 +237,8 @@ class Orchestrator:
             TlsFiles(c.tls_cert, c.tls_key, c.tls_client_ca))  # fmt: skip
         template = ChatTemplate.from_dir(c.services.target)
         api = HttpApi(self.frontend, template, c.api_key, max_request_bytes=c.request_bytes)
-        return HttpServer(api.app, sock, c.grace_s, tls)
+        connections = CONNECTIONS_PER_CALL * c.max_concurrent_calls
+        return HttpServer(api.app, sock, c.grace_s, tls, max_connections=connections)
 
     @property
     def http_url(self) -> str | None:

@@ -381,3 +381,34 @@ def test_a_non_streamed_request_is_cancelled_when_its_client_goes(rig: Rig) -> N
     assert rig.errors_since(before) == {"CANCELLED": 1}
     tokens = sum(rig.counts("specdec:generation_tokens_total").values()) - generated
     assert tokens < LONG["max_tokens"], "it stopped when its client went, not at max_tokens"
+
+
+def test_connections_past_the_limit_are_answered_503_at_once(rig: Rig) -> None:
+    """The HTTP port holds at most max_connections open connections (idle ones count): a
+    request past them is answered 503 at once, and the port serves again once they close."""
+    app = HttpApi(rig.orchestrator.frontend, ChatTemplate(TEMPLATE), max_request_bytes=1024)
+    server = HttpServer(app.app, bind("127.0.0.1", 0, "--http-port"), grace_s=0.5,
+                        max_connections=3)  # fmt: skip
+    server.start()
+    try:
+        idle = [socket.create_connection(("127.0.0.1", server.port), timeout=10) for _ in range(3)]
+        time.sleep(0.2)  # accepted
+        start = time.monotonic()
+        extra = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        extra.request("GET", "/health")
+        assert extra.getresponse().status == 503
+        assert time.monotonic() - start < 2.0
+        extra.close()
+        for sock in idle:
+            sock.close()
+
+        def healthy() -> bool:
+            again = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            again.request("GET", "/health")
+            status = again.getresponse().status
+            again.close()
+            return status == 200
+
+        eventually(healthy, 10)
+    finally:
+        server.join(5.0)
