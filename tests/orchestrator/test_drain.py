@@ -180,3 +180,40 @@ def test_sigterm_drains_both_ports_and_every_stream_finishes(served: Orchestrato
               f"{last:.1f} s after the signal")  # fmt: skip
         assert last < DRAIN_S + GRACE_S
         assert after_drain > 0, "every stream ended within the drain: nothing tested the grace"
+
+
+def test_a_second_sigterm_ends_the_drain_and_the_grace_period_at_once(
+    served: Orchestrator,
+) -> None:
+    """A second SIGTERM (or Ctrl-C) during the stop cancels what runs: the stop ends within
+    seconds, not --drain-s + --grace-s (62 s here), and every stream ends, cut short."""
+    assert served.http_port is not None
+    started = threading.Semaphore(0)
+    streams = [Stream() for _ in range(8)]
+    with Client(f"127.0.0.1:{served.port}") as client:
+        threads = [threading.Thread(target=http_stream, args=(served.http_port, s, started))
+                   for s in streams[:4]]  # fmt: skip
+        threads += [threading.Thread(target=grpc_stream, args=(client, s, started))
+                    for s in streams[4:]]  # fmt: skip
+        for t in threads:
+            t.start()
+        for _ in threads:
+            assert started.acquire(timeout=120), [s.error for s in streams if s.error]
+        handlers = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+        stop_on_signal(served.stop, served.config.grace_s, served.hurry)
+        try:
+            signalled = time.monotonic()
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(DRAIN_S / 4)
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert served._done.wait(20), "the stop did not end"
+        finally:
+            signal.signal(signal.SIGTERM, handlers[0])
+            signal.signal(signal.SIGINT, handlers[1])
+        stopped = time.monotonic() - signalled
+        for t in threads:
+            t.join(20)
+    print(f"stopped {stopped:.1f} s after the first signal")
+    assert stopped < DRAIN_S + 10, stopped
+    assert all(s.ended_at > 0 for s in streams), "a stream never ended"
+    assert all(s.tokens < TOKENS for s in streams), [s.tokens for s in streams]
