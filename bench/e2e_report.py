@@ -452,9 +452,27 @@ def markdown(result: dict[str, Any]) -> str:
         *goal_lines,
         "",
         _greedy(result),
+        *_ahead_lines(result),
         *_fallback_lines(result),
     ]
     return "\n".join(lines) + "\n"
+
+
+def _ahead_lines(result: dict[str, Any]) -> list[str]:
+    """Per draft-ahead row: its window's hit rate and backup proposals, from /metrics."""
+    rows = [r for r in (result.get("serve") or {}).get("rows", []) if r.get("draft_ahead")]
+    parts = []
+    for r in rows:
+        a = r["draft_ahead"]
+        asks = a["hits"] + a["misses"]
+        if asks > 0:
+            parts.append(f"{r.get('placement', '-')} {r['config']} batch {r['batch']}: hit rate "
+                         f"{a['hits'] / asks:.2f} of {asks:.0f} asks, {a['backups']:.0f} "
+                         "backups")  # fmt: skip
+    if not parts:
+        return []
+    return ["", "Draft-ahead in the timed windows (hits / (hits + misses); misses answered with "
+            "a backup proposal of no drafts): " + "; ".join(parts) + "."]  # fmt: skip
 
 
 def _fallback_lines(result: dict[str, Any]) -> list[str]:

@@ -213,6 +213,7 @@ def scrape(url: str) -> dict[str, float]:
 
 
 HUB_PARTS = ("step", "draft", "transport", "verify", "sampler")
+AHEAD_COUNTS = ("hits", "misses", "backups")
 
 
 def hub_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -228,6 +229,10 @@ def hub_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float
     # steps in which requests that should have drafted ran at k = 0: the draft missed its
     # deadline or was down (a healthy benchmark has none)
     out = {"steps": steps, "fallback_steps": delta("specdec:draft_fallback_steps_total")}
+    # draft-ahead: asks answered from chains, asks whose chains missed, and misses answered
+    # with a backup proposal of no drafts (the step did not wait for them)
+    for count in AHEAD_COUNTS:
+        out[f"ahead_{count}"] = delta(f"specdec:draft_ahead_{count}_total")
     for part in HUB_PARTS:
         metric = "specdec:step_seconds" if part == "step" else f"specdec:step_{part}_seconds"
         out[part] = 1e3 * delta(f"{metric}_sum") / steps
@@ -433,6 +438,7 @@ def summarise(
         "client_responses_median": statistics.median(f["responses"] for f in per),
         "hub_steps": hub["steps"],
         "fallback_steps": hub["fallback_steps"],
+        "draft_ahead": {count: hub[f"ahead_{count}"] for count in AHEAD_COUNTS},
         "tpot_ms_median": statistics.median(f["tpot_ms"] for f in per),
         "tpot_ms_max": max(f["tpot_ms"] for f in per),
         "tpot_ms_p99": token_gaps[int(0.99 * (len(token_gaps) - 1))] if token_gaps else None,

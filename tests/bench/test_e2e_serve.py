@@ -63,10 +63,13 @@ def test_hub_ms_is_the_window_delta_per_step() -> None:
     after = {"specdec:step_seconds_count": 30.0, "specdec:step_seconds_sum": 0.3,
              "specdec:step_verify_seconds_sum": 0.17,
              "specdec:step_draft_seconds_sum": 0.04,
-             "specdec:draft_fallback_steps_total": 3.0}  # fmt: skip
+             "specdec:draft_fallback_steps_total": 3.0,
+             "specdec:draft_ahead_hits_total": 12.0, "specdec:draft_ahead_misses_total": 5.0,
+             "specdec:draft_ahead_backups_total": 4.0}  # fmt: skip
     h = hub_ms(before, after)
     assert h["steps"] == 20 and h["step"] == pytest.approx(10.0)
     assert h["fallback_steps"] == 3.0
+    assert (h["ahead_hits"], h["ahead_misses"], h["ahead_backups"]) == (12.0, 5.0, 4.0)
     assert h["verify"] == pytest.approx(6.0) and h["draft"] == pytest.approx(2.0)
     assert h["sampler"] == 0.0
     with pytest.raises(RuntimeError, match="no step"):
@@ -229,3 +232,20 @@ def test_results_of_several_gpus_are_named_so_and_runs_merge_for_the_length_plot
     assert e2e_bench.main(["--by-length", *map(str, paths)]) == 0
     assert (tmp_path / "run_l3_by_length.png").stat().st_size > 10_000
     assert e2e_bench.main(["--by-length", str(paths[0])]) == 1  # one length: nothing to draw
+
+
+def test_the_report_gives_each_draft_ahead_window_its_hit_rate_and_backups() -> None:
+    def row(config: str, ahead: dict[str, float] | None) -> dict[str, Any]:
+        out: dict[str, Any] = {"placement": "split", "config": config, "batch": 8}
+        if ahead is not None:
+            out["draft_ahead"] = ahead
+        return out
+
+    idle = {"hits": 0.0, "misses": 0.0, "backups": 0.0}
+    result = {"serve": {"rows": [row("target_only", idle), row("lockstep_L3", None),
+                                 row("ahead_h0.8_L3", {"hits": 30.0, "misses": 10.0,
+                                                       "backups": 6.0})]}}  # fmt: skip
+    text = "\n".join(e2e_report._ahead_lines(result))
+    assert "split ahead_h0.8_L3 batch 8: hit rate 0.75 of 40 asks, 6 backups" in text
+    assert "target_only" not in text and "lockstep" not in text
+    assert e2e_report._ahead_lines({"serve": {"rows": [row("target_only", idle)]}}) == []
