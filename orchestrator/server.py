@@ -172,7 +172,6 @@ class Orchestrator:
         self._owns_ray = False
         self._reaper: subprocess.Popen[bytes] | None = None
         self._stopped = threading.Event()
-        self._hurried = threading.Event()  # a second signal: the drain and grace end now
         self._done = threading.Event()
         self.ray_stuck = False  # Ray did not answer the stop (see _stop_ray)
 
@@ -365,9 +364,8 @@ class Orchestrator:
         drain = self.config.drain_s if drain_s is None else drain_s
         if drain > 0:
             log.info("draining: NOT_SERVING for %.1f s, calls still taken", drain)
-            self._hurried.wait(drain)
+            time.sleep(drain)
         grace = self.config.grace_s if grace_s is None else grace_s
-        grace = 0.0 if self._hurried.is_set() else grace
         self._end_calls(grace)
         for client in self.clients:
             client.close()
@@ -378,17 +376,6 @@ class Orchestrator:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
         self._done.set()
-
-    def hurry(self) -> None:
-        """Ends a stop's drain and grace period now (a second SIGTERM or Ctrl-C): every call in
-        flight is cancelled, each generation ending with its last event (finish reason
-        cancelled; HTTP "abort")."""
-        self._hurried.set()
-        if self.scheduler is not None:
-            self.scheduler.stop()
-        self.server.abort()
-        if self._http is not None:
-            self._http.begin_stop()
 
     def _end_calls(self, grace_s: float) -> None:
         """Both ports refuse new calls; the calls in flight, gRPC and HTTP, get `grace_s` to
@@ -441,6 +428,6 @@ class Orchestrator:
 
     def serve_until_signal(self) -> None:
         """Blocks until SIGTERM or SIGINT, then stops gracefully."""
-        stop_on_signal(self.stop, self.config.grace_s, self.hurry)
+        stop_on_signal(self.stop, self.config.grace_s)
         self.server.wait()
         self._done.wait()

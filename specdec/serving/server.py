@@ -162,12 +162,6 @@ class Server:
         grace = self.config.grace_s if grace_s is None else grace_s
         self._server.stop(grace).wait()
 
-    def abort(self) -> None:
-        """Ends every call in flight now, and takes no more (a second signal during a stop)."""
-        self._stopped.set()
-        self.set_serving(False)
-        self._server.stop(0)
-
     def wait(self) -> None:
         self._server.wait_for_termination()
 
@@ -177,23 +171,13 @@ class Server:
         self.wait()
 
 
-def stop_on_signal(
-    stop: Callable[[], None], grace_s: float, hurry: Callable[[], None] | None = None
-) -> None:
+def stop_on_signal(stop: Callable[[], None], grace_s: float) -> None:
     """SIGTERM and SIGINT run `stop` on a thread of its own, so that the main thread's wait
-    returns once it is done (main thread only); a second one runs `hurry`, where given, which
-    ends the stop's waits at once (a second Ctrl-C)."""
-    signals = 0
+    returns once it is done (main thread only)."""
 
     def on_signal(signum: int, _frame: object) -> None:
-        nonlocal signals
-        signals += 1
-        if signals == 1:
-            log.info("signal %d: stopping (grace %.1f s)", signum, grace_s)
-            threading.Thread(target=stop, daemon=True).start()
-        elif hurry is not None:
-            log.warning("signal %d again: stopping now, calls in flight are cancelled", signum)
-            threading.Thread(target=hurry, daemon=True).start()
+        log.info("signal %d: stopping (grace %.1f s)", signum, grace_s)
+        threading.Thread(target=stop, daemon=True).start()
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
