@@ -251,7 +251,12 @@ def test_cpu_work_runs_off_the_event_loop(rig: Rig) -> None:
     assert tokenized[0] == 400 and tokenized[1]["error"]["param"] == "prompt"
     assert "must be at most 4096 characters" in tokenized[1]["error"]["message"]
     assert completed[0] == 400 and completed[1]["error"]["param"] == "prompt"
-    assert health_s < 0.5 and gap_s < 2.0, (health_s, gap_s)
+    # on the event loop, /health would wait out each body's whole parse (about took / 2);
+    # off it, only for the GIL's turns. The stream's tokens come from a model in this same
+    # process, so its gaps grow with the parse's share of the GIL on a loaded machine: it
+    # must only never stop for the whole of the work
+    assert health_s < max(0.5, took / 4), (health_s, took)
+    assert gap_s < max(2.0, took), (gap_s, took)
 
 
 def _nested(depth: int) -> bytes:

@@ -63,6 +63,21 @@ class FakeEngine:
         self.held: dict[str, list[int]] = {}
         self.runner = SimpleNamespace(synchronize=lambda: None)
         self.blocks: list[DraftBlock] = []
+        # None: verifies at once; else each verify takes one permit (`allow`), so a test can
+        # hold the loop still while it sends controls, however slow this machine is
+        self.pace: threading.Semaphore | None = None
+
+    def allow(self, steps: int) -> None:
+        """From now on at most `steps` more verifies run until the next `allow`."""
+        if self.pace is None:
+            self.pace = threading.Semaphore(0)
+        self.pace.release(steps)
+
+    def unpace(self) -> None:
+        """Verifies at once again, a held one too."""
+        pace, self.pace = self.pace, None
+        if pace is not None:
+            pace.release(1 << 20)
 
     def admit(self, adm: AdmitRequest) -> tuple[int, int]:
         self.held[adm.request_id] = list(adm.prompt_token_ids)
@@ -80,6 +95,8 @@ class FakeEngine:
         return sum(self.held.pop(rid, None) is not None for rid in request_ids)
 
     def verify_timed(self, block: DraftBlock) -> tuple[VerifyResponse, StepTimes]:
+        if self.pace is not None:
+            _check(self.pace.acquire(timeout=10.0), "the test never allowed this step")
         self.blocks.append(block)
         out = VerifyResponse.pending(block.request_ids, block.steps)
         for i, rid in enumerate(block.request_ids):
@@ -262,8 +279,12 @@ class HubRun:
 
     def next(self, wanted: Callable[[target_pb2.ServeEvent], bool]) -> target_pb2.ServeEvent:
         """The next event `wanted` takes; steps on the way are recorded. A check that failed
-        inside a fake (the hub turns it into a failed step) is raised here."""
+        inside a fake (the hub turns it into a failed step) is raised here, and so is waiting
+        30 s in all (a loop that steps on but never gives the event must not hang the run)."""
+        give_up = time.monotonic() + 30.0
         while True:
+            if time.monotonic() > give_up:
+                raise AssertionError(f"no such event in 30 s of {len(self.steps)} steps")
             try:
                 event = self.events.get(timeout=10.0)
             except queue.Empty:
@@ -313,5 +334,6 @@ class HubRun:
             self.next(lambda e: len(self.tokens.get(rid, ())) >= n)
 
     def stop(self) -> None:
+        self.engine.unpace()
         self.hub.stop()
         self.hub.join()
