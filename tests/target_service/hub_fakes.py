@@ -180,6 +180,7 @@ class FakeLink:
     hold: threading.Event = field(default_factory=threading.Event)
     entered: threading.Event = field(default_factory=threading.Event)
     closed: bool = False
+    on_stall: Callable[[], None] = lambda: None  # called as a scripted stall begins
 
     def __post_init__(self) -> None:
         if self.admitting:
@@ -198,6 +199,7 @@ class FakeLink:
         self.proposes.append(list(entries))
         action = self.script.get(len(self.proposes), "ok")
         if action == "stall":
+            self.on_stall()
             raise DraftStalled("the fake draft did not answer")
         if action == "down":
             raise DraftDown("the fake draft is gone")

@@ -79,6 +79,9 @@ def test_a_step_that_waited_for_a_stalled_draft_teaches_dynamic_speculation_noth
     run = _start(runs, link, dynamic_speculation=True)
     chooser = RecordingChooser(run.config.max_num_draft_tokens)
     run.hub._chooser = chooser  # before any request: no step has run
+    # the stalled step and one more, then the loop holds still (at k = 0 it would otherwise
+    # run on to the model's length while this thread is slow, on a loaded machine)
+    link.on_stall = lambda: run.engine.allow(2)
     run.admit("a", PROMPT, "draft", k=4)
     link.admit_s = 0.05  # the resynchronisation's re-admission: a prefill the step waits for
     # the third Propose stalls: that step and the ones after it run at k = 0, until the probe
@@ -90,6 +93,7 @@ def test_a_step_that_waited_for_a_stalled_draft_teaches_dynamic_speculation_noth
     run.next(lambda e: e.HasField("step"))  # one more at k = 0 while stalled
     assert run.steps[-1].draft_fallback == target_pb2.DRAFT_FALLBACK_DEADLINE
     link.probes[0].finish()
+    run.engine.unpace()
     # the step that finds the probe answered admits the request again, waits for that, and drafts
     run.next(lambda e: e.HasField("step") and e.step.draft_s > 0)
     resynced_step = len(run.steps) - 1
@@ -200,7 +204,7 @@ def test_a_stall_longer_than_the_seeded_deadline_takes_the_draft_as_down(
     link.released.clear()
     set_draft = target_pb2.SetDraft(address=link.address)
     run.hub.control(target_pb2.ServeControl(set_draft=set_draft))
-    run.engine.allow(100)  # the held step ends (at k = 0), then the control is applied
+    run.engine.unpace()  # the held step ends (at k = 0), then the control is applied
     run.next(lambda e: e.HasField("draft_up"))
     assert link.released == ["seeded"]
     run.next(lambda e: e.HasField("step"))
