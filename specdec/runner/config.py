@@ -33,6 +33,9 @@ class RunnerConfig:
     # drafts; longer steps (a draft catching up after a pause) run eagerly
     cuda_graph_max_tokens: int = 17
     compile_pointwise: bool = False  # torch.compile the pointwise ops instead of `fused` kernels
+    # ranks of one node the model is split over (`parallel`): on CUDA GPUs 0 .. N-1 of those
+    # this process sees, on the CPU N processes; 1 is no split
+    tensor_parallel: int = 1
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -52,6 +55,8 @@ class RunnerConfig:
             raise ValueError(
                 f"cuda_graph_max_tokens must be in [1, 128], got {self.cuda_graph_max_tokens}."
             )
+        if not 1 <= self.tensor_parallel <= 64:
+            raise ValueError(f"tensor_parallel must be in [1, 64], got {self.tensor_parallel}.")
         for size in self.cuda_graph_batch_sizes:
             if not 1 <= size <= self.max_slots:
                 raise ValueError(

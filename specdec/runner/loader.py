@@ -117,6 +117,29 @@ def _architecture(cfg: Any) -> tuple[str, bool]:
     return arch, fast
 
 
+def _check_tensor_parallel(cfg: Any, fast: bool, arch: str, world: int) -> None:
+    """CheckpointError unless `world` ranks can split this model (before any weight is read)."""
+    from specdec.runner.model import ModelArgs, check_tensor_parallel
+
+    if not fast:
+        raise CheckpointError(
+            f"Tensor parallelism runs the Llama, Mistral, Qwen2 and Qwen3 families only; "
+            f"{arch} (model_type {cfg.model_type!r}) runs on one device."
+        )
+    try:
+        check_tensor_parallel(ModelArgs.from_hf(cfg), world)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from exc
+
+
+def check_tensor_parallel_checkpoint(config: RunnerConfig) -> None:
+    """CheckpointError unless `config.tensor_parallel` ranks can split the checkpoint: read from
+    its config.json alone, before any weight."""
+    cfg = _read_config(Path(config.model_path))
+    arch, fast = _architecture(cfg)
+    _check_tensor_parallel(cfg, fast, arch, config.tensor_parallel)
+
+
 def open_checkpoint(config: RunnerConfig, kv_bytes: Callable[[Any], int]) -> Checkpoint:
     """Validates the directory, dtype and memory; `kv_bytes(hf_config)` sizes the KV cache."""
     from transformers import AutoTokenizer
@@ -127,6 +150,8 @@ def open_checkpoint(config: RunnerConfig, kv_bytes: Callable[[Any], int]) -> Che
     if not files:
         raise CheckpointError(f"The model directory {str(path)!r} has no *.safetensors files.")
     arch, fast = _architecture(cfg)
+    if config.tensor_parallel > 1:
+        _check_tensor_parallel(cfg, fast, arch, config.tensor_parallel)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
     except (OSError, ValueError, TypeError) as exc:
@@ -134,7 +159,9 @@ def open_checkpoint(config: RunnerConfig, kv_bytes: Callable[[Any], int]) -> Che
     device = config.torch_device
     _check_dtype(device, config.torch_dtype, config.dtype)
     num_params = _count_params(files)
-    need = num_params * config.torch_dtype.itemsize + kv_bytes(cfg)
+    # a rank holds its N-th of the weights (the replicated embedding and norms are few) and of
+    # the KV heads, which kv_bytes counts
+    need = num_params * config.torch_dtype.itemsize // config.tensor_parallel + kv_bytes(cfg)
     have = _memory_available(device, config.memory_limit_bytes)
     if need > have:
         raise CheckpointError(
@@ -146,7 +173,9 @@ def open_checkpoint(config: RunnerConfig, kv_bytes: Callable[[Any], int]) -> Che
 
 @contextmanager
 def tensor_reader(ckpt: Checkpoint, device: torch.device) -> Iterator[Callable[[str], Any]]:
-    """Yields get(name) -> tensor on `device`, or None for a name no file holds."""
+    """Yields a `model.Getter` reading tensors onto `device`: get(name), or get(name, (dim,
+    start, stop)) for a slice of it (a tensor-parallel rank's part); None for a name no file
+    holds."""
     from safetensors import safe_open
 
     with ExitStack() as stack:
@@ -155,12 +184,16 @@ def tensor_reader(ckpt: Checkpoint, device: torch.device) -> Iterator[Callable[[
             handle = stack.enter_context(safe_open(str(f), framework="pt", device=str(device)))
             where |= dict.fromkeys(handle.keys(), handle)
 
-        def get(name: str) -> torch.Tensor | None:
+        def get(name: str, part: tuple[int, int, int] | None = None) -> torch.Tensor | None:
             handle = where.get(name)
             if handle is None:
                 return None
             try:
-                return handle.get_tensor(name)
+                if part is None:
+                    return handle.get_tensor(name)
+                dim, start, stop = part  # only these rows or columns are read
+                view = handle.get_slice(name)
+                return view[start:stop] if dim == 0 else view[:, start:stop]
             except Exception as exc:
                 raise CheckpointError(f"The tensor {name!r} cannot be read ({exc}).") from exc
 

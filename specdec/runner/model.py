@@ -14,7 +14,8 @@ small kernels and their launch gaps are what separates it from the memory floor.
 
 import functools
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -38,6 +39,7 @@ class ModelArgs:
     rms_norm_eps: float
     tie_word_embeddings: bool
     windows: tuple[int | None, ...]  # sliding window per layer, None for full attention
+    intermediate_size: int = 0  # the MLP's width (0: unknown, only tensor parallelism needs it)
 
     @classmethod
     def from_hf(cls, config: object) -> "ModelArgs":
@@ -62,7 +64,80 @@ class ModelArgs:
             rms_norm_eps=float(c.rms_norm_eps),  # type: ignore[attr-defined]
             tie_word_embeddings=bool(getattr(c, "tie_word_embeddings", False)),
             windows=windows,
+            intermediate_size=int(getattr(c, "intermediate_size", 0) or 0),
         )
+
+    def sharded(self, world: int) -> "ModelArgs":
+        """One rank's part when `world` ranks split the heads and the MLP (`Shard`)."""
+        if world == 1:
+            return self
+        check_tensor_parallel(self, world)
+        return replace(self, num_heads=self.num_heads // world,
+                       num_kv_heads=self.num_kv_heads // world,
+                       intermediate_size=self.intermediate_size // world)  # fmt: skip
+
+
+def check_tensor_parallel(args: ModelArgs, world: int) -> None:
+    """ValueError unless `world` ranks can split this model's heads, KV heads and MLP evenly."""
+    for name, n in (
+        ("num_attention_heads", args.num_heads),
+        ("num_key_value_heads", args.num_kv_heads),
+        ("intermediate_size", args.intermediate_size),
+    ):
+        if n % world:
+            raise ValueError(
+                f"A tensor-parallel size of {world} does not divide the model's {name} ({n}); "
+                f"use a size that divides {name}."
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class Shard:
+    """Which part of a tensor-parallel model this rank holds: rank `rank` of `world` ranks
+    of one node, whose activations' collectives run in `group` (a torch.distributed process
+    group; None with world 1).
+
+    Megatron's split: q/k/v and gate/up are column-parallel (rank r holds heads
+    [r H/N, (r+1) H/N), KV heads likewise, and the r-th N-th of the MLP's width), o_proj and
+    down_proj row-parallel (their partial sums are all-reduced; their biases are added on rank
+    0 only), the output head vocabulary-parallel (the ranks' logits are all-gathered), and the
+    embedding and the norms replicated."""
+
+    rank: int = 0
+    world: int = 1
+    group: Any = None
+
+    def span(self, n: int) -> tuple[int, int]:
+        """This rank's [start, stop) of `n` rows split evenly (n divisible by world)."""
+        part = n // self.world
+        return self.rank * part, (self.rank + 1) * part
+
+    def vocab_span(self, vocab: int) -> tuple[int, int]:
+        """This rank's rows of the output head: ceil(vocab / world) each, the last fewer."""
+        part = -(-vocab // self.world)
+        return min(vocab, self.rank * part), min(vocab, (self.rank + 1) * part)
+
+    def vocab_rows(self, vocab: int) -> int:
+        return -(-vocab // self.world)
+
+
+ONE_RANK = Shard()
+# get(name) -> the whole tensor, or get(name, (dim, start, stop)) -> its slice [start, stop)
+# along dim, read without reading the rest where the source allows it; None if absent
+Getter = Callable[..., torch.Tensor | None]
+
+
+def slicing_getter(tensors: dict[str, torch.Tensor]) -> Getter:
+    """A `Getter` over tensors in memory (tests, benchmarks)."""
+
+    def get(name: str, part: tuple[int, int, int] | None = None) -> torch.Tensor | None:
+        t = tensors.get(name)
+        if t is None or part is None:
+            return t
+        dim, start, stop = part
+        return t.narrow(dim, start, stop - start)
+
+    return get
 
 
 def rope_type(config: object) -> str:
@@ -90,66 +165,108 @@ class Transformer:
         weights: dict[str, torch.Tensor],
         cos: torch.Tensor,
         sin: torch.Tensor,
+        shard: Shard = ONE_RANK,
+        vocab_size: int | None = None,
     ) -> None:
+        """`args`: this rank's part (`ModelArgs.sharded`); `vocab_size`: the whole output
+        head's rows (default: this one's, which is the whole head on one rank)."""
         self.args = args
         self.w = weights
         self.cos = cos  # [max_seq_len, head_dim] in the model dtype, as transformers casts it
         self.sin = sin
+        self.shard = shard
+        self.vocab_size = int(weights["lm_head"].shape[0]) if vocab_size is None else vocab_size
         self.use_kernels(weights["embed"].device.type == "cuda")
 
     @classmethod
     def from_hf_state(
         cls,
         args: ModelArgs,
-        get: Callable[[str], torch.Tensor | None],
+        get: Getter,
         cos: torch.Tensor,
         sin: torch.Tensor,
         device: torch.device,
         dtype: torch.dtype,
+        shard: Shard = ONE_RANK,
     ) -> "Transformer":
-        """Builds from HF parameter names; `get(name)` returns a tensor or None if absent."""
+        """Builds from HF parameter names (`args` describes the whole model); `get` as
+        `Getter`. With a `shard`, only this rank's part of each tensor is read."""
+        world = shard.world
+        h, kv = args.head_dim * args.num_heads, args.head_dim * args.num_kv_heads
+        local = args.sharded(world)
 
-        def need(name: str) -> torch.Tensor:
-            t = get(name)
+        def load(name: str, part: tuple[int, int, int] | None = None) -> torch.Tensor | None:
+            t = get(name) if part is None or world == 1 else get(name, part)
+            return None if t is None else t.to(device=device, dtype=dtype)
+
+        def need(name: str, part: tuple[int, int, int] | None = None) -> torch.Tensor:
+            t = load(name, part)
             if t is None:
                 raise KeyError(name)
-            return t.to(device=device, dtype=dtype)
+            return t
 
-        def cat(names: list[str]) -> torch.Tensor | None:
-            parts = [get(n) for n in names]
+        def cat(names: list[str], widths: list[int]) -> torch.Tensor | None:
+            parts = [load(n, (0, *shard.span(w))) for n, w in zip(names, widths, strict=True)]
             if all(p is None for p in parts):
                 return None
             if any(p is None for p in parts):
                 raise KeyError(names[[p is None for p in parts].index(True)])
-            return torch.cat([p.to(device=device, dtype=dtype) for p in parts])  # type: ignore[union-attr]
+            return torch.cat(parts)  # type: ignore[arg-type]
+
+        def first_rank(name: str) -> torch.Tensor | None:  # a row-parallel bias: added once
+            return load(name) if shard.rank == 0 else None
 
         w: dict[str, torch.Tensor] = {
             "embed": need("model.embed_tokens.weight"),
             "norm": need("model.norm.weight"),
         }
-        head = None if args.tie_word_embeddings else get("lm_head.weight")
-        w["lm_head"] = w["embed"] if head is None else head.to(device=device, dtype=dtype)
+        w["lm_head"] = cls._head(args, get, load, w["embed"], shard)
+        inner = args.intermediate_size
         for i in range(args.num_layers):
             p = f"model.layers.{i}."
             a, m = p + "self_attn.", p + "mlp."
+            qkv = [a + "q_proj.", a + "k_proj.", a + "v_proj."]
             opt: dict[str, torch.Tensor | None] = {
-                "qkv_w": cat([a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"]),
-                "qkv_b": cat([a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"]),
-                "o_w": need(a + "o_proj.weight"),
-                "o_b": get(a + "o_proj.bias"),
-                "q_norm": get(a + "q_norm.weight"),
-                "k_norm": get(a + "k_norm.weight"),
-                "gate_up_w": cat([m + "gate_proj.weight", m + "up_proj.weight"]),
-                "gate_up_b": cat([m + "gate_proj.bias", m + "up_proj.bias"]),
-                "down_w": need(m + "down_proj.weight"),
-                "down_b": get(m + "down_proj.bias"),
+                "qkv_w": cat([n + "weight" for n in qkv], [h, kv, kv]),
+                "qkv_b": cat([n + "bias" for n in qkv], [h, kv, kv]),
+                "o_w": need(a + "o_proj.weight", (1, *shard.span(h))),
+                "o_b": first_rank(a + "o_proj.bias"),
+                "q_norm": load(a + "q_norm.weight"),
+                "k_norm": load(a + "k_norm.weight"),
+                "gate_up_w": cat([m + "gate_proj.weight", m + "up_proj.weight"], [inner, inner]),
+                "gate_up_b": cat([m + "gate_proj.bias", m + "up_proj.bias"], [inner, inner]),
+                "down_w": need(m + "down_proj.weight", (1, *shard.span(inner))),
+                "down_b": first_rank(m + "down_proj.bias"),
                 "in_norm": need(p + "input_layernorm.weight"),
                 "post_norm": need(p + "post_attention_layernorm.weight"),
             }
             for k, t in opt.items():
                 if t is not None:
-                    w[f"{i}.{k}"] = t.to(device=device, dtype=dtype)
-        return cls(args, w, cos.to(device, dtype), sin.to(device, dtype))
+                    w[f"{i}.{k}"] = t
+        return cls(local, w, cos.to(device, dtype), sin.to(device, dtype), shard, args.vocab_size)
+
+    @staticmethod
+    def _head(
+        args: ModelArgs,
+        get: Getter,
+        load: Callable[..., torch.Tensor | None],
+        embed: torch.Tensor,
+        shard: Shard,
+    ) -> torch.Tensor:
+        """The output head, or this rank's rows of it padded to vocab_rows with zeros (the
+        embedding's where the checkpoint ties them or has no head)."""
+        if shard.world == 1:
+            head = None if args.tie_word_embeddings else load("lm_head.weight")
+            return embed if head is None else head
+        # one row tells whether the checkpoint has a head, without reading the rest
+        tied = args.tie_word_embeddings or get("lm_head.weight", (0, 0, 1)) is None
+        start, stop = shard.vocab_span(args.vocab_size)
+        head = embed[start:stop] if tied else load("lm_head.weight", (0, start, stop))
+        assert head is not None
+        rows = shard.vocab_rows(args.vocab_size)
+        if head.shape[0] < rows:
+            head = torch.cat([head, head.new_zeros(rows - head.shape[0], head.shape[1])])
+        return head
 
     def use_kernels(self, on: bool) -> None:
         """The Triton kernels of `fused` (default on CUDA) or their torch references."""
@@ -188,12 +305,21 @@ class Transformer:
             meta.positions,
         )
         out = attention(q, cache, meta, self.args.windows[i])  # [T, heads * head_dim]
-        return self._linear(out, w[f"{i}.o_w"], w.get(f"{i}.o_b"))
+        return self._all_reduce(self._linear(out, w[f"{i}.o_w"], w.get(f"{i}.o_b")))
 
     def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
         w = self.w
         gate_up = self._linear(h, w[f"{i}.gate_up_w"], w.get(f"{i}.gate_up_b"))
-        return self._linear(self._silu_mul(gate_up), w[f"{i}.down_w"], w.get(f"{i}.down_b"))
+        down = self._linear(self._silu_mul(gate_up), w[f"{i}.down_w"], w.get(f"{i}.down_b"))
+        return self._all_reduce(down)
+
+    def _all_reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """The sum over the ranks of a row-parallel product (itself on one rank)."""
+        if self.shard.world > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(partial, group=self.shard.group)
+        return partial
 
     def hidden(
         self, token_ids: torch.Tensor, meta: AttnMeta, caches: list[torch.Tensor]
@@ -212,13 +338,28 @@ class Transformer:
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """float32 logits [N, vocab] for hidden [N, hidden_size]."""
-        return self._linear(hidden, self.w["lm_head"]).float()
+        return self.head(hidden, self._linear).float()
+
+    def head(
+        self, hidden: torch.Tensor, linear: Callable[..., torch.Tensor] = F.linear
+    ) -> torch.Tensor:
+        """Logits [N, vocab] in the model's dtype: on several ranks each computes its rows of
+        the vocabulary and every rank gets them all."""
+        local = linear(hidden, self.w["lm_head"])
+        if self.shard.world == 1:
+            return local
+        import torch.distributed as dist
+
+        parts = [torch.empty_like(local) for _ in range(self.shard.world)]
+        dist.all_gather(parts, local.contiguous(), group=self.shard.group)
+        return torch.cat(parts, dim=-1)[..., : self.vocab_size]
 
     def weight_bytes(self) -> int:
         seen: set[int] = set()
         total = 0
         for t in self.w.values():
-            if t.data_ptr() not in seen:
-                seen.add(t.data_ptr())
-                total += t.numel() * t.element_size()
+            storage = t.untyped_storage()  # a tied head's rows share the embedding's
+            if storage.data_ptr() not in seen:
+                seen.add(storage.data_ptr())
+                total += storage.nbytes()
         return total

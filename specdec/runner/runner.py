@@ -23,7 +23,14 @@ from specdec.runner.fallback import HFBackend
 from specdec.runner.graphs import Head, StepGraphs
 from specdec.runner.kv_cache import SlotCache
 from specdec.runner.loader import Checkpoint, open_checkpoint, tensor_reader, tokenizer_hash
-from specdec.runner.model import ModelArgs, Transformer, rope_tables
+from specdec.runner.model import (
+    ONE_RANK,
+    ModelArgs,
+    Shard,
+    Transformer,
+    rope_tables,
+    slicing_getter,
+)
 
 log = logging.getLogger(__name__)
 
@@ -34,7 +41,7 @@ class FastBackend:
     def __init__(self, model: Transformer, cache: SlotCache) -> None:
         self.model, self.cache = model, cache
         a = model.args
-        self.vocab_size = int(model.w["lm_head"].shape[0])
+        self.vocab_size = model.vocab_size
         self._group = a.num_heads // a.num_kv_heads
         self._kv_heads = a.num_kv_heads
         self._windows = set(a.windows)
@@ -93,7 +100,7 @@ class FastBackend:
             kv_heads=self._kv_heads,
         )
         hidden = self.model.hidden(tokens.reshape(-1), meta, self.cache.layers)
-        logits = torch.nn.functional.linear(hidden, self.model.w["lm_head"]).view(b, n, -1)
+        logits = self.model.head(hidden).view(b, n, -1)
         if out is None:
             return logits.float()
         return out.copy_(logits)
@@ -163,7 +170,17 @@ class ModelRunner:
 
     @classmethod
     def load(cls, config: RunnerConfig) -> "ModelRunner":
-        """Loads a local checkpoint; CheckpointError (a full sentence) on any problem with it."""
+        """Loads a local checkpoint; CheckpointError (a full sentence) on any problem with it.
+        With `config.tensor_parallel` N > 1, this process is rank 0 of N (`parallel`)."""
+        if config.tensor_parallel > 1:
+            from specdec.runner.parallel import launch
+
+            return launch(config)
+        return cls.load_rank(config)
+
+    @classmethod
+    def load_rank(cls, config: RunnerConfig, shard: Shard = ONE_RANK) -> "ModelRunner":
+        """This rank's part of the checkpoint (all of it on one rank)."""
 
         def kv_bytes(hf: Any) -> int:
             try:  # every transformers config maps its own names onto these
@@ -173,6 +190,7 @@ class ModelRunner:
                 layers = int(hf.num_hidden_layers)
             except (AttributeError, TypeError):
                 return 0
+            kv_heads = max(1, kv_heads // config.tensor_parallel)  # a rank's share
             return SlotCache.bytes_needed(
                 layers, config.max_slots, config.max_seq_len, kv_heads, head_dim, config.torch_dtype
             )
@@ -188,7 +206,7 @@ class ModelRunner:
             tokenizer_hash(ckpt.tokenizer),
         )
         if ckpt.fast_path:
-            return cls.from_hf_weights(config, ckpt.hf_config, ckpt, info, ckpt.tokenizer)
+            return cls.from_hf_weights(config, ckpt.hf_config, ckpt, info, ckpt.tokenizer, shard)
         return cls._load_fallback(config, ckpt, info)
 
     @classmethod
@@ -199,10 +217,12 @@ class ModelRunner:
         weights: Checkpoint | dict[str, torch.Tensor],
         info: CheckpointInfo | None = None,
         tokenizer: Any = None,
+        shard: Shard = ONE_RANK,
     ) -> "ModelRunner":
-        """Fast-path runner from a checkpoint or from HF-named tensors (benchmarks, tests)."""
+        """Fast-path runner from a checkpoint or from HF-named tensors (benchmarks, tests);
+        with a `shard`, of this rank's part of them."""
         with on_device(config.torch_device):
-            return cls._from_hf_weights(config, hf_config, weights, info, tokenizer)
+            return cls._from_hf_weights(config, hf_config, weights, info, tokenizer, shard)
 
     @classmethod
     def _from_hf_weights(
@@ -212,10 +232,15 @@ class ModelRunner:
         weights: Checkpoint | dict[str, torch.Tensor],
         info: CheckpointInfo | None,
         tokenizer: Any,
+        shard: Shard,
     ) -> "ModelRunner":
         from specdec.errors import CheckpointError
 
         args = ModelArgs.from_hf(hf_config)
+        try:
+            local = args.sharded(shard.world)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from exc
         device, dtype = config.torch_device, config.torch_dtype
         limit = getattr(hf_config, "max_position_embeddings", None) or config.max_seq_len
         if config.max_seq_len > limit:
@@ -226,18 +251,19 @@ class ModelRunner:
         cos, sin = rope_tables(hf_config, config.max_seq_len)
         try:
             if isinstance(weights, dict):
-                model = Transformer.from_hf_state(args, weights.get, cos, sin, device, dtype)
+                get = slicing_getter(weights)
+                model = Transformer.from_hf_state(args, get, cos, sin, device, dtype, shard)
             else:
-                with tensor_reader(weights, device) as get:
-                    model = Transformer.from_hf_state(args, get, cos, sin, device, dtype)
+                with tensor_reader(weights, device) as read:
+                    model = Transformer.from_hf_state(args, read, cos, sin, device, dtype, shard)
         except KeyError as exc:
             raise CheckpointError(f"The checkpoint has no tensor named {exc.args[0]!r}.") from exc
         cache = SlotCache(
-            args.num_layers,
+            local.num_layers,
             config.max_slots,
             config.max_seq_len,
-            args.num_kv_heads,
-            args.head_dim,
+            local.num_kv_heads,
+            local.head_dim,
             dtype,
             device,
         )
@@ -495,6 +521,10 @@ class ModelRunner:
     @property
     def device(self) -> torch.device:
         return self._device
+
+    def close(self) -> None:
+        """Frees what the runner holds outside this process (the other ranks of a
+        tensor-parallel model); nothing on one rank."""
 
     def own_device(self) -> None:
         """Makes the runner's GPU this process's current CUDA device (a service's process holds

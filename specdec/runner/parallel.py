@@ -1,0 +1,373 @@
+"""Tensor parallelism: one model split over N ranks of one node, served by rank 0.
+
+Rank 0 is the service's own process and its `ParallelRunner` is the runner the engine drives.
+It starts ranks 1 .. N-1 as processes of its own (spawned, each on GPU r of those this process
+sees, or on the CPU), and every call that runs the model or changes KV state (`MIRRORED`) is
+sent to them over a pipe before rank 0 makes it: each rank then makes the same call on its part
+of the model (`model.Shard`), so the activations' all-reduces and the logits' all-gather meet
+in the same order on every rank, and every rank's KV slots hold the same requests. Only rank 0
+reads the outputs: the sampler (a step's `head`) runs there alone, so its randomness is drawn
+once; the other ranks replay graphs of their own, captured at the same calls (one per rank-0
+head, so the collectives captured match call for call).
+
+The collectives run through torch.distributed: NCCL between GPUs, gloo on the CPU. The ranks
+die together: a rank started here is killed by the kernel when rank 0 ends (PR_SET_PDEATHSIG),
+and rank 0 ends its process when another rank exits (`on_rank_death`), so that whatever
+restarts a failed service restarts the whole group, and nothing waits forever on a collective
+that a dead rank will never join.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import signal
+import socket
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from specdec.errors import CheckpointError
+from specdec.runner.config import ForwardItem, RunnerConfig
+from specdec.runner.model import Shard
+from specdec.runner.runner import ModelRunner
+
+log = logging.getLogger(__name__)
+
+# the runner's calls every rank makes, in rank 0's order
+MIRRORED = (
+    "add_request", "release", "truncate", "fork", "swap", "forward", "graph_step", "ragged_step",
+)  # fmt: skip
+START_TIMEOUT_S = 600.0  # for the ranks to join and load their parts
+COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # one collective's wait for a slow rank
+RANK_LOST_EXIT = 70  # rank 0's exit status when another rank died (EX_SOFTWARE)
+
+
+def rank_config(config: RunnerConfig, rank: int) -> RunnerConfig:
+    """Rank `rank`'s runner config: its own GPU (index `rank` of those visible) on CUDA."""
+    if torch.device(config.device).type == "cuda":
+        return replace(config, device=f"cuda:{rank}")
+    return config
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _join(rank: int, world: int, port: int, device: torch.device) -> Any:
+    """Joins the ranks' process group; returns it."""
+    import torch.distributed as dist
+
+    cuda = device.type == "cuda"
+    dist.init_process_group(
+        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+        world_size=world, timeout=COLLECTIVE_TIMEOUT, device_id=device if cuda else None,
+    )  # fmt: skip
+    return dist.group.WORLD
+
+
+def _die_with_parent() -> None:
+    """The kernel kills this process when its parent (rank 0) ends, however it ends."""
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    if os.getppid() != parent:  # it ended before the line above
+        os._exit(1)
+
+
+class _NoHead:
+    """A worker's stand-in for one of rank 0's heads: keys its own graphs, computes nothing."""
+
+    def __call__(self, logits: torch.Tensor, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return ()
+
+
+def _worker(
+    config: RunnerConfig,
+    rank: int,
+    world: int,
+    port: int,
+    commands: multiprocessing.connection.Connection,
+    ready: Any,
+) -> None:
+    """Rank `rank` (> 0): joins, loads its part, then makes rank 0's calls until told to stop."""
+    _die_with_parent()
+    logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(levelname)s %(message)s")
+    try:
+        config = rank_config(config, rank)
+        device = config.torch_device
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+        else:  # the ranks share the node's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        group = _join(rank, world, port, device)
+        runner = ModelRunner.load_rank(config, Shard(rank, world, group))
+    except BaseException as exc:
+        ready.put((rank, f"{type(exc).__name__}: {exc}"))
+        raise SystemExit(1) from None
+    ready.put((rank, None))
+    heads: dict[object, _NoHead] = {}
+    while True:
+        try:
+            name, args, kwargs = commands.recv()
+        except EOFError:  # rank 0 is gone
+            return
+        if name == "stop":
+            break
+        if name in ("graph_step", "ragged_step"):
+            key = kwargs.pop("head_key")
+            kwargs["head"] = None if key is None else heads.setdefault(key, _NoHead())
+        try:
+            getattr(runner, name)(*args, **kwargs)
+        except Exception as exc:  # rank 0 meets the same error in the same call and reports it
+            log.debug("%s failed on rank %d: %s", name, rank, exc)
+    import torch.distributed as dist
+
+    dist.destroy_process_group()
+
+
+def _to_host(value: Any) -> Any:
+    """`value` with every tensor in it on the CPU, to be sent to another rank."""
+    if isinstance(value, torch.Tensor):
+        return value.cpu()
+    if isinstance(value, ForwardItem) and isinstance(value.token_ids, torch.Tensor):
+        return replace(value, token_ids=value.token_ids.cpu())
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_host(v) for v in value)
+    return value
+
+
+@dataclass(slots=True)
+class _Rank:
+    rank: int
+    process: Any  # multiprocessing.Process
+    commands: multiprocessing.connection.Connection
+
+
+def _exit_group() -> None:
+    os._exit(RANK_LOST_EXIT)
+
+
+class ParallelRunner(ModelRunner):
+    """Rank 0's runner: a ModelRunner over rank 0's part whose `MIRRORED` calls every other
+    rank makes too (`launch` builds it). One call at a time: a lock keeps the ranks' order."""
+
+    def _attach(self, ranks: list[_Rank], on_rank_death: Callable[[], None]) -> None:
+        self._ranks = ranks
+        self._inside = False
+        self._lock = threading.RLock()
+        self._heads: dict[tuple[object, ...], int] = {}
+        self._closing = False
+        self._on_rank_death = on_rank_death
+        threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
+
+    @property
+    def world(self) -> int:
+        return len(self._ranks) + 1
+
+    def _watch(self) -> None:
+        sentinels = {r.process.sentinel: r for r in self._ranks}
+        ended = multiprocessing.connection.wait(list(sentinels))
+        if self._closing:
+            return
+        r = sentinels[ended[0]]  # type: ignore[index]
+        log.error(
+            "tensor-parallel rank %d (pid %s) exited with status %s: the model's other ranks "
+            "cannot go on without it, so this service ends and is restarted as a whole",
+            r.rank, r.process.pid, r.process.exitcode,
+        )  # fmt: skip
+        self._on_rank_death()
+
+    def _head_key(self, head: object, head_inputs: Sequence[torch.Tensor]) -> int | None:
+        if head is None:
+            return None
+        layout = tuple((tuple(x.shape[1:]), x.dtype) for x in head_inputs)
+        return self._heads.setdefault((head, layout), len(self._heads))
+
+    def _send(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        if name in ("graph_step", "ragged_step"):
+            names = ("request_ids", "token_ids", "head", "head_inputs")[: len(args)]
+            bound = dict(zip(names, args, strict=True))
+            bound |= kwargs
+            key = self._head_key(bound.pop("head", None), bound.pop("head_inputs", ()))
+            args, kwargs = (), {**bound, "head_key": key}
+        message = (name, _to_host(args), {k: _to_host(v) for k, v in kwargs.items()})
+        for r in self._ranks:
+            r.commands.send(message)
+
+    def _mirror(self, name: str, *args: Any, **kwargs: Any) -> Any:
+        base = getattr(ModelRunner, name)
+        with self._lock:
+            if self._inside:  # a mirrored call made inside another: the ranks make it too
+                return base(self, *args, **kwargs)
+            self._send(name, args, kwargs)
+            self._inside = True
+            try:
+                return base(self, *args, **kwargs)
+            finally:
+                self._inside = False
+
+    def add_request(self, *args: Any, **kwargs: Any) -> Any:
+        return self._mirror("add_request", *args, **kwargs)
+
+    def release(self, *args: Any, **kwargs: Any) -> Any:
+        return self._mirror("release", *args, **kwargs)
+
+    def truncate(self, *args: Any, **kwargs: Any) -> Any:
+        return self._mirror("truncate", *args, **kwargs)
+
+    def fork(self, *args: Any, **kwargs: Any) -> Any:
+        return self._mirror("fork", *args, **kwargs)
+
+    def swap(self, *args: Any, **kwargs: Any) -> Any:
+        return self._mirror("swap", *args, **kwargs)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self._mirror("forward", *args, **kwargs)
+
+    def graph_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._mirror("graph_step", *args, **kwargs)
+
+    def ragged_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._mirror("ragged_step", *args, **kwargs)
+
+    def close(self) -> None:
+        """Stops the other ranks and leaves the process group."""
+        import torch.distributed as dist
+
+        with self._lock:
+            if self._closing:
+                return
+            self._closing = True
+            for r in self._ranks:
+                with contextlib.suppress(OSError):  # it is gone already
+                    r.commands.send(("stop", (), {}))
+            for r in self._ranks:
+                r.process.join(30.0)
+                if r.process.is_alive():
+                    r.process.kill()
+            if dist.is_initialized():
+                dist.destroy_process_group()
+
+
+def check_launchable(config: RunnerConfig) -> None:
+    """CheckpointError if `config`'s checkpoint cannot be split over its ranks, or ValueError
+    if there are not that many GPUs; before any process starts or any weight is read."""
+    from specdec.runner.loader import check_tensor_parallel_checkpoint
+
+    check_tensor_parallel_checkpoint(config)
+    if torch.device(config.device).type == "cuda":
+        have = torch.cuda.device_count()
+        if have < config.tensor_parallel:
+            raise ValueError(
+                f"tensor_parallel={config.tensor_parallel} needs that many GPUs; this process "
+                f"sees {have}."
+            )
+
+
+def launch(config: RunnerConfig, on_rank_death: Callable[[], None] = _exit_group) -> ParallelRunner:
+    """Starts ranks 1 .. N-1, loads rank 0's part here, and returns rank 0's runner once every
+    rank has its part; CheckpointError (naming the rank) if one could not load it.
+    `on_rank_death` runs when a rank exits later (default: this process exits)."""
+    import torch.distributed as dist
+
+    check_launchable(config)
+    world = config.tensor_parallel
+    if dist.is_initialized():
+        raise RuntimeError("This process already belongs to a torch.distributed group.")
+    port = _free_port()
+    ctx = multiprocessing.get_context("spawn")
+    ready = ctx.Queue()
+    ranks = []
+    for rank in range(1, world):
+        receive, send = ctx.Pipe(duplex=False)
+        process = ctx.Process(
+            target=_worker, args=(config, rank, world, port, receive, ready),
+            name=f"specdec-tp-rank{rank}", daemon=True,
+        )  # fmt: skip
+        process.start()
+        receive.close()
+        ranks.append(_Rank(rank, process, send))
+    try:
+        config0 = rank_config(config, 0)
+        group = _wait_joined(ranks, ready, lambda: _join(0, world, port, config0.torch_device))
+        runner = ParallelRunner.load_rank(config0, Shard(0, world, group))
+        assert isinstance(runner, ParallelRunner)
+        _wait_ready(ranks, ready)
+    except BaseException:
+        for r in ranks:
+            r.process.kill()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        raise
+    runner._attach(ranks, on_rank_death)
+    log.info("tensor parallelism over %d ranks (%s)", world, config.device)
+    return runner
+
+
+def _wait_joined(ranks: list[_Rank], ready: Any, join: Callable[[], Any]) -> Any:
+    """Runs `join` (which waits for every rank) and returns its result, unless a rank fails
+    first: then CheckpointError with that rank's error."""
+    result: list[Any] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(join())
+        except BaseException as exc:
+            failure.append(exc)
+
+    thread = threading.Thread(target=run, name="tp-join", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while thread.is_alive():
+        thread.join(0.1)
+        _check_ranks(ranks, ready, deadline)
+    if failure:
+        raise failure[0]
+    return result[0]
+
+
+def _wait_ready(ranks: list[_Rank], ready: Any) -> None:
+    """Waits until every rank has loaded its part; CheckpointError for the first that failed."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    loaded: set[int] = set()
+    while len(loaded) < len(ranks):
+        try:
+            rank, error = ready.get(timeout=0.1)
+        except Exception:  # queue.Empty
+            _check_ranks(ranks, ready, deadline)
+            continue
+        if error is not None:
+            raise CheckpointError(f"Tensor-parallel rank {rank} could not start: {error}")
+        loaded.add(rank)
+
+
+def _check_ranks(ranks: list[_Rank], ready: Any, deadline: float) -> None:
+    for r in ranks:
+        if not r.process.is_alive():
+            message = f"exited with status {r.process.exitcode}"
+            try:
+                rank, error = ready.get(timeout=1.0)  # its own words, if it sent them
+                if error is not None:
+                    r, message = next(x for x in ranks if x.rank == rank), error
+            except Exception:
+                pass
+            raise CheckpointError(f"Tensor-parallel rank {r.rank} could not start: {message}")
+    if time.monotonic() > deadline:
+        raise CheckpointError(
+            f"The tensor-parallel ranks did not start within {START_TIMEOUT_S:.0f} s."
+        )
