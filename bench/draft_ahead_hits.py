@@ -46,8 +46,8 @@ from tqdm import tqdm
 from bench.local import local_pair
 from bench.provenance import commit, device_name, machine
 from draft_service.config import DraftConfig
-from orchestrator.demo import PROMPTS
-from orchestrator.demo_models import DemoBudget, build_demo_models
+from orchestrator.demo.models import DemoBudget, build_demo_models
+from orchestrator.demo.run import PROMPTS
 from specdec.runner import RunnerConfig
 from specdec.sampling_params import SamplingParams
 from specdec.serving.cli import checkpoint_seq_len

@@ -50,7 +50,7 @@ from bench.e2e_services import (
     run_module,
     wait_serving,
 )
-from orchestrator.ray_start import descendants
+from orchestrator.launch.ray_start import descendants
 from specdec.client import Client
 
 TARGET_ONLY = "target_only"

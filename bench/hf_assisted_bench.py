@@ -15,7 +15,7 @@ in every row alike), milliseconds per output token, and how many requests' token
 target's own greedy output from transformers (equal up to ties within the forwards' rounding:
 docs/design.md, "Exactness"). specdec rows add the acceptance they measured.
 
-The pair: the demo pair (trained here once and cached, `orchestrator.demo_models`; `--smoke`
+The pair: the demo pair (trained here once and cached, `orchestrator.demo.models`; `--smoke`
 trains the tiny CI recipe and runs on the CPU), or `--target` / `--draft` checkpoint folders
 sharing one tokenizer. The prompts are held-out standard-library source, as the demo's.
 
@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.e2e_serve import serving
 from bench.provenance import commit, device_name, machine
-from orchestrator import demo_models, demo_training
+from orchestrator.demo import models as demo_models
+from orchestrator.demo import training as demo_training
 from specdec.client import Client
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -1,9 +1,9 @@
 """One draft/target pair in this process, on loopback ports, without Ray: the services started
 from their own configs, the target pointed at the draft, and both stopped on exit.
 
-`specdec serve` starts each service in its own Ray actor instead (`orchestrator.services`);
+`specdec serve` starts each service in its own Ray actor instead (`orchestrator.launch.services`);
 this is the launcher for everything that drives one pair directly: the services' tests, the
-direct `Pipeline` driver and the hub's tests. Like `orchestrator.services`, it imports the
+direct `Pipeline` driver and the hub's tests. Like `orchestrator.launch.services`, it imports the
 services (and so torch) only when called.
 """
 
@@ -80,6 +80,7 @@ def local_pair(draft: DraftConfig, target: TargetConfig) -> Iterator[LocalPair]:
     finally:
         pair.target.stop(0)
         pair.draft.stop(0)
+        pair.target_engine.runner.close()  # a tensor-parallel target's other ranks
 
 
 def _loopback(server: ServerConfig) -> ServerConfig:

@@ -1,6 +1,6 @@
 """A direct driver of the two services over real gRPC, without the hub: the tests and the
 system benchmark use it to drive the services step by step (`specdec serve` drives them through
-the target's Serve stream instead, `orchestrator.pair`).
+the target's Serve stream instead, `orchestrator.core.pair`).
 
 Each step: ask the draft for k_i tokens per request (passing the last verdict's tokens), send
 its block unchanged to the target, record the verdicts. Without a draft channel the pipeline

@@ -45,7 +45,7 @@ from bench.e2e_models import DEFAULT_CACHE, build
 from bench.e2e_serve import scrape, serve_env, stop_serve
 from bench.e2e_services import REPO, Service, free_port, wait_serving
 from bench.provenance import commit
-from orchestrator.ray_start import descendants
+from orchestrator.launch.ray_start import descendants
 from specdec.client import AsyncClient, Client
 
 PROMPT_LEN = (4, 24)  # prompt lengths drawn from this range

@@ -1,7 +1,13 @@
-"""The orchestrator behind `specdec serve`: places each draft/target pair's services as Ray
-actors (`placement`), admits and routes requests (`scheduler`), keeps every request's committed
-tokens (`records`), and serves the client API (`servicer`, `server`) with metrics; `cli` is the
-`specdec` command.
+"""The orchestrator behind `specdec serve`, in folders by concern, each importing only the ones
+below it (docs/design.md, "The orchestrator's folders"):
+
+- `config`: what `specdec serve` runs (the dataclasses every flag's default comes from);
+- `core`: the serving core: each pair's hub stream, scheduling, every request's records, the
+  gRPC API and the metrics;
+- `web`: the OpenAI-compatible HTTP API; `launch`: the checks before Ray, the processes, the
+  local Ray cluster and the pairs' actors;
+- `server`: the `Orchestrator` that wires them together;
+- `demo`: `specdec demo`; `cli`: the `specdec` command.
 
 It imports without torch or Triton: the services, and torch, load only inside their actors.
 """

@@ -2,6 +2,6 @@
 
 import sys
 
-from orchestrator.cli import main
+from orchestrator.cli.main import main
 
 sys.exit(main())

@@ -282,7 +282,8 @@ class PlacementConfig:
     has); otherwise it joins that cluster ("auto" reads RAY_ADDRESS, as on KubeRay).
     `draft_resources` / `target_resources` are custom Ray resources (name → amount) that each
     pair's draft / target bundle asks for besides its CPU and GPU, e.g. {"draft_gpu": 1} puts
-    the drafts on nodes started with `--resources='{"draft_gpu": N}'` (`orchestrator.placement`).
+    the drafts on nodes started with `--resources='{"draft_gpu": N}'`
+    (`orchestrator.launch.placement`).
     """
 
     pairs: int = 1

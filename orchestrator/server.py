@@ -23,19 +23,19 @@ from typing import TYPE_CHECKING, Any
 import grpc
 import ray
 
-from orchestrator.chat import ChatTemplate
 from orchestrator.config import ServeConfig
-from orchestrator.detokenizer import TextTokenizer, check_shared_tokenizer, eos_token_ids
-from orchestrator.frontend import Backend, Frontend
-from orchestrator.metrics import Metrics, start_metrics_server
-from orchestrator.pair import PairClient
-from orchestrator.placement import PairPlacement, Placement, connect
-from orchestrator.ports import bind, port_error, probe
-from orchestrator.ray_start import descendants, stop_processes
-from orchestrator.reaper import start_reaper, stop_reaper
-from orchestrator.requests import Served, served_model_pb
-from orchestrator.scheduler import Scheduler
-from orchestrator.servicer import SERVICE_NAME, GenerateServicer, add_to_server
+from orchestrator.core.detokenizer import TextTokenizer, check_shared_tokenizer, eos_token_ids
+from orchestrator.core.frontend import Backend, Frontend
+from orchestrator.core.metrics import Metrics, start_metrics_server
+from orchestrator.core.pair import PairClient
+from orchestrator.core.requests import Served, served_model_pb
+from orchestrator.core.scheduler import Scheduler
+from orchestrator.core.servicer import SERVICE_NAME, GenerateServicer, add_to_server
+from orchestrator.launch.placement import PairPlacement, Placement, connect
+from orchestrator.launch.ports import bind, port_error, probe
+from orchestrator.launch.ray_start import descendants, stop_processes
+from orchestrator.launch.reaper import start_reaper, stop_reaper
+from orchestrator.web.chat import ChatTemplate
 from specdec.pb import common_pb2, draft_pb2_grpc
 from specdec.pb.specdec.v1 import generate_pb2
 from specdec.serving.auth import ApiKeyInterceptor
@@ -49,7 +49,7 @@ from specdec.serving.server import (
 )
 
 if TYPE_CHECKING:
-    from orchestrator.http_server import HttpServer
+    from orchestrator.web.server import HttpServer
 
 log = logging.getLogger(__name__)
 # grpc core holds calls that arrive faster than the Python server's poll thread takes them (one
@@ -227,9 +227,9 @@ class Orchestrator:
 
     def _http_server(self) -> HttpServer:
         """The HTTP API on its bound port, with the gRPC port's TLS (not yet started)."""
-        from orchestrator.http_api import HttpApi  # Starlette and uvicorn only with --http-port
-        from orchestrator.http_limits import CONNECTIONS_PER_CALL
-        from orchestrator.http_server import HttpServer, TlsFiles
+        from orchestrator.web.api import HttpApi  # Starlette and uvicorn only with --http-port
+        from orchestrator.web.limits import CONNECTIONS_PER_CALL
+        from orchestrator.web.server import HttpServer, TlsFiles
 
         c = self.config
         sock = bind(c.host, c.http_port or 0, "--http-port")

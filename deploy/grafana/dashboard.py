@@ -4,7 +4,7 @@
 
 writes the JSON that deploy/grafana/provisioning/ provisions; tests/deploy/test_dashboard.py
 checks that the committed file equals a fresh generation. Every query reads the metrics that
-orchestrator/metrics.py defines, filtered by the dashboard's `model_pair` and `proposer`
+orchestrator/core/metrics.py defines, filtered by the dashboard's `model_pair` and `proposer`
 variables; `$__rate_interval` is Grafana's own (at least four scrape intervals).
 """
 

@@ -24,6 +24,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from orchestrator.cli.generate import add_generate_args, run_generate
 from orchestrator.config import (
     DEVICES,
     DTYPES,
@@ -33,10 +34,9 @@ from orchestrator.config import (
     ServeConfig,
     ServiceConfig,
 )
-from orchestrator.demo import add_demo_args, run_demo
-from orchestrator.generate_cli import add_generate_args, run_generate
-from orchestrator.preflight import check_before_ray
-from orchestrator.supervisor import follow_parent, is_child, run_in_child
+from orchestrator.demo.run import add_demo_args, run_demo
+from orchestrator.launch.preflight import check_before_ray
+from orchestrator.launch.supervisor import follow_parent, is_child, run_in_child
 from specdec.defaults import default_of
 from specdec.serving.auth import read_api_key_file
 
@@ -330,7 +330,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
 
 
 def run_serve(args: argparse.Namespace) -> int:
-    """The orchestrator runs in a child process of its own session (`orchestrator.supervisor`
+    """The orchestrator runs in a child process of its own session (`orchestrator.launch.supervisor`
     says why); this process relays signals to it."""
     if not is_child():
         try:  # bad flags, checkpoints and ports are refused here, before any child or Ray

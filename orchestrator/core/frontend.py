@@ -1,5 +1,6 @@
-"""What the client APIs (gRPC `servicer`, HTTP `http_api`) share: one call limit, one way in to
-the scheduler and one way to end a call, so that both feed the same queue and metrics.
+"""What the client APIs (gRPC `servicer`, HTTP `orchestrator.web.api`) share: one call limit,
+one way in to the scheduler and one way to end a call, so that both feed the same queue and
+metrics.
 
 A call holds a `slot` while it runs (past `max_concurrent_calls`, gRPC and HTTP together, it is
 refused with RESOURCE_EXHAUSTED), `submit`s a GenerateRequest (validated by `parse_request`,
@@ -17,9 +18,9 @@ from dataclasses import dataclass
 
 import grpc
 
-from orchestrator.detokenizer import TextTokenizer
-from orchestrator.requests import Job, JobMetrics, Outbox, Served, parse_request
-from orchestrator.scheduler import Scheduler
+from orchestrator.core.detokenizer import TextTokenizer
+from orchestrator.core.requests import Job, JobMetrics, Outbox, Served, parse_request
+from orchestrator.core.scheduler import Scheduler
 from specdec.errors import SpecdecError, UnavailableError
 from specdec.pb.specdec.v1 import generate_pb2
 from specdec.serving.status import status_for

@@ -68,7 +68,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.exposition import CONTENT_TYPE_PLAIN_0_0_4
 from prometheus_client.metrics_core import Metric
 
-from orchestrator.pair import StepReport
+from orchestrator.core.pair import StepReport
 from specdec.pb.specdec.v1 import generate_pb2
 from specdec.serving.proposers import PROPOSERS
 

@@ -1,6 +1,6 @@
 """The orchestrator's record of one request: the source of truth for its committed tokens.
 
-The hub streams one verdict per request per step (an `orchestrator.pair.StepEvent`);
+The hub streams one verdict per request per step (an `orchestrator.core.pair.StepEvent`);
 `RequestRecord.apply` takes each exactly once by (request id, step): a duplicate or stale step
 (a verdict seen again after a reconnect) is dropped, a step beyond the next expected one is a
 `StepGapError`. Applying a verdict commits its tokens one at a time, checking after each the
@@ -16,8 +16,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 
-from orchestrator.detokenizer import IncrementalDetokenizer
-from orchestrator.pair import StepEvent
+from orchestrator.core.detokenizer import IncrementalDetokenizer
+from orchestrator.core.pair import StepEvent
 from specdec.pb.specdec.v1 import generate_pb2
 from specdec.serving.messages import RequestError
 from specdec.serving.proposers import TO_PB

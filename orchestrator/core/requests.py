@@ -15,9 +15,9 @@ from typing import Protocol
 
 import grpc
 
-from orchestrator.detokenizer import IncrementalDetokenizer, TextTokenizer
-from orchestrator.pair import Admitted, PairAdmission, Proposer, StepEvent
-from orchestrator.records import FinishReason, RequestRecord, StepGapError, StopCriteria
+from orchestrator.core.detokenizer import IncrementalDetokenizer, TextTokenizer
+from orchestrator.core.pair import Admitted, PairAdmission, Proposer, StepEvent
+from orchestrator.core.records import FinishReason, RequestRecord, StepGapError, StopCriteria
 from specdec.limits import MAX_SEED
 from specdec.message_limits import MAX_CHARS_PER_TOKEN, max_prompt_chars
 from specdec.pb.specdec.v1 import generate_pb2
@@ -176,7 +176,7 @@ def response_of(item: object) -> generate_pb2.GenerateResponse:
 
 
 class JobMetrics(Protocol):
-    """What a job reports as it runs (`orchestrator.metrics.Metrics` does)."""
+    """What a job reports as it runs (`orchestrator.core.metrics.Metrics` does)."""
 
     def on_first_token(self, time_to_first_token_s: float) -> None: ...
 

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 import grpc
 
-from orchestrator.pair import Admitted, PairAdmission, StepEvent, StepReport
+from orchestrator.core.pair import Admitted, PairAdmission, StepEvent, StepReport
 from specdec.errors import SpecdecError, UnavailableError
 from specdec.serving.messages import ErrorReason, RequestError
 

@@ -1,7 +1,7 @@
 """`specdec.v1.GenerateService`: protobuf in, scheduler jobs, protobuf out.
 
 Calls before the services are ready answer UNAVAILABLE; past `max_concurrent_calls` calls in
-flight (`orchestrator.frontend`, shared with the HTTP API), RESOURCE_EXHAUSTED at once (each
+flight (`orchestrator.core.frontend`, shared with the HTTP API), RESOURCE_EXHAUSTED at once (each
 Generate or Complete holds a server thread, and the server's threads are sized for that many).
 Errors become statuses through the server's interceptor: a ValueError from validation is
 INVALID_ARGUMENT naming the field, a full queue RESOURCE_EXHAUSTED; a request's own failure
@@ -16,8 +16,8 @@ from typing import Any
 
 import grpc
 
-from orchestrator.frontend import Frontend
-from orchestrator.requests import Job, deadline_of, speculation_of
+from orchestrator.core.frontend import Frontend
+from orchestrator.core.requests import Job, deadline_of, speculation_of
 from specdec.pb.specdec.v1 import generate_pb2, generate_pb2_grpc
 from specdec.serving.proposers import TO_PB
 

@@ -26,8 +26,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from orchestrator import demo_training
-from orchestrator.demo_training import AcceptanceReport, measure_acceptance
+from orchestrator.demo import training
+from orchestrator.demo.training import AcceptanceReport, measure_acceptance
 
 __all__ = [
     "AcceptanceReport",
@@ -189,7 +189,7 @@ def build_demo_models(
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=parent))
     try:
         files = [f for f in source_files(budget.corpus_bytes) if not is_heldout(f)]
-        stats = demo_training.train_pair(tmp, budget, files, progress)
+        stats = training.train_pair(tmp, budget, files, progress)
         stats["recipe"] = recipe(budget)
         (tmp / "training.json").write_text(json.dumps(stats, indent=1))
         try:
@@ -203,12 +203,12 @@ def build_demo_models(
 
 
 def main() -> int:
-    """python -m orchestrator.demo_models [--quick]: build (or find) the pair, then measure it."""
+    """python -m orchestrator.demo.models [--quick]: build (or find) the pair, then measure it."""
     quick = "--quick" in sys.argv[1:]
     t0 = time.perf_counter()
     pair = build_demo_models(budget=DemoBudget.ci() if quick else DemoBudget())
     print(f"pair in {pair.root} ({time.perf_counter() - t0:.1f} s)")
-    prompts = demo_training.heldout_prompts(source_files(), is_heldout, count=16)
+    prompts = training.heldout_prompts(source_files(), is_heldout, count=16)
     report = measure_acceptance(pair, prompts, k=4, new_tokens=64)
     stats = {k: v for k, v in pair.training.items() if k != "recipe"}
     print(json.dumps(stats | {"acceptance": asdict(report)}, indent=1))

@@ -1,6 +1,6 @@
 """`specdec demo`: a real pair trained on this machine, served by `specdec serve`, queried.
 
-Builds (once; cached, see `demo_models`) a small Llama target and a smaller distilled draft on
+Builds (once; cached, see `models`) a small Llama target and a smaller distilled draft on
 the standard library's sources, starts the orchestrator in this process (a local Ray cluster,
 the draft and target services as actors, the client API and /metrics on free loopback ports),
 streams greedy completions of a few Python prompts through `specdec.client`, once with the
@@ -186,7 +186,7 @@ def serve_config(pair: Any, k: int) -> Any:
 
 def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> list[DemoRun]:
     """The whole demo; returns each proposer's run (the figures it printed among them)."""
-    from orchestrator.demo_models import DemoBudget, build_demo_models
+    from orchestrator.demo.models import DemoBudget, build_demo_models
     from orchestrator.server import Orchestrator
 
     if not 1 <= args.num_draft_tokens <= 16:

@@ -1,4 +1,4 @@
-"""Training and measuring the demo pair on CPU (see `demo_models`, which caches the result).
+"""Training and measuring the demo pair on CPU (see `models`, which caches the result).
 
 Everything here imports torch, transformers and tokenizers inside functions, so that
 `import orchestrator` stays torch-free.
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import torch
 
-    from orchestrator.demo_models import DemoBudget, DemoPair, LlamaShape
+    from orchestrator.demo.models import DemoBudget, DemoPair, LlamaShape
 
 EOS = "<|endoftext|>"
 

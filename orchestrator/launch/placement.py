@@ -40,7 +40,7 @@ from ray.util.placement_group import PlacementGroup, placement_group, remove_pla
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from orchestrator.config import PlacementConfig, ServiceConfig
-from orchestrator.ray_start import start_local_cluster
+from orchestrator.launch.ray_start import start_local_cluster
 from specdec.serving.messages import ModelInfo, check_compatible
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ class ServiceActor:
     """
 
     def __init__(self, role: str, config: ServiceConfig):
-        from orchestrator.services import start_service  # torch lives in the actor only
+        from orchestrator.launch.services import start_service  # torch lives in the actor only
 
         self._failure: ServiceStartError | None = None
         host = ray.util.get_node_ip_address()

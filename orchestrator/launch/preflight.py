@@ -13,8 +13,8 @@ import json
 from pathlib import Path
 
 from orchestrator.config import ServeConfig
-from orchestrator.detokenizer import check_shared_tokenizer
-from orchestrator.ports import bind
+from orchestrator.core.detokenizer import check_shared_tokenizer
+from orchestrator.launch.ports import bind
 
 # the files some tokenizer of transformers reads: a fast tokenizer's, SentencePiece's, BPE's,
 # WordPiece's

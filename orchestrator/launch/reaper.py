@@ -29,7 +29,7 @@ import time
 from pathlib import Path
 from typing import IO
 
-from orchestrator.ray_start import descendants_of
+from orchestrator.launch.ray_start import descendants_of
 
 SNAPSHOT_S = 1.0  # a pass over /proc costs ~10 ms of CPU on a busy machine
 STOP_GRACE_S = 3.0
@@ -81,7 +81,7 @@ def start_reaper(roots: set[int]) -> subprocess.Popen[bytes]:
     """Starts the reaper of the processes `roots` (Ray's, started by this process) and those
     below them; close its stdin after stopping Ray."""
     return subprocess.Popen(
-        [sys.executable, "-m", "orchestrator.reaper", *map(str, sorted(roots))],
+        [sys.executable, "-m", "orchestrator.launch.reaper", *map(str, sorted(roots))],
         stdin=subprocess.PIPE,
         start_new_session=False,
         close_fds=True,

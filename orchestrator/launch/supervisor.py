@@ -29,6 +29,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+import orchestrator
+
 PARENT_ENV = "SPECDEC_SERVE_PARENT"  # set in the child: the parent's process id
 PR_SET_PDEATHSIG = 1
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
@@ -43,7 +45,7 @@ def child_env(log_level: str) -> dict[str, str]:
     on PYTHONPATH; an installed one is found as usual), the parent named,
     grpc core's INFO lines off unless DEBUG (or the user set GRPC_VERBOSITY)."""
     env = os.environ | {PARENT_ENV: str(os.getpid())}
-    root = Path(__file__).resolve().parents[1]
+    root = Path(orchestrator.__file__).resolve().parents[1]  # the tree that holds the package
     installed = {Path(p).resolve() for p in (*site.getsitepackages(), site.getusersitepackages())}
     if root not in installed:  # run from a source tree: the child imports the same tree
         path = os.environ.get("PYTHONPATH")

@@ -1,12 +1,12 @@
 """The OpenAI-compatible HTTP API of `specdec serve` (`--http-port`): Starlette on uvicorn, on a
-thread and event loop of its own inside the orchestrator's process (`orchestrator.http_server`).
+thread and event loop of its own inside the orchestrator's process (`orchestrator.web.server`).
 
     POST /v1/completions, /v1/chat/completions   (stream: server-sent events, then [DONE])
     GET  /v1/models, /health                     POST /tokenize, /detokenize (vLLM's shapes)
 
 Requests go through the same `Frontend` as the gRPC API: the same call limit, validation,
 scheduler and metrics. Bodies are bounded as the gRPC port bounds its messages
-(`orchestrator.http_limits`); parsing, validation, templating and tokenizing run on worker
+(`orchestrator.web.limits`); parsing, validation, templating and tokenizing run on worker
 threads, at most max_concurrent_calls at once, so the event loop only moves bytes (a 4 MB
 prompt tokenized on it stopped /health and every stream for 6 s). A job's responses reach the
 event loop through `AsyncOutbox`, so no thread waits per request; a non-streamed request whose
@@ -35,11 +35,12 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from orchestrator.chat import ChatTemplate
-from orchestrator.frontend import Backend, Frontend
-from orchestrator.http_errors import ClientGoneError, error_body, error_response
-from orchestrator.http_limits import BODY_TIMEOUT_S, BodyLimit, disconnected, parse_json, read_body
-from orchestrator.openai_protocol import (
+from orchestrator.core.frontend import Backend, Frontend
+from orchestrator.core.requests import END, Job, RequestFailed, response_of
+from orchestrator.web.chat import ChatTemplate
+from orchestrator.web.errors import ClientGoneError, error_body, error_response
+from orchestrator.web.limits import BODY_TIMEOUT_S, BodyLimit, disconnected, parse_json, read_body
+from orchestrator.web.openai_protocol import (
     ChatRequest,
     CompletionRequest,
     DetokenizeRequest,
@@ -51,7 +52,6 @@ from orchestrator.openai_protocol import (
     completion_prompt,
     generate_request,
 )
-from orchestrator.requests import END, Job, RequestFailed, response_of
 from specdec.errors import UnauthenticatedError, UnavailableError
 from specdec.message_limits import (
     DEFAULT_SEQ_LEN_CAP,

@@ -11,14 +11,14 @@ import grpc
 from pydantic import ValidationError
 from starlette.responses import JSONResponse
 
-from orchestrator.openai_protocol import (
+from orchestrator.core.requests import RequestFailed
+from orchestrator.web.openai_protocol import (
     BODIES,
     ChatRequest,
     CompletionRequest,
     FieldError,
     ModelNotFoundError,
 )
-from orchestrator.requests import RequestFailed
 from specdec.errors import SpecdecError
 from specdec.serving.status import status_for
 

@@ -24,13 +24,13 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from orchestrator.http_errors import (
+from orchestrator.web.errors import (
     ClientGoneError,
     RequestTimeoutError,
     RequestTooLargeError,
     error_response,
 )
-from orchestrator.openai_protocol import FieldError
+from orchestrator.web.openai_protocol import FieldError
 
 MAX_JSON_DEPTH = 64  # OpenAI's deepest request (a tool's JSON schema) nests far less
 HEADER_TIMEOUT_S = 10.0

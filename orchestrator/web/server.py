@@ -1,4 +1,4 @@
-"""uvicorn serving the HTTP API (`orchestrator.http_api`) on a bound socket, on a thread and event
+"""uvicorn serving the HTTP API (`orchestrator.web.api`) on a bound socket, on a thread and event
 loop of its own: TLS only when given a certificate (a plaintext request then fails its
 handshake), client certificates required when given a CA, and a stop in two steps so that the
 orchestrator's drain covers the HTTP port as it does the gRPC one (`orchestrator.server`).
@@ -17,7 +17,7 @@ from typing import Any
 
 import uvicorn
 
-from orchestrator.http_limits import HEADER_TIMEOUT_S, header_timeout_protocol
+from orchestrator.web.limits import HEADER_TIMEOUT_S, header_timeout_protocol
 
 MAX_CONNECTIONS = 1024  # open connections held at once (uvicorn's limit_concurrency)
 
@@ -51,7 +51,7 @@ class HttpServer:
         sock: socket.socket,
         grace_s: float,
         tls: TlsFiles | None = None,
-        header_timeout_s: float = HEADER_TIMEOUT_S,  # a request's headers: orchestrator.http_limits
+        header_timeout_s: float = HEADER_TIMEOUT_S,  # a request's headers: orchestrator.web.limits
         max_connections: int = MAX_CONNECTIONS,  # past it a request is answered 503 at once
     ) -> None:
         self.port = int(sock.getsockname()[1])

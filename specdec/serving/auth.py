@@ -4,7 +4,7 @@ The standard health service stays open, so that load balancers and Kubernetes pr
 key (Prometheus' /metrics is plain HTTP and is not behind it either).
 
 `authorized` is the one check: `ApiKeyInterceptor` applies it to gRPC calls, and the HTTP API
-(`orchestrator.http_api`, all routes but /health) to its Authorization header.
+(`orchestrator.web.api`, all routes but /health) to its Authorization header.
 """
 
 from __future__ import annotations

@@ -12,9 +12,9 @@ import pytest
 
 from bench import e2e_report
 from bench.e2e_serve import Stream, hub_ms, seq_len_needed, serve_args, window_figures
-from orchestrator.cli import parse_args, serve_config
+from orchestrator.cli.main import parse_args, serve_config
 from orchestrator.config import ServiceConfig
-from orchestrator.services import synthetic_acceptance
+from orchestrator.launch.services import synthetic_acceptance
 
 
 def _config(target: Path, draft: Path, *flags: str) -> ServiceConfig:

@@ -29,8 +29,8 @@ import jsonschema
 import pytest
 import yaml
 
-from orchestrator.cli import parse_args
-from orchestrator.servicer import SERVICE_NAME
+from orchestrator.cli.main import parse_args
+from orchestrator.core.servicer import SERVICE_NAME
 from specdec.serving.server import Server, ServerConfig
 from tests import needs
 from tests.certs import self_signed_localhost

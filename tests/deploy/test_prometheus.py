@@ -7,7 +7,7 @@ monitor.yaml: its PrometheusRule carries rules.yml's groups, its ServiceMonitor 
 `specdec-metrics` Service of deploy/k8s by its labels and port name, and both validate against
 the Prometheus Operator's types (@kubernetes-models/prometheus-operator, installed with npm).
 
-Then live: the demo's CI pair (orchestrator.demo_models, cached) served on CPU by the
+Then live: the demo's CI pair (orchestrator.demo.models, cached) served on CPU by the
 orchestrator in this process (a local Ray cluster, real ports), and Debian's `prometheus` on a
 free loopback port with prometheus.yml's scrape job pointed at the serve's /metrics (1 s
 scrapes and rule evaluations) and rules.yml loaded. Greedy requests go through specdec.client
@@ -285,7 +285,7 @@ def prometheus_factory(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any
 
 def send(address: str, phases: tuple[Phase, ...]) -> list[Any]:
     """Runs each phase's greedy requests; returns their usages."""
-    from orchestrator.demo import PROMPTS
+    from orchestrator.demo.run import PROMPTS
     from specdec.client import Client
 
     usages = []
@@ -315,8 +315,8 @@ def refused_request(address: str) -> None:
 
 @pytest.fixture(scope="module")
 def live(prometheus_factory: Any) -> Iterator[Live]:
-    from orchestrator.demo import serve_config
-    from orchestrator.demo_models import DemoBudget, build_demo_models
+    from orchestrator.demo.models import DemoBudget, build_demo_models
+    from orchestrator.demo.run import serve_config
     from orchestrator.server import Orchestrator
 
     pair = build_demo_models(budget=DemoBudget.ci(), progress=False)  # cached after one build

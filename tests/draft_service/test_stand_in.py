@@ -171,10 +171,10 @@ def test_served_stand_in_drafts_ahead_and_greedy_output_is_the_targets(
 def test_the_orchestrator_starts_the_stand_in_in_place_of_the_draft(
     checkpoints: tuple[Path, Path], times_file: Path, tmp_path: Path
 ) -> None:
-    """`specdec serve --draft-stand-in`'s actor path (orchestrator.services), in process: the
+    """`specdec serve --draft-stand-in`'s actor path (orchestrator.launch.services), in process: the
     draft service runs the stand-in on the CPU, emulating the graphs of the served sizes."""
     from orchestrator.config import ServiceConfig
-    from orchestrator.services import start_service
+    from orchestrator.launch.services import start_service
 
     target_dir, draft_dir = checkpoints
     data = json.loads(times_file.read_text())

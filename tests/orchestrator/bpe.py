@@ -6,7 +6,7 @@ import functools
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from orchestrator.detokenizer import TextTokenizer
+from orchestrator.core.detokenizer import TextTokenizer
 
 EOS = "<eos>"
 SENTENCES = [

@@ -10,7 +10,7 @@ from typing import Any
 
 from bench.local import LocalPair
 from orchestrator.config import ServeConfig
-from orchestrator.placement import PairPlacement
+from orchestrator.launch.placement import PairPlacement
 from orchestrator.server import Orchestrator
 
 

@@ -11,7 +11,7 @@ from urllib.request import Request, urlopen
 
 import pytest
 
-from orchestrator.cli import parse_args, serve_config
+from orchestrator.cli.main import parse_args, serve_config
 from orchestrator.server import Orchestrator
 from specdec.client import Client, SpecdecClientError
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import build_parser, parse_args, serve_config
+from orchestrator.cli.main import build_parser, parse_args, serve_config
 from orchestrator.config import (
     PlacementConfig,
     SchedulerConfig,
@@ -77,7 +77,7 @@ def test_refusals_name_the_problem(checkpoints: tuple[Path, Path], tmp_path: Pat
 def test_imports_without_torch() -> None:
     code = (
         "import sys; sys.modules['torch'] = None; sys.modules['triton'] = None; "
-        "import orchestrator.cli, orchestrator.server"
+        "import orchestrator.cli.main, orchestrator.server"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
     for module in ("specdec", "orchestrator"):
@@ -194,7 +194,7 @@ def test_version_is_the_package_metadata() -> None:
 def test_dtype_auto_is_float32_on_cpu_and_the_checkpoint_s_on_gpu(
     checkpoints: tuple[Path, Path], tmp_path: Path
 ) -> None:
-    from orchestrator.services import _runner
+    from orchestrator.launch.services import _runner
 
     target = checkpoints[0]
     config = serve_config(parse_args(["serve", "--target", str(target)]))
@@ -263,7 +263,7 @@ def test_a_draft_with_another_tokenizer_is_refused_before_any_model_loads(
         r" 250 ids; e\.g\. 'extra-word': 250\); draft and target must share one",
     ):
         Orchestrator(config).start()
-    from orchestrator.detokenizer import check_shared_tokenizer
+    from orchestrator.core.detokenizer import check_shared_tokenizer
 
     check_shared_tokenizer(target, draft)  # padded embedding sizes differ; the vocabulary not
     out = subprocess.run(

@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator import demo
-from orchestrator.cli import parse_args
+from orchestrator.cli.main import parse_args
+from orchestrator.demo import run as demo
 
 
 def test_quick_demo_prints_the_metrics_and_they_match_the_responses(tmp_path: Path) -> None:

@@ -7,8 +7,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from orchestrator import demo_models, demo_training
-from orchestrator.demo_models import DemoBudget, DemoPair, LlamaShape, build_demo_models
+from orchestrator.demo import models as demo_models
+from orchestrator.demo import training as demo_training
+from orchestrator.demo.models import DemoBudget, DemoPair, LlamaShape, build_demo_models
 from specdec.runner import ForwardItem, ModelRunner, RunnerConfig
 
 TEXT = "def naïve(x):\n    return f'café → {x} 日本語 🐍'\n\tpass  \n"

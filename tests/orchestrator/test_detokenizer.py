@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from orchestrator.detokenizer import (
+from orchestrator.core.detokenizer import (
     REPLACEMENT,
     IncrementalDetokenizer,
     TextTokenizer,

@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from orchestrator.pair import PairAdmission
-from orchestrator.requests import Served, parse_request
+from orchestrator.core.pair import PairAdmission
+from orchestrator.core.requests import Served, parse_request
 from specdec.pb.specdec.v1 import generate_pb2
 from specdec.sampling_params import SamplingParams
 

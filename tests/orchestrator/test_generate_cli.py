@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from orchestrator.generate_cli import add_generate_args, run_generate
+from orchestrator.cli.generate import add_generate_args, run_generate
 from specdec.pb.specdec.v1 import generate_pb2
 from specdec.serving.server import ServerConfig
 from tests.specdec.test_client import WORDS, FakeGenerate, _serve

@@ -30,11 +30,11 @@ pytest.importorskip("starlette", reason=DEV_EXTRAS)
 openai = pytest.importorskip("openai", reason=DEV_EXTRAS)
 
 from orchestrator.config import PlacementConfig, SchedulerConfig, ServeConfig, ServiceConfig  # noqa: E402
-from orchestrator.frontend import Frontend  # noqa: E402
-from orchestrator.http_api import HttpApi  # noqa: E402
-from orchestrator.http_server import HttpServer  # noqa: E402
-from orchestrator.ports import PortError, bind  # noqa: E402
+from orchestrator.core.frontend import Frontend  # noqa: E402
+from orchestrator.launch.ports import PortError, bind  # noqa: E402
 from orchestrator.server import Orchestrator  # noqa: E402
+from orchestrator.web.api import HttpApi  # noqa: E402
+from orchestrator.web.server import HttpServer  # noqa: E402
 from specdec.pb.specdec.v1 import generate_pb2 as pb  # noqa: E402
 from specdec.pb.specdec.v1 import generate_pb2_grpc  # noqa: E402
 from tests import needs  # noqa: E402

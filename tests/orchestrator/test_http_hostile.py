@@ -28,12 +28,12 @@ pytest.importorskip(
     "starlette", reason="needs the HTTP API's dependencies: pip install -e '.[dev]'"
 )
 
-from orchestrator.chat import ChatTemplate
 from orchestrator.config import ServeConfig, ServiceConfig
-from orchestrator.http_api import HttpApi
-from orchestrator.http_server import HttpServer
-from orchestrator.ports import bind
+from orchestrator.launch.ports import bind
 from orchestrator.server import Orchestrator
+from orchestrator.web.api import HttpApi
+from orchestrator.web.chat import ChatTemplate
+from orchestrator.web.server import HttpServer
 from specdec.limits import MAX_SEED
 from tests.draft_service.models import build_checkpoints, model_draft, services
 from tests.orchestrator.inprocess import api_on

@@ -10,9 +10,9 @@ import grpc
 import pytest
 import torch
 
-from orchestrator.cli import parse_args, serve_config
+from orchestrator.cli.main import parse_args, serve_config
+from orchestrator.launch.services import message_bytes
 from orchestrator.server import Orchestrator
-from orchestrator.services import message_bytes
 from specdec.message_limits import (
     checkpoint_vocab_size,
     max_prompt_chars,

@@ -10,9 +10,9 @@ import grpc
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from orchestrator.metrics import Metrics, start_metrics_server
-from orchestrator.pair import StepEvent
-from orchestrator.pair import StepReport as Report
+from orchestrator.core.metrics import Metrics, start_metrics_server
+from orchestrator.core.pair import StepEvent
+from orchestrator.core.pair import StepReport as Report
 from specdec.pb.specdec.v1 import generate_pb2
 from specdec.serving.messages import ErrorReason, RequestError
 

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import pytest
 
 from bench.local import LocalPair
-from orchestrator.pair import PairAdmission, PairClient, StepReport
+from orchestrator.core.pair import PairAdmission, PairClient, StepReport
 from specdec.sampling_params import SamplingParams
 from tests.draft_service.models import build_checkpoints
 from tests.target_service.hub_helpers import GREEDY, Driver, hub_services
@@ -39,7 +39,7 @@ def test_imports_without_torch() -> None:
                     raise ImportError(f"{name} is refused")
 
         sys.meta_path.insert(0, Refuse())
-        import orchestrator.pair
+        import orchestrator.core.pair
         """
     )
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,

@@ -19,10 +19,10 @@ import pytest
 import ray
 from ray.util import placement_group_table
 
-import orchestrator.placement as placement_module
-from orchestrator.cli import parse_args, serve_config
+import orchestrator.launch.placement as placement_module
+from orchestrator.cli.main import parse_args, serve_config
 from orchestrator.config import PlacementConfig, ServiceConfig
-from orchestrator.placement import Placement, _bundles, gpus_per_pair
+from orchestrator.launch.placement import Placement, _bundles, gpus_per_pair
 from specdec.serving.messages import ModelInfo
 
 
@@ -279,7 +279,10 @@ def test_a_service_that_fails_to_start_is_one_line(
     which comes back as one line, its traceback logged at DEBUG only."""
     config = services(tmp_path, draft=None, device="cpu")  # an empty directory: no config.json
     placement = Placement(PlacementConfig(pairs=1), config)
-    with caplog.at_level(logging.DEBUG, "orchestrator.placement"), pytest.raises(RuntimeError) as e:
+    with (
+        caplog.at_level(logging.DEBUG, "orchestrator.launch.placement"),
+        pytest.raises(RuntimeError) as e,
+    ):
         placement.start()
     time.sleep(3)  # the actor's printed lines reach this process asynchronously
     printed = capfd.readouterr().err

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import parse_args, serve_config
-from orchestrator.preflight import check_before_ray
+from orchestrator.cli.main import parse_args, serve_config
+from orchestrator.launch.preflight import check_before_ray
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -1,6 +1,6 @@
-"""A local Ray cluster's start-up on a slow machine (`orchestrator.ray_start`): a failed attempt
-leaves none of its processes behind, attempts go on until the deadline, which ends with a
-message saying what to do; and `specdec serve` comes up on a machine whose CPUs are saturated.
+"""A local Ray cluster's start-up on a slow machine (`orchestrator.launch.ray_start`): a failed
+attempt leaves none of its processes behind, attempts go on until the deadline, which ends with
+a message saying what to do; and `specdec serve` comes up on a machine whose CPUs are saturated.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from orchestrator.ray_start import descendants, start_local_cluster
+from orchestrator.launch.ray_start import descendants, start_local_cluster
 
 # ray.init's words (a CI run's, 2026-11-26)
 LATE = ("The current node timed out during startup. This could happen because some of the raylet "
@@ -69,7 +69,7 @@ def test_a_failed_attempt_is_stopped_before_the_next_one(
     caplog: pytest.LogCaptureFixture, error: str
 ) -> None:
     ray = FakeRay(failures=2, error=error)
-    with caplog.at_level(logging.INFO, logger="orchestrator.ray_start"):
+    with caplog.at_level(logging.INFO, logger="orchestrator.launch.ray_start"):
         attempts = start_local_cluster(ray.init, ray.shutdown, 60.0, num_cpus=2)
     shown = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
     assert len(shown) == 2 and all("trying again" in line for line in shown), shown
@@ -80,7 +80,7 @@ def test_a_failed_attempt_is_stopped_before_the_next_one(
     assert all(len(pids) == 3 for pids in ray.started)  # sh and its two sleeps
     assert not _alive(failed[0] | failed[1]), "a failed attempt's processes are gone"
     assert _alive(kept) == kept, "the attempt that started is left running"
-    from orchestrator.ray_start import stop_processes
+    from orchestrator.launch.ray_start import stop_processes
 
     stop_processes(kept)
     assert not _alive(kept)

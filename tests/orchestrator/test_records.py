@@ -6,9 +6,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from orchestrator.detokenizer import IncrementalDetokenizer
-from orchestrator.pair import StepEvent
-from orchestrator.records import (
+from orchestrator.core.detokenizer import IncrementalDetokenizer
+from orchestrator.core.pair import StepEvent
+from orchestrator.core.records import (
     FinishReason,
     RequestRecord,
     StepGapError,

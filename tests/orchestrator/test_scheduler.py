@@ -12,8 +12,8 @@ from typing import Any
 import grpc
 import pytest
 
-from orchestrator.pair import Admitted, PairAdmission, StepEvent, StepReport
-from orchestrator.scheduler import DuplicateRequestError, QueueFullError, Scheduler
+from orchestrator.core.pair import Admitted, PairAdmission, StepEvent, StepReport
+from orchestrator.core.scheduler import DuplicateRequestError, QueueFullError, Scheduler
 from specdec.sampling_params import SamplingParams
 from specdec.serving.messages import ErrorReason, RequestError
 
@@ -323,7 +323,7 @@ def test_a_verdict_is_counted_under_the_proposer_that_drafted_it(make) -> None: 
     """The request switches to "off" while a step drafted by the draft model is in flight: that
     step's verdict still counts under "draft" (the hub names its proposer), and "off" shows no
     drafts, as it never drafts."""
-    from orchestrator.metrics import Metrics
+    from orchestrator.core.metrics import Metrics
 
     metrics = Metrics("pair")
     sched, [pair] = make([1], max_queue=1, observer=metrics)

@@ -23,7 +23,7 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
-import orchestrator.requests
+import orchestrator.core.requests
 from specdec.client import AsyncClient
 from tests.orchestrator.local_exactness import Served, pit_against_target, serving_ahead
 from tests.orchestrator.test_serve_exactness import (
@@ -96,7 +96,7 @@ class _Seeds:
 
 @pytest.fixture(autouse=True)
 def drawn_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(orchestrator.requests, "secrets", _Seeds(5))
+    monkeypatch.setattr(orchestrator.core.requests, "secrets", _Seeds(5))
 
 
 def test_every_token_follows_target_with_backups(served: Served) -> None:

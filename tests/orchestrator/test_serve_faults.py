@@ -29,7 +29,7 @@ import grpc
 import pytest
 import ray
 
-from orchestrator.ray_start import descendants
+from orchestrator.launch.ray_start import descendants
 from specdec.pb.specdec.v1 import generate_pb2_grpc
 from tests.draft_service.models import build_checkpoints
 from tests.orchestrator.test_serve import (
@@ -244,8 +244,8 @@ LEFT_BOUND_S = 30.0  # every process the killed orchestrator started is gone wit
 
 def test_sigkill_of_serve_leaves_nothing_running(tmp_path: Path) -> None:
     """SIGKILL the orchestrator's process of `specdec serve` (the child the command runs it in,
-    `orchestrator.supervisor`) while it streams: the stream fails, the command exits, and every
-    process below it (the service actors, raylet, gcs_server and Ray's helpers) ends within
+    `orchestrator.launch.supervisor`) while it streams: the stream fails, the command exits, and
+    every process below it (the service actors, raylet, gcs_server and Ray's helpers) ends within
     LEFT_BOUND_S. (A SIGKILL of the command's own process stops the orchestrator as SIGTERM
     does: tests/orchestrator/test_serve_signals.py.)"""
     target, draft = build_checkpoints(tmp_path)

@@ -49,7 +49,11 @@ def specdec_command() -> list[str]:
     exe = shutil.which("specdec")
     if exe is not None:
         return [exe]
-    return [sys.executable, "-c", "import sys; from orchestrator.cli import main; sys.exit(main())"]
+    return [
+        sys.executable,
+        "-c",
+        "import sys; from orchestrator.cli.main import main; sys.exit(main())",
+    ]
 
 
 def _env() -> dict[str, str]:

@@ -88,7 +88,8 @@ def serve(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
 
 
 def orchestrator_pid(pid: int) -> int:
-    """`specdec serve` runs the orchestrator in its one child process (orchestrator.supervisor)."""
+    """`specdec serve` runs the orchestrator in its one child process
+    (`orchestrator.launch.supervisor`)."""
     (child,) = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     return int(child)
 

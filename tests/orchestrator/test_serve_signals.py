@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.ray_start import _alive, descendants
+from orchestrator.launch.ray_start import _alive, descendants
 from specdec.client import Client
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -127,8 +127,8 @@ def test_sigterm_drains_the_request_in_flight_and_exits_cleanly(
 def test_debug_shows_ray_s_and_grpc_core_s_lines(monkeypatch: pytest.MonkeyPatch) -> None:
     import logging
 
-    from orchestrator.placement import ray_logging_level
-    from orchestrator.supervisor import child_env
+    from orchestrator.launch.placement import ray_logging_level
+    from orchestrator.launch.supervisor import child_env
 
     monkeypatch.delenv("GRPC_VERBOSITY", raising=False)
     assert child_env("INFO")["GRPC_VERBOSITY"] == "ERROR"

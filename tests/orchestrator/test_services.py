@@ -1,4 +1,4 @@
-"""`orchestrator.services`, each service's start inside its Ray actor, run in this process: a
+"""`orchestrator.launch.services`, each service's start inside its Ray actor, run in this process: a
 service listens on the address it is given (its node's, `placement.ServiceActor`), not on every
 interface, so that a service without TLS is out of reach of the node's other networks."""
 
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from orchestrator.config import ServiceConfig
-from orchestrator.services import start_service
+from orchestrator.launch.services import start_service
 from specdec.serving.server import Server, ServerConfig
 
 OTHER_LOOPBACK = "127.0.0.2"  # on Linux the whole of 127/8 reaches this machine

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli import main
+from orchestrator.cli.main import main
 from tests.certs import issue, load
 
 SERVICE_NAME = "specdec-services"

@@ -10,8 +10,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from orchestrator.frontend import Frontend
-from orchestrator.servicer import SERVICE_NAME, GenerateServicer, add_to_server
+from orchestrator.core.frontend import Frontend
+from orchestrator.core.servicer import SERVICE_NAME, GenerateServicer, add_to_server
 from specdec.client import Client, SpecdecClientError
 from specdec.serving.auth import ApiKeyInterceptor, authorized, check_api_key, read_api_key_file
 from specdec.serving.server import Server, ServerConfig

@@ -296,10 +296,10 @@ def test_tls(tmp_path: Path) -> None:
 def test_client_and_orchestrator_pieces_import_without_torch() -> None:
     modules = (
         "specdec.client",
-        "orchestrator.detokenizer",
-        "orchestrator.records",
-        "orchestrator.metrics",
-        "orchestrator.generate_cli",
+        "orchestrator.core.detokenizer",
+        "orchestrator.core.records",
+        "orchestrator.core.metrics",
+        "orchestrator.cli.generate",
     )
     result = _probe(modules)
     assert result.returncode == 0, result.stderr

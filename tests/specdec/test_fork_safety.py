@@ -73,7 +73,7 @@ def test_children_forked_beside_a_busy_grpc_server_do_not_abort() -> None:
 
 @pytest.mark.parametrize("package", ["orchestrator", "draft_service", "target_service", "bench"])
 def test_each_program_s_package_sets_it_before_grpc_loads(package: str) -> None:
-    """`specdec` (the command's orchestrator.cli), `python -m draft_service`,
+    """`specdec` (the command's orchestrator.cli.main), `python -m draft_service`,
     `python -m target_service` and the benchmarks import their package first."""
     code = f"import sys, os, {package}; print('grpc' in sys.modules, os.environ.get('{VAR}'))"
     out = subprocess.run([sys.executable, "-c", code], env=_env(), capture_output=True, text=True,

@@ -20,15 +20,15 @@ TORCH_FREE_MODULES = (
     "specdec.serving.ngram",
     "specdec.client",
     "orchestrator",
-    "orchestrator.cli",
+    "orchestrator.cli.main",
     "orchestrator.server",
-    "orchestrator.pair",
-    "orchestrator.records",
-    "orchestrator.detokenizer",
-    "orchestrator.metrics",
-    "orchestrator.scheduler",
-    "orchestrator.placement",
-    "orchestrator.generate_cli",
+    "orchestrator.core.pair",
+    "orchestrator.core.records",
+    "orchestrator.core.detokenizer",
+    "orchestrator.core.metrics",
+    "orchestrator.core.scheduler",
+    "orchestrator.launch.placement",
+    "orchestrator.cli.generate",
 )
 FORBIDDEN = ("torch", "triton")
 

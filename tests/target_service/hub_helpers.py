@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from bench.local import LocalPair, local_pair
-from orchestrator.pair import Admitted, PairAdmission, PairClient, Proposer, StepEvent, StepReport
+from orchestrator.core.pair import (
+    Admitted,
+    PairAdmission,
+    PairClient,
+    Proposer,
+    StepEvent,
+    StepReport,
+)
 from specdec.sampling_params import SamplingParams
 from specdec.serving.messages import RequestError
 from target_service.config import TargetConfig

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from bench.local import LocalPair
-from orchestrator.pair import Admitted, StepReport
+from orchestrator.core.pair import Admitted, StepReport
 from specdec.pb import common_pb2, target_pb2, target_pb2_grpc
 from specdec.pb.specdec.v1 import generate_pb2
 from specdec.runner import ModelRunner

@@ -1,0 +1,1 @@
+"""The `specdec` command (`main`): `serve`, `generate` and `demo` (`orchestrator.demo.run`)."""
