@@ -78,7 +78,17 @@ def start(config: TargetConfig, runner: ModelRunner | None = None) -> tuple[Serv
     cert, key = config.draft_tls_client_cert, config.draft_tls_client_key
     if cert is not None and key is not None:  # every channel to the draft presents it
         set_client_identity(cert.read_bytes(), key.read_bytes())
+    loaded = runner is None
     runner = runner or ModelRunner.load(config.runner)
+    try:
+        return _serve(config, runner)
+    except BaseException:
+        if loaded:  # a tensor-parallel runner's other ranks
+            runner.close()
+        raise
+
+
+def _serve(config: TargetConfig, runner: ModelRunner) -> tuple[Server, TargetEngine]:
     runner.own_device()
     engine = TargetEngine(runner, config)
     server = build_server(engine, config)

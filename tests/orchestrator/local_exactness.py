@@ -37,13 +37,17 @@ class Served:
     orchestrator: Orchestrator
     address: str
     target_dir: Path
+    pair: Any = None  # bench.local.LocalPair
 
 
 @contextmanager
-def serving_ahead(tmp: Path, max_requests: int, **draft: Any) -> Iterator[Served]:
+def serving_ahead(
+    tmp: Path, max_requests: int, target_tensor_parallel: int = 1, **draft: Any
+) -> Iterator[Served]:
     """Tiny checkpoints in `tmp`, a local pair drafting ahead (F = FANOUT, k = K, with the
     DraftConfig / ServiceConfig options `draft`, named alike in both) for `max_requests`
-    requests, and the client API before it."""
+    requests, and the client API before it; the target split over `target_tensor_parallel`
+    ranks (processes, gloo)."""
     target, draft_dir = build_checkpoints(tmp)
     ahead_slots = FANOUT * (K + 1) * max_requests
     ahead = {"draft_ahead": FANOUT, "draft_ahead_slots": ahead_slots, **draft}
@@ -53,7 +57,12 @@ def serving_ahead(tmp: Path, max_requests: int, **draft: Any) -> Iterator[Served
         **ahead,
     )  # fmt: skip
     target_config = TargetConfig(
-        RunnerConfig(str(target), max_slots=max_requests + 1, max_seq_len=MAX_SEQ_LEN),
+        RunnerConfig(
+            str(target),
+            max_slots=max_requests + 1,
+            max_seq_len=MAX_SEQ_LEN,
+            tensor_parallel=target_tensor_parallel,
+        ),
         sampler_impl="torch",
     )
     config = ServeConfig(
@@ -64,7 +73,7 @@ def serving_ahead(tmp: Path, max_requests: int, **draft: Any) -> Iterator[Served
         host="127.0.0.1", port=0, metrics_port=None, grace_s=2.0,
     )  # fmt: skip
     with local_pair(draft_config, target_config) as pair, api_on(pair, config) as orchestrator:
-        yield Served(orchestrator, f"127.0.0.1:{orchestrator.port}", target)
+        yield Served(orchestrator, f"127.0.0.1:{orchestrator.port}", target, pair)
 
 
 def pit_against_target(
