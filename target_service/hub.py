@@ -77,7 +77,6 @@ class _Group:
     ahead_misses: int = 0
     ahead_s: float = 0.0  # the draft's passes ahead since it last answered
     ahead_backups: int = 0  # asks that missed and got no drafts, so the step did not wait
-    wait_s: float = 0.0  # waiting for the draft's answer
     fallback: int = target_pb2.DRAFT_FALLBACK_NONE  # why draft requests ran at k = 0, and how many
     num_fallback: int = 0
 
@@ -393,9 +392,7 @@ class Hub:
         answer = None
         if asks:
             entries = [self._ask(r) for r in asks]
-            asked = time.perf_counter()
             answer = self._draft.propose(asks, entries, self._target_step_s)
-            group.wait_s = time.perf_counter() - asked
         served: set[str] = set()
         if answer is not None:  # else the draft failed: this step goes on at k = 0
             response, round_trip = answer
