@@ -13,10 +13,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from orchestrator.demo.budget import DemoBudget, DemoPair, LlamaShape
+
 if TYPE_CHECKING:
     import torch
-
-    from orchestrator.demo.models import DemoBudget, DemoPair, LlamaShape
 
 EOS = "<|endoftext|>"
 
