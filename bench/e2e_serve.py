@@ -183,7 +183,7 @@ def serving(
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
     flags = serve_args(s, length, port, metrics_port, hit_rate, placement, dynamic, stand_in)
-    cmd = [sys.executable, "-m", "specdec", *flags]
+    cmd = [sys.executable, "-m", "orchestrator", *flags]
     with log.open("wb") as f:
         f.write((" ".join(cmd) + "\n").encode())
         f.flush()

@@ -209,8 +209,9 @@ class Memory:
 
 
 def ours(name: str) -> bool:
-    """The processes of specdec itself (the serve process and its two services)."""
-    return name.startswith("python -m specdec") or "ServiceActor" in name
+    """The processes of specdec itself (`specdec serve`'s two processes, the command and the
+    orchestrator it runs as its child, and the two services)."""
+    return name.startswith("python -m orchestrator serve") or "ServiceActor" in name
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -239,7 +240,7 @@ async def load(address: str, sets: list[list[int]], refs: list[list[int]],
 
 def serve(paths: dict[str, str], args: argparse.Namespace, log: Path) -> tuple[Service, str]:
     port, metrics_port = free_port(), free_port()
-    cmd = [sys.executable, "-m", "specdec", "serve", "--target", paths["target"], "--draft",
+    cmd = [sys.executable, "-m", "orchestrator", "serve", "--target", paths["target"], "--draft",
            paths["draft"], "--device", "cpu", "--sampler-impl", "torch", "--num-cpus", "4",
            "--max-requests", str(args.max_requests), "--max-queue", str(args.streams),
            "--max-concurrent-calls", str(args.streams + 8),

@@ -30,5 +30,5 @@ def test_soak_for_20_seconds(tmp_path: Path) -> None:
     assert 0 < result["tpot_s"]["p50"] <= result["tpot_s"]["p99"]
     assert result["acceptance_rate"] > 0, "drafts were accepted"
     names = {m["name"] for m in result["memory"]}
-    assert any("ServiceActor" in n for n in names) and any("specdec serve" in n for n in names)
+    assert any("ServiceActor" in n for n in names) and any("orchestrator serve" in n for n in names)
     assert "| time to first token p50 / p99 |" in (out / "soak.md").read_text()

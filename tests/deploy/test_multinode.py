@@ -245,8 +245,8 @@ def served(cluster: Cluster, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     tmp = tmp_path_factory.mktemp("multinode")
     target, draft = build_checkpoints(tmp)
     net = cluster.network
-    cmd = net.exec(net.a, sys.executable, "-m", "specdec", "serve", "--address", cluster.address,
-                   "--target-resources", '{"target_node": 1}',
+    cmd = net.exec(net.a, sys.executable, "-m", "orchestrator", "serve",
+                   "--address", cluster.address, "--target-resources", '{"target_node": 1}',
                    "--draft-resources", '{"draft_node": 1}',
                    "--target", str(target), "--draft", str(draft), "--device", "cpu",
                    "--sampler-impl", "torch", "--max-seq-len", "128", "--host", HEAD_IP,

@@ -80,18 +80,17 @@ def test_imports_without_torch() -> None:
         "import orchestrator.cli.main, orchestrator.server"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
-    for module in ("specdec", "orchestrator"):
-        out = subprocess.run(
-            [sys.executable, "-m", module, "--help"], check=True, cwd=ROOT, capture_output=True
-        )
-        assert b"serve" in out.stdout and b"generate" in out.stdout and b"demo" in out.stdout
+    out = subprocess.run(
+        [sys.executable, "-m", "orchestrator", "--help"], check=True, cwd=ROOT, capture_output=True
+    )
+    assert b"serve" in out.stdout and b"generate" in out.stdout and b"demo" in out.stdout
 
 
 @pytest.fixture
 def server(checkpoints: tuple[Path, Path]) -> Iterator[tuple[subprocess.Popen[str], str]]:
     target, draft = checkpoints
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RAY_ADDRESS")}
-    cmd = [sys.executable, "-m", "specdec", "serve", "--target", str(target), "--draft",
+    cmd = [sys.executable, "-m", "orchestrator", "serve", "--target", str(target), "--draft",
            str(draft), "--device", "cpu", "--sampler-impl", "torch", "--max-seq-len", "128",
            "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--grace-s", "2",
            "--num-cpus", "4"]  # fmt: skip
@@ -109,7 +108,7 @@ def server(checkpoints: tuple[Path, Path]) -> Iterator[tuple[subprocess.Popen[st
 def test_serve_then_generate_then_sigterm(server: tuple[subprocess.Popen[str], str]) -> None:
     proc, address = server
     out = subprocess.run(
-        [sys.executable, "-m", "specdec", "generate", "5 6 7 8", "--prompt-ids", "--address",
+        [sys.executable, "-m", "orchestrator", "generate", "5 6 7 8", "--prompt-ids", "--address",
          address, "--max-tokens", "6", "--temperature", "0", "--ignore-eos", "--json"],
         cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -186,7 +185,7 @@ def test_num_draft_tokens_is_spelled_alike_everywhere(
 
 
 def test_version_is_the_package_metadata() -> None:
-    out = subprocess.run([sys.executable, "-m", "specdec", "--version"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "orchestrator", "--version"], cwd=ROOT,
                          capture_output=True, text=True, check=True)  # fmt: skip
     assert out.stdout.strip() == f"specdec {importlib.metadata.version('specdec')}"
 
@@ -221,7 +220,7 @@ def test_serve_refuses_a_grpc_port_in_use(checkpoints: tuple[Path, Path]) -> Non
     first.start()
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "specdec", "serve", "--target", str(checkpoints[0]),
+            [sys.executable, "-m", "orchestrator", "serve", "--target", str(checkpoints[0]),
              "--host", "127.0.0.1", "--port", str(port), "--metrics-port", "-1"],
             cwd=ROOT, capture_output=True, text=True, timeout=60,
         )  # fmt: skip
@@ -267,7 +266,7 @@ def test_a_draft_with_another_tokenizer_is_refused_before_any_model_loads(
 
     check_shared_tokenizer(target, draft)  # padded embedding sizes differ; the vocabulary not
     out = subprocess.run(
-        [sys.executable, "-m", "specdec", "serve", "--target", str(target), "--draft",
+        [sys.executable, "-m", "orchestrator", "serve", "--target", str(target), "--draft",
          str(other), "--port", "0", "--metrics-port", "-1"],
         cwd=ROOT, capture_output=True, text=True, timeout=60,
     )  # fmt: skip

@@ -24,7 +24,7 @@ def _serve(flags: list[str], ray_dir: Path) -> subprocess.CompletedProcess[str]:
     ray_dir.mkdir()
     env = os.environ | {"RAY_TMPDIR": str(ray_dir)}
     return subprocess.run(
-        [sys.executable, "-m", "specdec", "serve", "--host", "127.0.0.1", *flags],
+        [sys.executable, "-m", "orchestrator", "serve", "--host", "127.0.0.1", *flags],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
 

@@ -250,7 +250,7 @@ def test_sigkill_of_serve_leaves_nothing_running(tmp_path: Path) -> None:
     does: tests/orchestrator/test_serve_signals.py.)"""
     target, draft = build_checkpoints(tmp_path)
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RAY_ADDRESS")}
-    cmd = [sys.executable, "-m", "specdec", "serve", "--target", str(target), "--draft",
+    cmd = [sys.executable, "-m", "orchestrator", "serve", "--target", str(target), "--draft",
            str(draft), "--device", "cpu", "--sampler-impl", "torch", "--max-seq-len", "256",
            "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1",
            "--num-cpus", "4"]  # fmt: skip

@@ -45,7 +45,7 @@ def _start(
     target, draft = checkpoints
     env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "RAY_ADDRESS")}
     env["PYTHONPATH"] = str(ROOT)
-    cmd = [sys.executable, "-m", "specdec", "serve", "--target", str(target), "--draft",
+    cmd = [sys.executable, "-m", "orchestrator", "serve", "--target", str(target), "--draft",
            str(draft), "--device", "cpu", "--sampler-impl", "torch", "--max-seq-len", "256",
            "--host", "127.0.0.1", "--port", "0", "--metrics-port", "-1", "--grace-s",
            str(grace_s), "--num-cpus", "4"]  # fmt: skip
