@@ -5,11 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from specdec.limits import DEFAULT_MAX_NUM_DRAFT_TOKENS, MAX_DRAFT_AHEAD, MAX_NUM_DRAFT_TOKENS
 from specdec.runner import RunnerConfig
 from specdec.serving.ngram import NgramConfig
 from specdec.serving.server import ServerConfig
-
-MAX_NUM_DRAFT_TOKENS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,7 +27,7 @@ class DraftConfig:
     ngram: NgramConfig = field(default_factory=NgramConfig)
     q_form: Literal["dense", "sparse"] = "sparse"
     support_size: int = 32
-    max_num_draft_tokens: int = 16
+    max_num_draft_tokens: int = DEFAULT_MAX_NUM_DRAFT_TOKENS
     max_requests: int = 256  # n-gram only; a model holds runner.max_slots
     # draft-ahead (draft_service.ahead): guesses per accepted count (0: off), and how many of
     # the runner's KV slots are kept for the hypotheses (requests get the others)
@@ -71,8 +70,10 @@ class DraftConfig:
             )
         if self.max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {self.max_requests}.")
-        if not 0 <= self.draft_ahead <= 16:
-            raise ValueError(f"draft_ahead must be in [0, 16], got {self.draft_ahead}.")
+        if not 0 <= self.draft_ahead <= MAX_DRAFT_AHEAD:
+            raise ValueError(
+                f"draft_ahead must be in [0, {MAX_DRAFT_AHEAD}], got {self.draft_ahead}."
+            )
         if self.draft_ahead_backup not in ("auto", "always", "never"):
             raise ValueError(
                 "draft_ahead_backup must be 'auto', 'always' or 'never', "

@@ -13,14 +13,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from specdec.message_limits import request_bytes, served_seq_len
+from specdec.limits import (
+    DEFAULT_MAX_NUM_DRAFT_TOKENS,
+    MAX_DRAFT_AHEAD,
+    MAX_DRAFT_DEADLINE_S,
+    MAX_NUM_DRAFT_TOKENS,
+)
+from specdec.message_limits import (
+    MAX_MESSAGE_BYTES,
+    MIN_MESSAGE_BYTES,
+    request_bytes,
+    served_seq_len,
+)
 from specdec.serving.auth import check_api_key
 from specdec.serving.proposers import PROPOSERS, Proposer
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-MAX_NUM_DRAFT_TOKENS = 64  # the services' own ceiling
-MIN_REQUEST_BYTES, MAX_REQUEST_BYTES = 1024, 2**31 - 1  # gRPC's limits are int32
 SPARE_WORKERS = 16  # server threads kept from Generate/Complete for health checks and refusals
 
 
@@ -78,7 +87,7 @@ class ServiceConfig:
     dtype: str = "auto"
     max_requests: int = 32
     max_seq_len: int | None = None
-    max_num_draft_tokens: int = 16
+    max_num_draft_tokens: int = DEFAULT_MAX_NUM_DRAFT_TOKENS
     q_form: Literal["dense", "sparse"] = "sparse"
     support_size: int = 32
     sampler_impl: Literal["auto", "triton", "torch"] = "auto"
@@ -126,12 +135,15 @@ class ServiceConfig:
         _check_model_dir("target", self.target)
         if self.draft is not None:
             _check_model_dir("draft", self.draft)
-        if not 0 < self.draft_deadline_s <= 3600:
+        if not 0 < self.draft_deadline_s <= MAX_DRAFT_DEADLINE_S:
             raise ValueError(
-                f"draft_deadline_s must be in (0, 3600] seconds, got {self.draft_deadline_s}."
+                f"draft_deadline_s must be in (0, {MAX_DRAFT_DEADLINE_S:g}] seconds, "
+                f"got {self.draft_deadline_s}."
             )
-        if not 0 <= self.draft_ahead <= 16:
-            raise ValueError(f"draft_ahead must be in [0, 16], got {self.draft_ahead}.")
+        if not 0 <= self.draft_ahead <= MAX_DRAFT_AHEAD:
+            raise ValueError(
+                f"draft_ahead must be in [0, {MAX_DRAFT_AHEAD}], got {self.draft_ahead}."
+            )
         if self.draft_ahead and (self.draft is None or self.draft_ahead_slots < 1):
             raise ValueError("draft_ahead needs a draft model and draft_ahead_slots >= 1.")
         if not 0.0 < self.saguaro_scale <= 1.0:
@@ -370,10 +382,10 @@ class ServeConfig:
         if self.api_key is not None:
             check_api_key(self.api_key, "--api-key")
         if self.max_request_bytes is not None and not (
-            MIN_REQUEST_BYTES <= self.max_request_bytes <= MAX_REQUEST_BYTES
+            MIN_MESSAGE_BYTES <= self.max_request_bytes <= MAX_MESSAGE_BYTES
         ):
             raise ValueError(
-                f"max_request_bytes must be in [{MIN_REQUEST_BYTES}, {MAX_REQUEST_BYTES}] "
+                f"max_request_bytes must be in [{MIN_MESSAGE_BYTES}, {MAX_MESSAGE_BYTES}] "
                 f"(the client port's largest request, in bytes), got {self.max_request_bytes}."
             )
         if not 0 <= self.port <= 65535:

@@ -3,8 +3,9 @@
 `specdec.v1` carries them as uint32 / uint64, which hold values the services cannot use: a
 client's -1 sent as uint32 is 4294967295, which overflows the int32 tensor it lands in. Every
 parser checks its fields against these bounds, and the torch code (`specdec.rng`, the rejection
-sampler) takes its own limits from here, so both sides agree. No torch import: the protocol
-layer and the orchestrator load this module without it.
+sampler) takes its own limits from here, so both sides agree. So do the limits on k and on
+draft-ahead that the services' configs and `specdec serve`'s share: each is defined here once.
+No torch import: the protocol layer and the orchestrator load this module without it.
 """
 
 from __future__ import annotations
@@ -15,7 +16,11 @@ MAX_POSITION = INT32_MAX  # absolute token positions: int64 tensors, Philox coun
 MAX_TOP_K = INT32_MAX  # int32 tensors in the sampler
 MAX_STEP = 2**63 - 1  # step numbers: int64 wherever they are stored or compared
 MAX_COMMITTED_LENGTH = MAX_POSITION  # a request's committed tokens fill positions 0 .. n - 1
-MAX_NUM_DRAFT_TOKENS = INT32_MAX  # protocol bound; each service's config sets a far lower one
+MAX_WIRE_NUM_DRAFT_TOKENS = INT32_MAX  # what a parser takes; a service takes at most the next
+MAX_NUM_DRAFT_TOKENS = 64  # the largest max_num_draft_tokens (k) a service or specdec serve holds
+DEFAULT_MAX_NUM_DRAFT_TOKENS = 16  # max_num_draft_tokens where none is given
+MAX_DRAFT_AHEAD = 16  # draft-ahead's guesses per accepted count
+MAX_DRAFT_DEADLINE_S = 3600.0  # the target's deadline for a draft's Propose
 MAX_VOCAB = 2**24  # token ids travel through float32 race buffers: exact below 2**24
 
 

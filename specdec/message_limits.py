@@ -19,12 +19,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from specdec.limits import INT32_MAX
+
 MAX_CHARS_PER_TOKEN = 32
 UTF8_MAX_BYTES = 4
 REQUEST_SLACK_BYTES = 64 * 1024
 MESSAGE_SLACK_BYTES = 1 << 20
 VARINT_MAX_BYTES = 5
 DEFAULT_SEQ_LEN_CAP = 8192  # the services' cap on a checkpoint's own limit (specdec.serving.cli)
+# a port's largest message may be set to [MIN_MESSAGE_BYTES, MAX_MESSAGE_BYTES]: gRPC's limits
+# are int32 (`specdec serve --max-request-bytes`, a service's --max-message-bytes)
+MIN_MESSAGE_BYTES, MAX_MESSAGE_BYTES = 1024, INT32_MAX
 
 
 def max_prompt_chars(max_seq_len: int) -> int:

@@ -6,11 +6,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
+from specdec.limits import (
+    DEFAULT_MAX_NUM_DRAFT_TOKENS,
+    MAX_DRAFT_DEADLINE_S,
+    MAX_NUM_DRAFT_TOKENS,
+)
 from specdec.runner import RunnerConfig
 from specdec.serving.server import ServerConfig
 from target_service.synthetic import SyntheticAcceptance
-
-MAX_NUM_DRAFT_TOKENS = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -24,7 +27,7 @@ class TargetConfig:
 
     runner: RunnerConfig
     server: ServerConfig = field(default_factory=ServerConfig)
-    max_num_draft_tokens: int = 16
+    max_num_draft_tokens: int = DEFAULT_MAX_NUM_DRAFT_TOKENS
     # Address of the draft service to check at start-up (tokenizer compatibility); optional.
     draft_address: str | None = None
     draft_wait_s: float = 30.0
@@ -66,9 +69,10 @@ class TargetConfig:
             )
         if self.draft_wait_s < 0:
             raise ValueError(f"draft_wait_s must be >= 0, got {self.draft_wait_s}.")
-        if not 0 < self.draft_deadline_s <= 3600:
+        if not 0 < self.draft_deadline_s <= MAX_DRAFT_DEADLINE_S:
             raise ValueError(
-                f"draft_deadline_s must be in (0, 3600] seconds, got {self.draft_deadline_s}."
+                f"draft_deadline_s must be in (0, {MAX_DRAFT_DEADLINE_S:g}] seconds, "
+                f"got {self.draft_deadline_s}."
             )
         if self.draft_tls_server_name is not None and self.draft_tls_root_cert is None:
             raise ValueError("draft_tls_server_name needs draft_tls_root_cert (TLS to the draft).")

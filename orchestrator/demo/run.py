@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
+from specdec.limits import MAX_NUM_DRAFT_TOKENS
+
 # Each prompt ends where a line ends, before its newline: the tokenizer merges a newline with
 # the next line's indentation, so a prompt ending in "\n" ends inside a token the model
 # rarely saw end there, and its continuation loses the indentation.
@@ -189,8 +191,9 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> list[DemoRun]:
     from orchestrator.demo.models import DemoBudget, build_demo_models
     from orchestrator.server import Orchestrator
 
-    if not 1 <= args.num_draft_tokens <= 16:
-        raise ValueError(f"--num-draft-tokens must be in [1, 16], got {args.num_draft_tokens}.")
+    if not 1 <= args.num_draft_tokens <= MAX_NUM_DRAFT_TOKENS:
+        k, top = args.num_draft_tokens, MAX_NUM_DRAFT_TOKENS
+        raise ValueError(f"--num-draft-tokens must be in [1, {top}], got {k}.")
     if args.max_tokens is not None and not 1 <= args.max_tokens <= 100:
         raise ValueError(f"--max-tokens must be in [1, 100], got {args.max_tokens}.")
     budget = DemoBudget.ci() if args.quick else DemoBudget()

@@ -23,7 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from specdec.client import PROPOSERS  # the gRPC client's names: one spelling
 from specdec.errors import SpecdecError
-from specdec.limits import MAX_SEED, check_range
+from specdec.limits import INT32_MAX, MAX_SEED, check_range
 from specdec.pb.specdec.v1 import generate_pb2
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's (and vLLM's) default for /v1/completions
@@ -36,7 +36,8 @@ FINISH_REASONS = {
     generate_pb2.FINISH_REASON_CANCELLED: "abort",  # vLLM's name for a request it stopped
 }
 UINT32 = 2**32 - 1
-Int32 = Annotated[int, Field(ge=-(2**31), le=2**31 - 1)]  # the proto's field; ranges: parse_request
+# the proto's field; ranges: parse_request
+Int32 = Annotated[int, Field(ge=-INT32_MAX - 1, le=INT32_MAX)]
 
 
 class ModelNotFoundError(SpecdecError):

@@ -28,9 +28,9 @@ import torch
 
 from specdec.limits import (
     MAX_COMMITTED_LENGTH,
-    MAX_NUM_DRAFT_TOKENS,
     MAX_STEP,
     MAX_VOCAB,
+    MAX_WIRE_NUM_DRAFT_TOKENS,
     check_range,
 )
 from specdec.pb import common_pb2
@@ -307,9 +307,9 @@ def _check_lengths(n: int, *columns: list[int]) -> None:
 def _check_num_draft_tokens(ks: list[int]) -> None:
     """ValueError for the whole block if a k_i is out of range: the entries after it could not
     be located in the block's buffers."""
-    if ks and max(ks) > MAX_NUM_DRAFT_TOKENS:
-        i = next(i for i, k in enumerate(ks) if k > MAX_NUM_DRAFT_TOKENS)
-        check_range(ks[i], f"entries[{i}].num_draft_tokens", 0, MAX_NUM_DRAFT_TOKENS)
+    if ks and max(ks) > MAX_WIRE_NUM_DRAFT_TOKENS:
+        i = next(i for i, k in enumerate(ks) if k > MAX_WIRE_NUM_DRAFT_TOKENS)
+        check_range(ks[i], f"entries[{i}].num_draft_tokens", 0, MAX_WIRE_NUM_DRAFT_TOKENS)
 
 
 def _check_support_size(size: int, max_support_size: int | None, vocab_size: int | None) -> None:

@@ -13,7 +13,7 @@ import grpc
 
 from specdec.errors import InvalidInputError
 from specdec.limits import INT32_MAX as INT32_MAX
-from specdec.limits import MAX_COMMITTED_LENGTH, MAX_NUM_DRAFT_TOKENS, MAX_STEP, check_range
+from specdec.limits import MAX_COMMITTED_LENGTH, MAX_STEP, MAX_WIRE_NUM_DRAFT_TOKENS, check_range
 from specdec.pb import common_pb2, draft_pb2
 from specdec.sampling_params import SamplingParams
 
@@ -239,7 +239,7 @@ class ProposeEntry:
             raise ValueError("request_id must be a non-empty string.")
         check_range(self.step, "step", 0, MAX_STEP)
         check_range(self.committed_length, "committed_length", 0, MAX_COMMITTED_LENGTH)
-        check_range(self.num_draft_tokens, "num_draft_tokens", 0, MAX_NUM_DRAFT_TOKENS)
+        check_range(self.num_draft_tokens, "num_draft_tokens", 0, MAX_WIRE_NUM_DRAFT_TOKENS)
 
     @classmethod
     def from_pb(cls, pb: draft_pb2.ProposeEntry) -> ProposeEntry:

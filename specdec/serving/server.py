@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from specdec.message_limits import MIN_MESSAGE_BYTES
 from specdec.serving.decoding import DecodingInterceptor
 from specdec.serving.reflection import enable_server_reflection
 from specdec.serving.status import StatusInterceptor
@@ -50,8 +51,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port must be in [0, 65535], got {self.port}.")
-        if self.max_message_bytes < 1024:
-            raise ValueError(f"max_message_bytes must be >= 1024, got {self.max_message_bytes}.")
+        if self.max_message_bytes < MIN_MESSAGE_BYTES:
+            raise ValueError(
+                f"max_message_bytes must be >= {MIN_MESSAGE_BYTES}, got {self.max_message_bytes}."
+            )
         if (self.tls_cert is None) != (self.tls_key is None):
             raise ValueError("tls_cert and tls_key must be given together (or neither).")
         if self.tls_client_ca is not None and self.tls_cert is None:

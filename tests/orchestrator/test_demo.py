@@ -51,5 +51,5 @@ def test_bad_arguments_exit_2_naming_the_flag(
 ) -> None:
     args = parse_args(["demo", "--quick", "-k", "0", "--cache-dir", str(tmp_path)])
     assert demo.run_demo(args) == 2
-    assert "--num-draft-tokens must be in [1, 16], got 0." in capsys.readouterr().err
+    assert "--num-draft-tokens must be in [1, 64], got 0." in capsys.readouterr().err
     assert not (tmp_path / "demo").exists()  # refused before anything was built
