@@ -1,1 +1,2 @@
-"""The `specdec` command (`main`): `serve`, `generate` and `demo` (`orchestrator.demo.run`)."""
+"""The `specdec` command (`main`): `serve` (`serve`: its flags, its config, the orchestrator's
+process), `generate` (`generate`) and `demo` (`orchestrator.demo.run`)."""

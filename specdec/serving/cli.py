@@ -19,6 +19,7 @@ from specdec.defaults import default_of
 from specdec.errors import SpecdecError
 from specdec.message_limits import DEFAULT_SEQ_LEN_CAP
 from specdec.runner import RunnerConfig
+from specdec.serving.flags import add_listen_flags, add_runner_flags, add_stop_flags, add_tls_flags
 from specdec.serving.server import Server, ServerConfig
 
 log = logging.getLogger(__name__)
@@ -44,36 +45,20 @@ def serve(prog: str, start: Callable[[], tuple[Server, Any]]) -> int:
 
 
 def add_server_args(parser: argparse.ArgumentParser, default_port: int) -> None:
-    g = parser.add_argument_group("server")
+    g = parser.add_argument_group("server", "the service's gRPC port")
     d = partial(default_of, ServerConfig)
-    g.add_argument("--host", default=d("host"))
-    g.add_argument("--port", type=int, default=default_port)
+    add_listen_flags(g, d, port=default_port)
     g.add_argument("--max-message-bytes", type=int, default=d("max_message_bytes"))
-    g.add_argument("--tls-cert", type=Path, help="PEM certificate chain (enables TLS)")
-    g.add_argument("--tls-key", type=Path, help="PEM private key")
-    g.add_argument(
-        "--tls-client-ca", type=Path, help="PEM CA that must sign clients' certificates (mTLS)"
-    )
-    g.add_argument("--grace-s", type=float, default=d("grace_s"), help="in-flight calls on SIGTERM")
-    g.add_argument("--drain-s", type=float, default=d("drain_s"), help="NOT_SERVING before closing")
+    add_tls_flags(g, d)
+    add_stop_flags(g, d)
 
 
 def add_runner_args(parser: argparse.ArgumentParser, required: bool = True) -> None:
     g = parser.add_argument_group("model")
     d = partial(default_of, RunnerConfig)
     g.add_argument("--model", required=required, help="local Hugging Face checkpoint directory")
-    g.add_argument("--device", default=d("device"))
-    g.add_argument("--dtype", default=d("dtype"), choices=["float32", "bfloat16", "float16"])
     g.add_argument("--max-slots", type=int, default=d("max_slots"), help="requests held at once")
-    g.add_argument(
-        "--max-seq-len",
-        type=int,
-        help=f"tokens per request (default: the checkpoint's max_position_embeddings, at most "
-        f"{MAX_DEFAULT_SEQ_LEN})",
-    )
-    g.add_argument(
-        "--cuda-graph-batch-sizes", type=int, nargs="*", default=list(d("cuda_graph_batch_sizes"))
-    )
+    add_runner_flags(g, d, devices=None, dtypes=("float32", "bfloat16", "float16"))
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

@@ -12,7 +12,8 @@ import pytest
 
 from bench import e2e_report
 from bench.e2e_serve import Stream, hub_ms, seq_len_needed, serve_args, window_figures
-from orchestrator.cli.main import parse_args, serve_config
+from orchestrator.cli.main import parse_args
+from orchestrator.cli.serve import serve_config
 from orchestrator.config import ServiceConfig
 from orchestrator.launch.services import synthetic_acceptance
 

@@ -11,7 +11,8 @@ from urllib.request import Request, urlopen
 
 import pytest
 
-from orchestrator.cli.main import parse_args, serve_config
+from orchestrator.cli.main import parse_args
+from orchestrator.cli.serve import serve_config
 from orchestrator.server import Orchestrator
 from specdec.client import Client, SpecdecClientError
 

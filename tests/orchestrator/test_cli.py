@@ -16,7 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli.main import build_parser, parse_args, serve_config
+from orchestrator.cli.main import build_parser, parse_args
+from orchestrator.cli.serve import serve_config
 from orchestrator.config import (
     PlacementConfig,
     SchedulerConfig,
@@ -169,6 +170,25 @@ def test_every_flag_has_help_and_shows_its_default() -> None:
     assert "default draft tokens per step (default: 4)" in serve
     assert "(default: 50050)" in serve and "(default: auto)" in serve
     assert "(default: None)" not in serve, "flags without a default say so in their own words"
+
+
+def test_the_flags_a_service_takes_too_are_declared_once() -> None:
+    """--host, --port, --tls-*, --grace-s, --drain-s, --device, --dtype, --max-seq-len and
+    --cuda-graph-batch-sizes come from specdec.serving.flags in `specdec serve` and in every
+    service's main: one help each (serve's --device and --dtype explain their "auto" too)."""
+    from specdec.serving.cli import add_runner_args, add_server_args
+
+    service = argparse.ArgumentParser()
+    add_server_args(service, default_port=50051)
+    add_runner_args(service)
+    serve = _subparsers()["serve"]
+    helps = [{o: a.help for a in p._actions for o in a.option_strings} for p in (serve, service)]
+    shared = sorted(helps[0].keys() & helps[1].keys() - {"-h", "--help"})
+    assert shared == ["--cuda-graph-batch-sizes", "--device", "--drain-s", "--dtype", "--grace-s",
+                      "--host", "--max-seq-len", "--port", "--tls-cert", "--tls-client-ca",
+                      "--tls-key"]  # fmt: skip
+    for flag in shared:
+        assert str(helps[0][flag]).startswith(str(helps[1][flag])), flag
 
 
 @pytest.mark.parametrize("command", ["serve", "generate", "demo"])

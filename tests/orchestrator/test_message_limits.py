@@ -10,7 +10,8 @@ import grpc
 import pytest
 import torch
 
-from orchestrator.cli.main import parse_args, serve_config
+from orchestrator.cli.main import parse_args
+from orchestrator.cli.serve import serve_config
 from orchestrator.launch.services import message_bytes
 from orchestrator.server import Orchestrator
 from specdec.message_limits import (

@@ -20,7 +20,8 @@ import ray
 from ray.util import placement_group_table
 
 import orchestrator.launch.placement as placement_module
-from orchestrator.cli.main import parse_args, serve_config
+from orchestrator.cli.main import parse_args
+from orchestrator.cli.serve import serve_config
 from orchestrator.config import PlacementConfig, ServiceConfig
 from orchestrator.launch.placement import Placement, _bundles, gpus_per_pair
 from specdec.serving.messages import ModelInfo

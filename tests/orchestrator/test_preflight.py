@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from orchestrator.cli.main import parse_args, serve_config
+from orchestrator.cli.main import parse_args
+from orchestrator.cli.serve import serve_config
 from orchestrator.launch.preflight import check_before_ray
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -20,7 +20,8 @@ import pytest
 import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from orchestrator.cli.main import parse_args, serve_config
+from orchestrator.cli.main import parse_args
+from orchestrator.cli.serve import serve_config
 from orchestrator.server import Orchestrator
 from specdec.client import Client, SpecdecClientError
 from specdec.serving.client import make_channel
