@@ -18,6 +18,7 @@ from specdec.limits import (
     MAX_DRAFT_AHEAD,
     MAX_DRAFT_DEADLINE_S,
     MAX_NUM_DRAFT_TOKENS,
+    check_range,
 )
 from specdec.message_limits import (
     MAX_MESSAGE_BYTES,
@@ -27,6 +28,7 @@ from specdec.message_limits import (
 )
 from specdec.serving.auth import check_api_key
 from specdec.serving.proposers import PROPOSERS, Proposer
+from specdec.tensor_parallel import MAX_TENSOR_PARALLEL
 
 DEVICES = ("auto", "cpu", "cuda")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
@@ -92,6 +94,8 @@ class ServiceConfig:
     support_size: int = 32
     sampler_impl: Literal["auto", "triton", "torch"] = "auto"
     cuda_graph_batch_sizes: tuple[int, ...] = ()
+    # the target's model over this many ranks (GPUs) of one node (specdec.runner.parallel)
+    target_tensor_parallel: int = 1
     # draft-ahead (draft_service.ahead): the draft's guesses per accepted count, 0 = off, and
     # the extra KV slots its runner holds for the hypotheses
     draft_ahead: int = 0
@@ -171,6 +175,7 @@ class ServiceConfig:
             raise ValueError(f"device must be one of {DEVICES}, got {self.device!r}.")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
+        check_range(self.target_tensor_parallel, "target_tensor_parallel", 1, MAX_TENSOR_PARALLEL)
         if not 1 <= self.max_requests <= 4096:
             raise ValueError(f"max_requests must be in [1, 4096], got {self.max_requests}.")
         if self.max_seq_len is not None and not 2 <= self.max_seq_len <= 1 << 20:

@@ -45,6 +45,11 @@ def _services_args(parser: argparse.ArgumentParser) -> None:
     add_runner_flags(g, d, devices=DEVICES, dtypes=DTYPES)
     g.add_argument("--max-requests", type=int, default=d("max_requests"),
                    help="requests each pair holds at once (KV slots per service)")  # fmt: skip
+    g.add_argument("--target-tensor-parallel", type=int, metavar="N",
+                   default=d("target_tensor_parallel"),
+                   help="split the target over N GPUs of one node (tensor parallelism; N "
+                        "divides its attention heads, KV heads and MLP width); the draft keeps "
+                        "a GPU of its own, so a pair takes N + 1")  # fmt: skip
     g.add_argument("--max-num-draft-tokens", type=int, default=d("max_num_draft_tokens"),
                    help="largest k a request may ask for")  # fmt: skip
     g.add_argument("--q-form", choices=["sparse", "dense"], default=d("q_form"),
@@ -233,6 +238,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             max_num_draft_tokens=args.max_num_draft_tokens, q_form=args.q_form,
             support_size=args.support_size, sampler_impl=args.sampler_impl,
             cuda_graph_batch_sizes=tuple(args.cuda_graph_batch_sizes),
+            target_tensor_parallel=args.target_tensor_parallel,
             draft_ahead=args.draft_ahead, draft_deadline_s=args.draft_deadline_ms / 1e3,
             draft_ahead_backup=args.draft_ahead_backup,
             dynamic_speculation=args.dynamic_speculation,

@@ -139,17 +139,28 @@ def connect(config: PlacementConfig, services_per_pair: int) -> bool:
     return True
 
 
-def gpus_per_pair(total_gpus: float, pairs: int, services_per_pair: int, device: str) -> int:
-    """GPUs each pair's bundles hold: one per service where there are enough, else one for
-    both, else none (CPU)."""
+def gpus_per_pair(
+    total_gpus: float, pairs: int, services_per_pair: int, device: str, target_gpus: int = 1
+) -> int:
+    """GPUs each pair's bundles hold: `target_gpus` for the target (its tensor-parallel ranks)
+    and one for the draft where there are enough, else one for both (a target on one GPU
+    only), else none (CPU)."""
     if device == "cpu":
         return 0
     if total_gpus < 1:
         if device == "cuda":
             raise ValueError("device 'cuda' needs a GPU, and the Ray cluster has none.")
         return 0
-    if total_gpus >= services_per_pair * pairs:
-        return services_per_pair
+    split = target_gpus + services_per_pair - 1
+    if total_gpus >= split * pairs:
+        return split
+    if target_gpus > 1:
+        draft = ", and one for the draft" if services_per_pair == 2 else ""
+        raise ValueError(
+            f"--target-tensor-parallel {target_gpus} needs {split} GPUs per pair ({target_gpus} "
+            f"for the target's ranks{draft}): {pairs} pair(s) need {split * pairs}, and the Ray "
+            f"cluster has {total_gpus:g}."
+        )
     if total_gpus >= pairs:
         return 1
     raise ValueError(
@@ -159,19 +170,22 @@ def gpus_per_pair(total_gpus: float, pairs: int, services_per_pair: int, device:
 
 
 def _bundles(
-    gpus: int, custom: Sequence[Mapping[str, float]]
-) -> tuple[list[dict[str, float]], list[int], float]:
-    """The group's bundles, each service's bundle index, and each service's GPU share;
-    `custom[i]` holds the custom resources of service i (target, then draft)."""
+    gpus: int, custom: Sequence[Mapping[str, float]], target_gpus: int = 1
+) -> tuple[list[dict[str, float]], list[int], list[float]]:
+    """The group's bundles, each service's bundle index, and each service's GPUs (a share of
+    one where they share it); `custom[i]` holds the custom resources of service i (target,
+    then draft). A target of `target_gpus` > 1 has a bundle of that many GPUs, which Ray
+    places on one node."""
     services = len(custom)
-    if gpus == 1:
+    if gpus == 1 and target_gpus == 1:
         shared: dict[str, float] = {"CPU": services, "GPU": 1}
         for resources in custom:
             for name, amount in resources.items():
                 shared[name] = shared.get(name, 0) + amount
-        return [shared], [0] * services, 1.0 / services
-    base = {"CPU": 1, "GPU": 1} if gpus == services else {"CPU": 1}
-    return [base | dict(r) for r in custom], list(range(services)), 1.0 if gpus else 0.0
+        return [shared], [0] * services, [1.0 / services] * services
+    own = [float(target_gpus), *[1.0] * (services - 1)] if gpus else [0.0] * services
+    bundles = [{"CPU": 1, "GPU": n} if n else {"CPU": 1} for n in own]
+    return [b | dict(r) for b, r in zip(bundles, custom, strict=True)], list(range(services)), own
 
 
 def _failure(e: ServiceStartError, role: str, pair: int) -> str:
@@ -222,9 +236,10 @@ class Placement:
         """Places and starts every pair; refuses a draft whose tokenizer differs."""
         n = self.services_per_pair
         total = ray.cluster_resources().get("GPU", 0.0)
-        gpus = gpus_per_pair(total, self.config.pairs, n, self.services.device)
+        tp = self.services.target_tensor_parallel
+        gpus = gpus_per_pair(total, self.config.pairs, n, self.services.device, tp)
         custom = [self.config.target_resources, self.config.draft_resources][:n]
-        bundles, index, share = _bundles(gpus, custom)
+        bundles, index, shares = _bundles(gpus, custom, tp)
         log.info("placing %d pair(s): %d GPU(s) per pair (cluster: %g), bundles %s",
                  self.config.pairs, gpus, total, bundles)  # fmt: skip
         missing = sorted({k for r in custom for k in r} - set(ray.cluster_resources()))
@@ -242,7 +257,7 @@ class Placement:
                     f"within {self.config.start_timeout_s:g} s; cluster resources: "
                     f"{ray.cluster_resources()}."
                 ) from e
-            self._start_actors(groups, index, share)
+            self._start_actors(groups, index, shares)
         except BaseException:
             self.stop(0.0)
             raise
@@ -250,7 +265,7 @@ class Placement:
 
     def _actor(self, group: PlacementGroup, bundle: int, share: float, *args: Any) -> Any:
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle)
-        cpus = 1.0 if share in (0.0, 1.0) else share
+        cpus = share if 0.0 < share < 1.0 else 1.0  # a GPU's share: as much of a CPU
         cls: Any = ray.remote(self.actor_class)
         actor = cls.options(
             num_cpus=cpus, num_gpus=share, max_restarts=-1, scheduling_strategy=strategy
@@ -258,14 +273,17 @@ class Placement:
         self._actors.append(actor)
         return actor
 
-    def _start_actors(self, groups: list[PlacementGroup], index: list[int], share: float) -> None:
+    def _start_actors(
+        self, groups: list[PlacementGroup], index: list[int], shares: list[float]
+    ) -> None:
         """Starts every service at once (loading in parallel), then checks each pair's
         tokenizers; the hub is given its draft afterwards (`PairClient.set_draft`)."""
         roles = ["target", "draft"][: self.services_per_pair]
         actors = [
-            [self._actor(g, index[j], share, role, self.services) for j, role in enumerate(roles)]
+            [self._actor(g, index[j], gpus, role, self.services)
+             for j, (role, gpus) in enumerate(zip(roles, shares, strict=True))]
             for g in groups
-        ]
+        ]  # fmt: skip
         for i, group in enumerate(groups):
             infos = [_started(a, role, i, self.config.start_timeout_s)
                      for a, role in zip(actors[i], roles, strict=True)]  # fmt: skip

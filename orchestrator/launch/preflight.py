@@ -15,6 +15,7 @@ from pathlib import Path
 from orchestrator.config import ServeConfig
 from orchestrator.core.detokenizer import check_shared_tokenizer
 from orchestrator.launch.ports import bind
+from specdec.tensor_parallel import config_split_problem
 
 # the files some tokenizer of transformers reads: a fast tokenizer's, SentencePiece's, BPE's,
 # WordPiece's
@@ -35,12 +36,20 @@ def _config_json(flag: str, path: Path) -> dict[str, object]:
     return config
 
 
-def check_checkpoint(flag: str, directory: str, max_seq_len: int | None) -> None:
+def check_checkpoint(
+    flag: str, directory: str, max_seq_len: int | None, tensor_parallel: int = 1
+) -> None:
     """ValueError unless `directory` (given as `flag`) has a config.json, weights in
-    safetensors and a tokenizer, and holds `max_seq_len` positions (None: the services take
-    the checkpoint's own limit)."""
+    safetensors and a tokenizer, holds `max_seq_len` positions (None: the services take the
+    checkpoint's own limit), and splits over `tensor_parallel` ranks."""
     path = Path(directory)
     config = _config_json(flag, path)
+    problem = config_split_problem(config, tensor_parallel)
+    if problem is not None:
+        raise ValueError(
+            f"--{flag.removeprefix('--')}-tensor-parallel {tensor_parallel}: {problem} "
+            f"({str(path / 'config.json')!r})"
+        )
     if not any(path.glob("*.safetensors")):
         raise ValueError(
             f"{flag} {str(path)!r} has no *.safetensors files: the weights are read from "
@@ -83,7 +92,9 @@ def check_ports(config: ServeConfig) -> None:
 def check_before_ray(config: ServeConfig) -> None:
     """Every check that needs no Ray; ValueError (PortError for a port) names what to fix."""
     services = config.services
-    check_checkpoint("--target", services.target, services.max_seq_len)
+    check_checkpoint(
+        "--target", services.target, services.max_seq_len, services.target_tensor_parallel
+    )
     if services.draft is not None:
         check_checkpoint("--draft", services.draft, services.max_seq_len)
         check_shared_tokenizer(services.target, services.draft)

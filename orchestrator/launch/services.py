@@ -22,7 +22,9 @@ def actor_device(config: ServiceConfig) -> str:
     return "cuda" if ray.get_gpu_ids() else "cpu"
 
 
-def _runner(config: ServiceConfig, model: str, device: str, extra_slots: int = 0) -> Any:
+def _runner(
+    config: ServiceConfig, model: str, device: str, extra_slots: int = 0, tensor_parallel: int = 1
+) -> Any:
     from specdec.runner import RunnerConfig
     from specdec.serving.cli import MAX_DEFAULT_SEQ_LEN, checkpoint_seq_len
 
@@ -37,6 +39,7 @@ def _runner(config: ServiceConfig, model: str, device: str, extra_slots: int = 0
         max_slots=config.max_requests + extra_slots,
         max_seq_len=max_seq_len,
         cuda_graph_batch_sizes=config.cuda_graph_batch_sizes if device != "cpu" else (),
+        tensor_parallel=tensor_parallel,
     )
 
 
@@ -120,7 +123,7 @@ def start_service(role: str, config: ServiceConfig, host: str) -> tuple[Any, Mod
 
     srv, engine = start_target(
         TargetConfig(
-            _runner(config, config.target, device),
+            _runner(config, config.target, device, tensor_parallel=config.target_tensor_parallel),
             server,
             max_num_draft_tokens=config.max_num_draft_tokens,
             sampler_impl=config.sampler_impl,

@@ -5,6 +5,9 @@ from dataclasses import dataclass
 
 import torch
 
+from specdec.limits import check_range
+from specdec.tensor_parallel import MAX_TENSOR_PARALLEL
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -55,8 +58,7 @@ class RunnerConfig:
             raise ValueError(
                 f"cuda_graph_max_tokens must be in [1, 128], got {self.cuda_graph_max_tokens}."
             )
-        if not 1 <= self.tensor_parallel <= 64:
-            raise ValueError(f"tensor_parallel must be in [1, 64], got {self.tensor_parallel}.")
+        check_range(self.tensor_parallel, "tensor_parallel", 1, MAX_TENSOR_PARALLEL)
         for size in self.cuda_graph_batch_sizes:
             if not 1 <= size <= self.max_slots:
                 raise ValueError(

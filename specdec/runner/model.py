@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from specdec.runner import fused, gemv
 from specdec.runner.attention import AttnMeta, attention
+from specdec.tensor_parallel import split_problem
 
 FAST_MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3", "yarn"})
@@ -79,16 +80,9 @@ class ModelArgs:
 
 def check_tensor_parallel(args: ModelArgs, world: int) -> None:
     """ValueError unless `world` ranks can split this model's heads, KV heads and MLP evenly."""
-    for name, n in (
-        ("num_attention_heads", args.num_heads),
-        ("num_key_value_heads", args.num_kv_heads),
-        ("intermediate_size", args.intermediate_size),
-    ):
-        if n % world:
-            raise ValueError(
-                f"A tensor-parallel size of {world} does not divide the model's {name} ({n}); "
-                f"use a size that divides {name}."
-            )
+    problem = split_problem(args.num_heads, args.num_kv_heads, args.intermediate_size, world)
+    if problem is not None:
+        raise ValueError(problem)
 
 
 @dataclass(frozen=True, slots=True)

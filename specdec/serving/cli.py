@@ -59,6 +59,9 @@ def add_runner_args(parser: argparse.ArgumentParser, required: bool = True) -> N
     g.add_argument("--model", required=required, help="local Hugging Face checkpoint directory")
     g.add_argument("--max-slots", type=int, default=d("max_slots"), help="requests held at once")
     add_runner_flags(g, d, devices=None, dtypes=("float32", "bfloat16", "float16"))
+    g.add_argument("--tensor-parallel", type=int, default=d("tensor_parallel"), metavar="N",
+                   help="split the model over N ranks of this node: GPUs 0 .. N-1 of those "
+                        "this process sees (gloo processes on the CPU)")  # fmt: skip
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:
@@ -101,4 +104,5 @@ def runner_config(args: argparse.Namespace) -> RunnerConfig:
         max_slots=args.max_slots,
         max_seq_len=max_seq_len,
         cuda_graph_batch_sizes=tuple(args.cuda_graph_batch_sizes),
+        tensor_parallel=args.tensor_parallel,
     )

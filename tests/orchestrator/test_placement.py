@@ -88,10 +88,26 @@ def test_gpus_per_pair_rules() -> None:
         gpus_per_pair(2, 3, 2, "auto")
     with pytest.raises(ValueError, match="device 'cuda' needs a GPU"):
         gpus_per_pair(0, 1, 2, "cuda")
-    assert _bundles(2, [{}, {}]) == ([{"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}], [0, 1], 1.0)
-    assert _bundles(1, [{}, {}]) == ([{"CPU": 2, "GPU": 1}], [0, 0], 0.5)
-    assert _bundles(0, [{}, {}]) == ([{"CPU": 1}, {"CPU": 1}], [0, 1], 0.0)
-    assert _bundles(1, [{}]) == ([{"CPU": 1, "GPU": 1}], [0], 1.0)
+    assert _bundles(2, [{}, {}]) == ([{"CPU": 1, "GPU": 1}, {"CPU": 1, "GPU": 1}], [0, 1], [1, 1])
+    assert _bundles(1, [{}, {}]) == ([{"CPU": 2, "GPU": 1}], [0, 0], [0.5, 0.5])
+    assert _bundles(0, [{}, {}]) == ([{"CPU": 1}, {"CPU": 1}], [0, 1], [0, 0])
+    assert _bundles(1, [{}]) == ([{"CPU": 1, "GPU": 1}], [0], [1.0])
+
+
+def test_a_tensor_parallel_target_takes_n_gpus_of_one_bundle_and_the_draft_one() -> None:
+    assert gpus_per_pair(6, 2, 2, "auto", target_gpus=2) == 3  # 2 for the target, 1 draft
+    assert gpus_per_pair(4, 1, 1, "auto", target_gpus=4) == 4  # no draft
+    assert gpus_per_pair(0, 1, 2, "auto", target_gpus=2) == 0  # CPU: processes, no GPUs
+    with pytest.raises(
+        ValueError,
+        match=r"--target-tensor-parallel 2 needs 3 GPUs per pair .*"
+        r"2 pair\(s\) need 6, and the Ray cluster has 5",
+    ):
+        gpus_per_pair(5, 2, 2, "auto", target_gpus=2)  # never shared: the draft gets its own
+    bundles, index, gpus = _bundles(3, [{"t": 1}, {}], target_gpus=2)
+    assert bundles == [{"CPU": 1, "GPU": 2, "t": 1}, {"CPU": 1, "GPU": 1}]  # one bundle, one node
+    assert index == [0, 1] and gpus == [2, 1]
+    assert _bundles(0, [{}, {}], target_gpus=2) == ([{"CPU": 1}, {"CPU": 1}], [0, 1], [0, 0])
 
 
 def test_each_bundle_carries_its_services_custom_resources() -> None:
@@ -101,10 +117,10 @@ def test_each_bundle_carries_its_services_custom_resources() -> None:
                        {"CPU": 1, "GPU": 1, "draft_gpu": 0.5, "fast_net": 1}]  # fmt: skip
     assert index == [0, 1]
     cpu = [{"CPU": 1, "target_gpu": 1}, {"CPU": 1, "draft_gpu": 0.5, "fast_net": 1}]
-    assert _bundles(0, [target, draft]) == (cpu, [0, 1], 0.0)
+    assert _bundles(0, [target, draft]) == (cpu, [0, 1], [0, 0])
     # one GPU for both: the one bundle asks for both services' resources, summed
     shared = _bundles(1, [{"x": 1, "y": 2}, {"x": 0.5}])
-    assert shared == ([{"CPU": 2, "GPU": 1, "x": 1.5, "y": 2}], [0, 0], 0.5)
+    assert shared == ([{"CPU": 2, "GPU": 1, "x": 1.5, "y": 2}], [0, 0], [0.5, 0.5])
     assert _bundles(1, [{"x": 1}])[0] == [{"CPU": 1, "GPU": 1, "x": 1}]
     assert target == {"target_gpu": 1}, "the config's mappings are not changed"
 

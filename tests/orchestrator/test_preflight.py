@@ -72,6 +72,12 @@ CASES = {  # flags ({name}: a directory of `bad`) -> the start of the one line
     "--target {long} --draft {draft} --max-seq-len 300":
         "--max-seq-len 300 exceeds the draft's max_position_embeddings 256",
     "--target {target} --draft {other}": "Refusing the draft '{other}' for the target",
+    "--target {target} --draft {draft} --target-tensor-parallel 4":
+        "--target-tensor-parallel 4: A tensor-parallel size of 4 does not divide the model's "
+        "num_key_value_heads (2)",
+    "--target {target} --target-tensor-parallel 3":
+        "--target-tensor-parallel 3: A tensor-parallel size of 3 does not divide the model's "
+        "num_attention_heads (4)",
 }  # fmt: skip
 
 
