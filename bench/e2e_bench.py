@@ -135,6 +135,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
             "serve_lengths": args.serve_lengths,
             "serve_hit_rates": args.serve_hit_rates,
             "serve_placements": args.serve_placements,
+            "serve_target_tp": args.serve_target_tensor_parallel,
             "serve_dynamic": args.serve_dynamic,
             "serve_stand_in": args.serve_stand_in,
             "serve_stand_in_lockstep": args.serve_stand_in_lockstep,
@@ -400,6 +401,14 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         choices=e2e_serve.PLACEMENTS,
         help="where the serve rows' services run: shared (both on one GPU) and/or split (one "
         "GPU each); default: both with two GPUs or more, else shared",
+    )
+    p.add_argument(
+        "--serve-target-tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="the serve rows' target over N GPUs (specdec serve --target-tensor-parallel), "
+        "the draft on one more: the split placement on N + 1 GPUs",
     )
     p.add_argument("--serve-steps", type=int, help="timed steps per serve row (window)")
     p.add_argument("--ttft-prompt-len", type=int, help="prompt tokens of the TTFT requests")

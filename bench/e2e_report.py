@@ -431,7 +431,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"## System benchmark (`bench/e2e_bench.py`), {env['gpu']}, {result['date']}",
         "",
         f"{env['gpu']} x {max(env['gpu_count'], 1)} (draft on {s['draft_device']}, target on "
-        f"{s['target_device']}), driver {env['driver']}; torch {env['torch']}, triton "
+        f"{s['target_device']}{_tp(s)}), driver {env['driver']}; torch {env['torch']}, triton "
         f"{env['triton']}, grpcio {env['grpcio']}, Python {env['python']}. Command: "
         f"`{result['command']}`.",
         "",
@@ -637,3 +637,9 @@ def write(result: dict[str, Any], out: Path, stem_name: str | None = None) -> Pa
         path = stem.parent / f"{stem.name}_timeline.png"
         e2e_timeline.plot(result["serve"]["rows"], title, path, label)
     return stem.with_suffix(".json")
+
+
+def _tp(settings: dict[str, Any]) -> str:
+    """How the serve rows' target is split, where it is."""
+    tp = settings.get("serve_target_tp", 1)
+    return f"; the serve rows' target over {tp} GPUs, tensor-parallel" if tp > 1 else ""

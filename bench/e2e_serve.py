@@ -111,7 +111,10 @@ def serve_args(
         out += ["--sampler-impl", "torch", "--num-cpus", "4"]
     else:
         out += ["--cuda-graph-batch-sizes", *map(str, s["graph_sizes"])]
-        if placement == "shared":
+        tp = s.get("serve_target_tp", 1)
+        if tp > 1:  # the target over tp GPUs, the draft (or its stand-in) on one more
+            out += ["--target-tensor-parallel", str(tp), "--num-gpus", str(tp + 1)]
+        elif placement == "shared":
             out += ["--num-gpus", "1"]
     if length is not None:  # BENCHMARKING ONLY
         out += ["--synthetic-acceptance-length", str(length)]
@@ -524,6 +527,14 @@ def seq_len_needed(s: dict[str, Any]) -> int:
 def placements(result: dict[str, Any]) -> list[str]:
     """The serve rows' placements: as asked, else "shared" and, with two GPUs or more, "split"."""
     s, gpus = result["settings"], result["environment"]["gpu_count"]
+    tp = s.get("serve_target_tp", 1)
+    if tp > 1:  # a tensor-parallel target is never shared with its draft
+        if (s.get("serve_placements") or ["split"]) != ["split"] or gpus < tp + 1:
+            raise ValueError(
+                f"--serve-target-tensor-parallel {tp} runs the split placement only, on "
+                f"{tp + 1} GPUs; this machine has {gpus}."
+            )
+        return ["split"]
     two = s["target_device"] != "cpu" and gpus >= 2
     wanted = s.get("serve_placements") or (list(PLACEMENTS) if two else ["shared"])
     if "split" in wanted and not two:

@@ -11,7 +11,14 @@ from typing import Any
 import pytest
 
 from bench import e2e_report
-from bench.e2e_serve import Stream, hub_ms, seq_len_needed, serve_args, window_figures
+from bench.e2e_serve import (
+    Stream,
+    hub_ms,
+    placements,
+    seq_len_needed,
+    serve_args,
+    window_figures,
+)
 from orchestrator.cli.main import parse_args
 from orchestrator.cli.serve import serve_config
 from orchestrator.config import ServiceConfig
@@ -96,6 +103,24 @@ def test_serve_args_match_the_pipeline_services(checkpoints: tuple[Path, Path]) 
     assert (services.draft_ahead, services.synthetic_hit_rate) == (0, None)
     ahead = serve_config(parse_args(serve_args(s | {"draft_ahead": 2}, 3.0, 1, 2, 0.8)))
     assert (ahead.services.draft_ahead, ahead.services.synthetic_hit_rate) == (2, 0.8)
+
+
+def test_a_tensor_parallel_target_runs_split_on_n_plus_one_gpus(
+    checkpoints: tuple[Path, Path],
+) -> None:
+    target, draft = checkpoints
+    s = {"paths": {"target": str(target), "draft": str(draft)}, "target_device": "cuda:0",
+         "dtype": "bfloat16", "max_slots": 8, "max_seq_len": 128, "num_draft_tokens": 4,
+         "graph_sizes": [1, 8], "serve_target_tp": 2, "serve_placements": None}  # fmt: skip
+    config = serve_config(parse_args(serve_args(s, 3.0, 1, 2, placement="split")))
+    assert config.services.target_tensor_parallel == 2 and config.placement.num_gpus == 3
+    assert placements({"settings": s, "environment": {"gpu_count": 4}}) == ["split"]
+    with pytest.raises(ValueError, match="runs the split placement only, on 3 GPUs; this "
+                                         "machine has 2"):  # fmt: skip
+        placements({"settings": s, "environment": {"gpu_count": 2}})
+    with pytest.raises(ValueError, match="split placement only"):
+        placements({"settings": s | {"serve_placements": ["shared"]},
+                    "environment": {"gpu_count": 4}})  # fmt: skip
 
 
 def test_sequences_fit_the_serve_rows_and_ttft() -> None:
