@@ -45,7 +45,7 @@ kubernetes_validate = pytest.importorskip(
 ROOT = Path(__file__).resolve().parents[2]
 K8S = ROOT / "deploy" / "k8s"
 DOCKER = ROOT / "deploy" / "docker"
-OVERLAYS = ("overlays/single-node-2gpu", "overlays/multi-node")
+OVERLAYS = ("overlays/single-node-2gpu", "overlays/multi-node", "overlays/tensor-parallel-target")
 KUSTOMIZATIONS = (*OVERLAYS, "checkpoints")
 # Kubernetes versions whose schemas core kinds are checked against: the oldest the manifests
 # support (gRPC probes are GA from 1.27) and the newest kubernetes-validate ships.
@@ -244,7 +244,8 @@ def serve_args(overlay: str, tmp_path: Path) -> tuple[Any, list[str]]:
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_serve_flags_exist_and_fit_the_cluster(overlay: str, tmp_path: Path) -> None:
     args, _ = serve_args(overlay, tmp_path)
-    if overlay.endswith("single-node-2gpu"):  # TLS off, no custom resources
+    if overlay.endswith(("single-node-2gpu", "tensor-parallel-target")):  # TLS off, no custom
+        # resources
         assert args.tls_cert is None and args.service_tls_cert is None
         assert not args.draft_resources and not args.target_resources
     groups = _ray_groups(list(render(overlay)))
@@ -253,7 +254,12 @@ def test_serve_flags_exist_and_fit_the_cluster(overlay: str, tmp_path: Path) -> 
             "nvidia.com/gpu", 0))
         for g in groups
     )  # fmt: skip
-    assert gpus >= 2 * args.pairs, f"{overlay}: one GPU per service needs {2 * args.pairs}"
+    need = (args.target_tensor_parallel + 1) * args.pairs  # the target's ranks and the draft
+    assert gpus >= need, f"{overlay}: one GPU per rank and per draft needs {need}"
+    if overlay.endswith("tensor-parallel-target"):
+        assert args.target_tensor_parallel == 2 and gpus == need == 3, (args, gpus)
+        # one worker of three GPUs: the ranks' bundle of two lands on one node
+        assert [g["replicas"] for g in groups] == [1]
     if overlay.endswith("multi-node"):  # mutual TLS between the parts, an API key for clients
         assert args.service_tls_client_cert is not None and args.api_key_file is not None
         by_name = {g["groupName"]: g for g in groups}
