@@ -17,6 +17,7 @@ from specdec.serving.cli import (
     serve,
     server_config,
 )
+from specdec.serving.flags import add_draft_flags, add_k_limit_flag, add_synthetic_hit_rate_flag
 from specdec.serving.ngram import NgramConfig
 
 
@@ -29,25 +30,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", help="tokenizer directory (n-gram proposer)")
     parser.add_argument("--ngram-min", type=int, default=default_of(NgramConfig, "min_n"))
     parser.add_argument("--ngram-max", type=int, default=default_of(NgramConfig, "max_n"))
-    parser.add_argument("--q-form", choices=["dense", "sparse"], default=d("q_form"))
-    parser.add_argument("--support-size", type=int, default=d("support_size"))
-    parser.add_argument("--max-num-draft-tokens", type=int, default=d("max_num_draft_tokens"))
+    add_k_limit_flag(parser, d)
     parser.add_argument("--max-requests", type=int, default=d("max_requests"), help="n-gram only")
-    parser.add_argument("--draft-ahead", type=int, default=d("draft_ahead"), metavar="F",
-                        help="guesses per accepted count drafted ahead (0: off)")  # fmt: skip
-    parser.add_argument("--draft-ahead-backup", choices=["auto", "always", "never"],
-                        default=d("draft_ahead_backup"),
-                        help="with --draft-ahead: a miss takes a backup proposal of no drafts "
-                             "(auto: where that commits more tokens per second)")  # fmt: skip
+    add_draft_flags(parser, d)
     parser.add_argument("--draft-ahead-slots", type=int, default=d("draft_ahead_slots"),
                         help="of --max-slots, the KV slots kept for draft-ahead")  # fmt: skip
-    parser.add_argument("--saguaro-scale", type=float, default=d("saguaro_scale"), metavar="C",
-                        help="with --draft-ahead: sample drafts from q with its F + 1 most likely "
-                             "tokens scaled by C in (0, 1] (Saguaro sampling; 1: off), so "
-                             "chains hit at temperature > 0; exact")  # fmt: skip
-    parser.add_argument("--synthetic-hit-rate", type=float, default=d("synthetic_hit_rate"),
-                        help="BENCHMARKING ONLY: the share of asks that find a chain drafted "
-                             "ahead, whatever the verdict")  # fmt: skip
+    add_synthetic_hit_rate_flag(parser, d)
     parser.add_argument("--stand-in", metavar="TIMES_JSON", default=d("stand_in"),
                         help="BENCHMARKING ONLY: no model and no GPU; each forward waits the "
                              "time measured by `python -m draft_service.stand_in` (greedy "

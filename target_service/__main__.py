@@ -16,6 +16,7 @@ from specdec.serving.cli import (
     serve,
     server_config,
 )
+from specdec.serving.flags import add_k_limit_flag, add_synthetic_length_flag, add_target_flags
 from target_service.config import TargetConfig
 from target_service.server import start
 from target_service.synthetic import SyntheticAcceptance
@@ -29,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = partial(default_of, TargetConfig)
     add_server_args(parser, default_port=50052)
     add_runner_args(parser)
-    parser.add_argument("--max-num-draft-tokens", type=int, default=d("max_num_draft_tokens"))
+    add_k_limit_flag(parser, d)
     parser.add_argument(
         "--max-support-size",
         type=int,
@@ -42,13 +43,6 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=d("draft_wait_s"),
         help="how long to wait for the draft at --draft-address",
-    )
-    parser.add_argument(
-        "--draft-deadline-ms",
-        type=float,
-        default=d("draft_deadline_s") * 1e3,
-        help="a Propose the draft has not answered after this long (or 10 times its median "
-        "round trip, if longer) is given up: that step decodes at k = 0",
     )
     parser.add_argument(
         "--draft-tls-root-cert",
@@ -68,24 +62,12 @@ def build_parser() -> argparse.ArgumentParser:
             default=d(f"draft_tls_client_{part}"),
             help=f"PEM client {part} presented to a draft that requires one (mutual TLS)",
         )
-    parser.add_argument(
-        "--sampler-impl", choices=["auto", "triton", "torch"], default=d("sampler_impl")
+    add_target_flags(parser, d)
+    g = parser.add_argument_group(
+        "synthetic acceptance", f"{BENCHMARK_ONLY} Their k is --synthetic-num-draft-tokens."
     )
-    parser.add_argument(
-        "--dynamic-speculation",
-        action=argparse.BooleanOptionalAction,
-        default=d("dynamic_speculation"),
-        help="choose each step's k (0 included) from the measured acceptance and step times; "
-        "a request's own k is the upper bound",
-    )
-    g = parser.add_argument_group("synthetic acceptance", BENCHMARK_ONLY)
     rates = g.add_mutually_exclusive_group()
-    rates.add_argument(
-        "--synthetic-acceptance-length",
-        type=float,
-        metavar="L",
-        help=f"mean acceptance length in [1, k + 1]. {BENCHMARK_ONLY}",
-    )
+    add_synthetic_length_flag(rates)  # for k = --synthetic-num-draft-tokens
     rates.add_argument(
         "--synthetic-rates",
         metavar="R1,R2,...",

@@ -32,7 +32,17 @@ from orchestrator.launch.preflight import check_before_ray
 from orchestrator.launch.supervisor import follow_parent, is_child, run_in_child
 from specdec.defaults import default_of
 from specdec.serving.auth import read_api_key_file
-from specdec.serving.flags import add_listen_flags, add_runner_flags, add_stop_flags, add_tls_flags
+from specdec.serving.flags import (
+    add_draft_flags,
+    add_k_limit_flag,
+    add_listen_flags,
+    add_runner_flags,
+    add_stop_flags,
+    add_synthetic_hit_rate_flag,
+    add_synthetic_length_flag,
+    add_target_flags,
+    add_tls_flags,
+)
 
 PROG = "specdec"
 
@@ -50,52 +60,16 @@ def _services_args(parser: argparse.ArgumentParser) -> None:
                    help="split the target over N GPUs of one node (tensor parallelism; N "
                         "divides its attention heads, KV heads and MLP width); the draft keeps "
                         "a GPU of its own, so a pair takes N + 1")  # fmt: skip
-    g.add_argument("--max-num-draft-tokens", type=int, default=d("max_num_draft_tokens"),
-                   help="largest k a request may ask for")  # fmt: skip
-    g.add_argument("--q-form", choices=["sparse", "dense"], default=d("q_form"),
-                   help="draft probabilities sent as the draft's top tokens (sparse, exact for "
-                        "what it sampled from) or over the whole vocabulary (dense)")  # fmt: skip
-    g.add_argument("--support-size", type=int, default=d("support_size"),
-                   help="sparse q: the draft's top tokens sent per draft position")  # fmt: skip
-    g.add_argument("--sampler-impl", choices=["auto", "triton", "torch"],
-                   default=d("sampler_impl"),
-                   help="the target's rejection sampler: Triton kernels or their pure-torch "
-                        "reference (auto: Triton on a GPU)")  # fmt: skip
-    g.add_argument("--draft-ahead", type=int, default=d("draft_ahead"), metavar="F",
-                   help="draft-ahead: while the target verifies, the draft drafts the next "
-                        "step for its F best guesses of each verdict (0: off)")  # fmt: skip
-    g.add_argument("--draft-ahead-backup", choices=["auto", "always", "never"],
-                   default=d("draft_ahead_backup"),
-                   help="with --draft-ahead: a request whose verdict was not drafted ahead "
-                        "takes a backup step of no drafts instead of making the whole step "
-                        "wait (auto: where that commits more tokens per second; seeded "
-                        "sampled requests never do)")  # fmt: skip
-    g.add_argument("--dynamic-speculation", action=argparse.BooleanOptionalAction,
-                   default=d("dynamic_speculation"),
-                   help="the target chooses each step's k (0 included) from the measured "
-                        "acceptance and step times; a request's k is the upper bound, and a "
-                        "sampled request with its own seed keeps its k")  # fmt: skip
-    g.add_argument("--draft-deadline-ms", type=float, metavar="MS",
-                   default=d("draft_deadline_s") * 1e3,
-                   help="a draft that has not answered a step's Propose after this long (or "
-                        "10 times its median round trip, if longer) is given up for that step: "
-                        "its requests decode at k = 0 until it answers again")  # fmt: skip
-    g.add_argument("--saguaro-scale", type=float, default=d("saguaro_scale"), metavar="C",
-                   help="with --draft-ahead: the draft samples from its q with the F + 1 "
-                        "tokens it guesses scaled by C in (0, 1] and sends that q (Saguaro "
-                        "sampling: exact, and chains hit more often at temperature > 0; "
-                        "1: off)")  # fmt: skip
+    add_k_limit_flag(g, d)
+    add_draft_flags(g, d)
+    add_target_flags(g, d)
     b = parser.add_argument_group(
-        "benchmarking only", "The served output is NOT distributed as the target's."
+        "benchmarking only",
+        "The served output is NOT distributed as the target's. "
+        "--synthetic-acceptance-length's k is --num-draft-tokens.",
     )
-    b.add_argument("--synthetic-acceptance-length", type=float, metavar="L",
-                   default=d("synthetic_acceptance_length"),
-                   help="BENCHMARKING ONLY: the target accepts drafts at mean acceptance "
-                        "length L in [1, k + 1] for k = --num-draft-tokens")  # fmt: skip
-    b.add_argument("--synthetic-hit-rate", type=float, metavar="H",
-                   default=d("synthetic_hit_rate"),
-                   help="BENCHMARKING ONLY, with --draft-ahead: the draft finds a chain drafted "
-                        "ahead for this share of its asks, whatever the verdict")  # fmt: skip
+    add_synthetic_length_flag(b)
+    add_synthetic_hit_rate_flag(b, d)
     b.add_argument("--draft-stand-in", type=Path, metavar="TIMES_JSON",
                    default=d("draft_stand_in"),
                    help="BENCHMARKING ONLY, with --synthetic-acceptance-length: the draft "

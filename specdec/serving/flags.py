@@ -70,3 +70,71 @@ def add_runner_flags(
                        default=list(defaults("cuda_graph_batch_sizes")),
                        help="batch sizes whose steps are captured as CUDA graphs (GPU "
                             "only)")  # fmt: skip
+
+
+def add_k_limit_flag(group: Group, defaults: Defaults) -> None:
+    """--max-num-draft-tokens: the largest k a service (and so a request) takes."""
+    group.add_argument("--max-num-draft-tokens", type=int, metavar="K",
+                       default=defaults("max_num_draft_tokens"),
+                       help="largest k a request may ask for")  # fmt: skip
+
+
+def add_target_flags(group: Group, defaults: Defaults) -> None:
+    """The target service's: its sampler, dynamic speculation and its deadline for the draft."""
+    group.add_argument("--sampler-impl", choices=["auto", "triton", "torch"],
+                       default=defaults("sampler_impl"),
+                       help="the target's rejection sampler: Triton kernels or their pure-torch "
+                            "reference (auto: Triton on a GPU)")  # fmt: skip
+    group.add_argument("--dynamic-speculation", action=argparse.BooleanOptionalAction,
+                       default=defaults("dynamic_speculation"),
+                       help="the target chooses each step's k (0 included) from the measured "
+                            "acceptance and step times; a request's k is the upper bound, and a "
+                            "sampled request with its own seed keeps its k")  # fmt: skip
+    group.add_argument("--draft-deadline-ms", type=float, metavar="MS",
+                       default=defaults("draft_deadline_s") * 1e3,
+                       help="a draft that has not answered a step's Propose after this long "
+                            "(or 10 times its median round trip, if longer) is given up for "
+                            "that step: its requests decode at k = 0 until it answers "
+                            "again")  # fmt: skip
+
+
+def add_draft_flags(group: Group, defaults: Defaults) -> None:
+    """The draft service's: the form of q it sends, and draft-ahead."""
+    group.add_argument("--q-form", choices=["sparse", "dense"], default=defaults("q_form"),
+                       help="draft probabilities sent as the draft's top tokens (sparse, exact "
+                            "for what it sampled from) or over the whole vocabulary "
+                            "(dense)")  # fmt: skip
+    group.add_argument("--support-size", type=int, default=defaults("support_size"),
+                       help="sparse q: the draft's top tokens sent per draft position")  # fmt: skip
+    group.add_argument("--draft-ahead", type=int, default=defaults("draft_ahead"), metavar="F",
+                       help="draft-ahead: while the target verifies, the draft drafts the next "
+                            "step for its F best guesses of each verdict (0: off)")  # fmt: skip
+    group.add_argument("--draft-ahead-backup", choices=["auto", "always", "never"],
+                       default=defaults("draft_ahead_backup"),
+                       help="with --draft-ahead: a request whose verdict was not drafted ahead "
+                            "takes a backup step of no drafts instead of making the whole step "
+                            "wait (auto: where that commits more tokens per second; seeded "
+                            "sampled requests never do)")  # fmt: skip
+    group.add_argument("--saguaro-scale", type=float, default=defaults("saguaro_scale"),
+                       metavar="C",
+                       help="with --draft-ahead: the draft samples from its q with the F + 1 "
+                            "tokens it guesses scaled by C in (0, 1] and sends that q (Saguaro "
+                            "sampling: exact, and chains hit more often at temperature > 0; "
+                            "1: off)")  # fmt: skip
+
+
+def add_synthetic_length_flag(group: Group) -> None:
+    """--synthetic-acceptance-length (BENCHMARKING ONLY, default off); which k it is for, the
+    group says."""
+    group.add_argument("--synthetic-acceptance-length", type=float, metavar="L",
+                       help="BENCHMARKING ONLY: the target accepts drafts at mean acceptance "
+                            "length L in [1, k + 1]")  # fmt: skip
+
+
+def add_synthetic_hit_rate_flag(group: Group, defaults: Defaults) -> None:
+    """--synthetic-hit-rate (BENCHMARKING ONLY)."""
+    group.add_argument("--synthetic-hit-rate", type=float, metavar="H",
+                       default=defaults("synthetic_hit_rate"),
+                       help="BENCHMARKING ONLY, with --draft-ahead: the draft finds a chain "
+                            "drafted ahead for this share of its asks, whatever the "
+                            "verdict")  # fmt: skip

@@ -173,22 +173,33 @@ def test_every_flag_has_help_and_shows_its_default() -> None:
 
 
 def test_the_flags_a_service_takes_too_are_declared_once() -> None:
-    """--host, --port, --tls-*, --grace-s, --drain-s, --device, --dtype, --max-seq-len and
-    --cuda-graph-batch-sizes come from specdec.serving.flags in `specdec serve` and in every
-    service's main: one help each (serve's --device and --dtype explain their "auto" too)."""
-    from specdec.serving.cli import add_runner_args, add_server_args
+    """Every flag `specdec serve` shares with a service's main (python -m draft_service or
+    target_service) comes from specdec.serving.flags: one help each (serve's --device and
+    --dtype explain their "auto" too)."""
+    from draft_service.__main__ import build_parser as draft_parser
+    from target_service.__main__ import build_parser as target_parser
 
-    service = argparse.ArgumentParser()
-    add_server_args(service, default_port=50051)
-    add_runner_args(service)
     serve = _subparsers()["serve"]
-    helps = [{o: a.help for a in p._actions for o in a.option_strings} for p in (serve, service)]
-    shared = sorted(helps[0].keys() & helps[1].keys() - {"-h", "--help"})
-    assert shared == ["--cuda-graph-batch-sizes", "--device", "--drain-s", "--dtype", "--grace-s",
-                      "--host", "--max-seq-len", "--port", "--tls-cert", "--tls-client-ca",
-                      "--tls-key"]  # fmt: skip
-    for flag in shared:
-        assert str(helps[0][flag]).startswith(str(helps[1][flag])), flag
+    common = ["--cuda-graph-batch-sizes", "--device", "--drain-s", "--dtype", "--grace-s",
+              "--host", "--max-num-draft-tokens", "--max-seq-len", "--port", "--tls-cert",
+              "--tls-client-ca", "--tls-key"]  # fmt: skip
+    own = {
+        "draft": ["--draft-ahead", "--draft-ahead-backup", "--q-form", "--saguaro-scale",
+                  "--support-size", "--synthetic-hit-rate"],
+        "target": ["--draft-deadline-ms", "--dynamic-speculation", "--no-dynamic-speculation",
+                   "--sampler-impl", "--synthetic-acceptance-length"],
+    }  # fmt: skip
+    # spelled alike, meant otherwise: the draft main's --max-requests caps its n-gram requests
+    # (serve's: the KV slots of a pair), its --proposer picks model or n-gram (serve's: a
+    # request's default)
+    unlike = {"--max-requests", "--proposer", "-h", "--help"}
+    for role, service in (("draft", draft_parser()), ("target", target_parser())):
+        helps = [{o: a.help for a in p._actions for o in a.option_strings}
+                 for p in (serve, service)]  # fmt: skip
+        shared = sorted(helps[0].keys() & helps[1].keys() - unlike)
+        assert shared == sorted(common + own[role]), role
+        for flag in shared:
+            assert str(helps[0][flag]).startswith(str(helps[1][flag])), (role, flag)
 
 
 @pytest.mark.parametrize("command", ["serve", "generate", "demo"])
