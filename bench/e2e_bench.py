@@ -129,13 +129,14 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "graph_sizes": [b for b in GRAPH_SIZES if b <= max_slots],
         "ctx": args.prompt_len + args.warmup + args.steps,
         "serve": args.serve,
+        "pair": "smoke" if args.smoke else args.pair,
+        "target_tp": args.target_tensor_parallel,
     }
     if args.serve:  # every service, Pipeline rows included, gets room for the serve rows
         out |= {
             "serve_lengths": args.serve_lengths,
             "serve_hit_rates": args.serve_hit_rates,
             "serve_placements": args.serve_placements,
-            "serve_target_tp": args.serve_target_tensor_parallel,
             "serve_dynamic": args.serve_dynamic,
             "serve_stand_in": args.serve_stand_in,
             "serve_stand_in_lockstep": args.serve_stand_in_lockstep,
@@ -173,6 +174,8 @@ def target_service(
     flags += ["--draft-address", draft.address, "--draft-wait-s", str(args.start_timeout_s)]
     if s["target_device"] == "cpu":  # the Triton interpreter would take about 1 s per step
         flags += ["--sampler-impl", "torch"]
+    if s.get("target_tp", 1) > 1:
+        flags += ["--tensor-parallel", str(s["target_tp"])]
     if length is not None:
         flags += [
             "--synthetic-acceptance-length",
@@ -247,6 +250,7 @@ def diagnose(s: dict[str, Any], greedy: dict[str, Any], args: argparse.Namespace
         "max_slots": s["max_slots"],
         "max_seq_len": s["max_seq_len"],
         "graph_sizes": list(GRAPH_SIZES),  # those up to max_slots, as the service captures
+        "target_tp": s.get("target_tp", 1),
         "num_draft_tokens": greedy["num_draft_tokens"],
         "prompts": prompts(greedy["batch"], s["prompt_len"], s["vocab_size"], 1),
         "target_only": greedy["target_only"],
@@ -280,7 +284,7 @@ def measure_all(result: dict[str, Any], args: argparse.Namespace) -> None:
         prep = child("prepare", job, args.log_dir)
         progress.tick()
         s |= {k: prep[k] for k in ("paths", "draft_device", "target_device")}
-        s["vocab_size"] = e2e_models.plan(args.smoke)["target"][1]["vocab_size"]
+        s["vocab_size"] = e2e_models.plan(args.smoke, s["pair"])["target"][2]["vocab_size"]
         s["models"] = {role: Path(path).name for role, path in s["paths"].items()}
         result["environment"] = prep["environment"]
         result["inprocess_ms"] = {"target": prep["target_ms"], "draft": prep["draft_ms"]}
@@ -403,12 +407,19 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "GPU each); default: both with two GPUs or more, else shared",
     )
     p.add_argument(
-        "--serve-target-tensor-parallel",
+        "--target-tensor-parallel",
         type=int,
         default=1,
         metavar="N",
-        help="the serve rows' target over N GPUs (specdec serve --target-tensor-parallel), "
-        "the draft on one more: the split placement on N + 1 GPUs",
+        help="the target over N GPUs in every row (tensor parallelism: in-process on cuda:1 "
+        "to cuda:N, the draft on cuda:0; specdec serve --target-tensor-parallel N): N + 1 GPUs",
+    )
+    p.add_argument(
+        "--pair",
+        choices=sorted(e2e_models.PAIRS),
+        default=e2e_models.DEFAULT_PAIR,
+        help="the shapes of target and draft (random weights): "
+        + "; ".join(f"{name}: {t} / {d}" for name, (t, d) in sorted(e2e_models.PAIRS.items())),
     )
     p.add_argument("--serve-steps", type=int, help="timed steps per serve row (window)")
     p.add_argument("--ttft-prompt-len", type=int, help="prompt tokens of the TTFT requests")

@@ -33,10 +33,16 @@ from bench.runner_bench import prefill, runner_step_ms, timed
 from specdec.runner import ForwardItem, ModelRunner, RunnerConfig
 
 
-def devices(smoke: bool) -> tuple[str, str]:
-    """(draft device, target device): two GPUs where there are, one shared otherwise."""
+def devices(smoke: bool, target_tp: int = 1) -> tuple[str, str]:
+    """(draft device, target device): two GPUs where there are, one shared otherwise; a
+    target over `target_tp` > 1 GPUs starts at cuda:1 (its ranks on cuda:1 .. cuda:N)."""
     if smoke or not torch.cuda.is_available():
         return "cpu", "cpu"
+    if target_tp > 1 and torch.cuda.device_count() < target_tp + 1:
+        raise ValueError(
+            f"a target over {target_tp} GPUs and its draft need {target_tp + 1}; this machine "
+            f"has {torch.cuda.device_count()}."
+        )
     return "cuda:0", ("cuda:1" if torch.cuda.device_count() >= 2 else "cuda:0")
 
 
@@ -71,7 +77,9 @@ def environment() -> dict[str, Any]:
     }
 
 
-def _load(path: str, device: str, dtype: str, slots: int, seq: int, sizes: list[int]) -> Any:
+def _load(
+    path: str, device: str, dtype: str, slots: int, seq: int, sizes: list[int], tp: int = 1
+) -> Any:
     graphs = tuple(s for s in sizes if s <= slots) if device.startswith("cuda") else ()
     config = RunnerConfig(
         path,
@@ -80,6 +88,7 @@ def _load(path: str, device: str, dtype: str, slots: int, seq: int, sizes: list[
         max_slots=slots,
         max_seq_len=seq,
         cuda_graph_batch_sizes=graphs,
+        tensor_parallel=tp,
     )
     return ModelRunner.load(config)
 
@@ -91,7 +100,7 @@ def _free(dev: torch.device) -> None:
 
 
 def graph_ms(
-    job: dict[str, Any], path: str, device: str, ns: list[int], prefill_len: int = 0
+    job: dict[str, Any], path: str, device: str, ns: list[int], prefill_len: int = 0, tp: int = 1
 ) -> dict[str, float]:
     """ "n,b" → mean ms of one graph step of b requests × n tokens at job["ctx"] tokens of KV;
     with `prefill_len`, also "prefill,N": one request's N-token prompt in one `forward` (its
@@ -103,7 +112,7 @@ def graph_ms(
     them."""
     batches, ctx = job["batches"], job["ctx"]
     slots, seq = max(batches) + (1 if prefill_len else 0), max(ctx + 64, prefill_len + 1)
-    runner = _load(path, device, job["dtype"], slots, seq, job["graph_sizes"])
+    runner = _load(path, device, job["dtype"], slots, seq, job["graph_sizes"], tp)
     dev = torch.device(device)
     ids = prefill(runner, max(batches), ctx, dev)
     out = {}
@@ -116,6 +125,7 @@ def graph_ms(
             runner, prefill_len, dev, job["iters"], False
         )
         out[f"prefill_idle,{prefill_len}"] = prefill_idle_ms(runner, prefill_len, dev, job["iters"])
+    runner.close()  # a tensor-parallel target's other ranks
     del runner
     _free(dev)
     return out
@@ -166,8 +176,10 @@ def prefill_idle_ms(runner: ModelRunner, n: int, dev: torch.device, iters: int) 
 
 
 def prepare(job: dict[str, Any]) -> dict[str, Any]:
-    draft_dev, target_dev = devices(job["smoke"])
-    paths = e2e_models.build(Path(job["cache"]), job["smoke"], target_dev)
+    tp = job.get("target_tp", 1)
+    draft_dev, target_dev = devices(job["smoke"], tp)
+    pair = job.get("pair", e2e_models.DEFAULT_PAIR)
+    paths = e2e_models.build(Path(job["cache"]), job["smoke"], target_dev, pair)
     _free(torch.device(target_dev))
     k = job["num_draft_tokens"]
     return {
@@ -176,7 +188,7 @@ def prepare(job: dict[str, Any]) -> dict[str, Any]:
         "target_device": target_dev,
         "paths": paths,
         "target_ms": graph_ms(
-            job, paths["target"], target_dev, [1, k + 1], job.get("prefill_len", 0)
+            job, paths["target"], target_dev, [1, k + 1], job.get("prefill_len", 0), tp
         ),
         "draft_ms": graph_ms(job, paths["draft"], draft_dev, [1]),
     }
@@ -261,7 +273,7 @@ def diagnose(job: dict[str, Any]) -> dict[str, Any]:
     """Each divergence's two logits rows (see the module's docstring) and their verdict."""
     runner = _load(
         job["path"], job["device"], job["dtype"], job["max_slots"], job["max_seq_len"],
-        job["graph_sizes"],
+        job["graph_sizes"], job.get("target_tp", 1),
     )  # fmt: skip
     prompts, k = job["prompts"], job["num_draft_tokens"]
     plain, spec = job["target_only"], job["speculative"]

@@ -9,6 +9,11 @@ their real loading path. A finished checkpoint is reused: `spec.json` records wh
 
 `--smoke` uses a tiny pair instead, whose draft is the target plus noise, so drafts are
 accepted often enough to exercise the acceptance path of the greedy check.
+
+`--pair` picks larger shapes for a target split over several GPUs (`PAIRS`): Llama-3.1-70B with
+Llama-3.2-1B, or Qwen2.5-32B with Qwen2.5-0.5B. Those are written tensor by tensor (`_stream`):
+a 70B model is 141 GB, more than a GPU or the host's memory would hold at once, and no
+checkpoint ever needs to be in memory whole, since the services read their slices of it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,25 @@ from typing import Any
 from bench.runner_bench import MODELS, SMOKE
 
 TARGET, DRAFT = "Llama-3.1-8B", "Llama-3.2-1B"
+QWEN_ROPE = dict(rope_theta=1000000.0, max_position_embeddings=32768, rms_norm_eps=1e-6)
+# the larger shapes, from their config.json: (config class, arguments)
+LARGE: dict[str, tuple[str, dict[str, Any]]] = {
+    "Llama-3.1-70B": ("LlamaConfig", MODELS[TARGET] | dict(
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+        num_key_value_heads=8)),
+    # one tokenizer for the pair (151,665 ids), each embedding padded as released
+    "Qwen2.5-32B": ("Qwen2Config", QWEN_ROPE | dict(
+        vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_hidden_layers=64,
+        num_attention_heads=40, num_key_value_heads=8, tie_word_embeddings=False)),
+    "Qwen2.5-0.5B": ("Qwen2Config", QWEN_ROPE | dict(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)),
+}  # fmt: skip
+QWEN_TOKENIZER_VOCAB = 151665
+# pair name -> (target, draft)
+PAIRS = {"8b": (TARGET, DRAFT), "70b": ("Llama-3.1-70B", DRAFT), "32b": ("Qwen2.5-32B",
+         "Qwen2.5-0.5B")}  # fmt: skip
+DEFAULT_PAIR = "8b"
 SMOKE_TARGET, SMOKE_DRAFT = "smoke-target", "smoke-draft"
 SPEC_FILE = "spec.json"
 # the checkpoints' default folder: one per user, since a cache another user wrote is not this
@@ -44,20 +68,32 @@ def tokenizer(vocab_size: int) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
 
 
-def plan(smoke: bool) -> dict[str, tuple[str, dict[str, Any], dict[str, Any]]]:
-    """role → (checkpoint name, LlamaConfig arguments, how the weights are made)."""
+def plan(
+    smoke: bool, pair: str = DEFAULT_PAIR
+) -> dict[str, tuple[str, str, dict[str, Any], dict[str, Any]]]:
+    """role → (checkpoint name, config class, its arguments, how the weights are made)."""
     if smoke:
         spec = dict(SMOKE)
         made = {"std": SMOKE_INIT_STD, "seed": 0, "dtype": "float32"}
         return {
-            "target": (SMOKE_TARGET, spec, made),
-            "draft": (SMOKE_DRAFT, spec, made | {"noise": SMOKE_DRAFT_NOISE}),
+            "target": (SMOKE_TARGET, "LlamaConfig", spec, made),
+            "draft": (SMOKE_DRAFT, "LlamaConfig", spec, made | {"noise": SMOKE_DRAFT_NOISE}),
         }
     made = {"std": INIT_STD, "dtype": "bfloat16"}
-    return {
-        "target": (TARGET, MODELS[TARGET], made | {"seed": 0}),
-        "draft": (DRAFT, MODELS[DRAFT], made | {"seed": 1}),
-    }
+    out = {}
+    for seed, (role, name) in enumerate(zip(("target", "draft"), PAIRS[pair], strict=True)):
+        family, spec = LARGE.get(name, ("LlamaConfig", MODELS.get(name, {})))
+        how = made | {"seed": seed}
+        if pair != DEFAULT_PAIR:  # written tensor by tensor, one tokenizer for both
+            how |= {"stream": True, "tokenizer_vocab": _tokenizer_vocab(pair)}
+        out[role] = (name, family, spec, how)
+    return out
+
+
+def _tokenizer_vocab(pair: str) -> int:
+    """The pair's one tokenizer's size: the smaller embedding's, at most the released one's."""
+    sizes = [(LARGE.get(n, ("", MODELS.get(n, {})))[1]["vocab_size"]) for n in PAIRS[pair]]
+    return min([*sizes, QWEN_TOKENIZER_VOCAB] if pair == "32b" else sizes)
 
 
 def _ready(path: Path, record: dict[str, Any]) -> bool:
@@ -65,12 +101,13 @@ def _ready(path: Path, record: dict[str, Any]) -> bool:
     return spec.is_file() and json.loads(spec.read_text()) == record
 
 
-def _random_model(spec: dict[str, Any], made: dict[str, Any], device: str) -> Any:
+def _random_model(family: str, spec: dict[str, Any], made: dict[str, Any], device: str) -> Any:
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig
+    import transformers
+    from transformers import AutoModelForCausalLM
 
-    config = LlamaConfig(**spec)
-    config.architectures = ["LlamaForCausalLM"]
+    config = getattr(transformers, family)(**spec)
+    config.architectures = [family.replace("Config", "ForCausalLM")]
     dtype = getattr(torch, made["dtype"])
     with torch.device(device):  # built in place where transformers honours the context
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval().to(device)
@@ -88,20 +125,81 @@ def _random_model(spec: dict[str, Any], made: dict[str, Any], device: str) -> An
     return model
 
 
-def build(cache: Path, smoke: bool, device: str) -> dict[str, str]:
+SHARD_BYTES = 4 << 30  # the streamed checkpoints' files
+
+
+def _stream(
+    family: str,
+    spec: dict[str, Any],
+    made: dict[str, Any],
+    device: str,
+    out: Path,
+    shard_bytes: int = SHARD_BYTES,
+) -> None:
+    """A random checkpoint written tensor by tensor into files of about SHARD_BYTES: the
+    model's names and shapes from a model on the meta device; matrices normal(0, std), norms
+    1, biases 0; generated on `device`."""
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    config = getattr(transformers, family)(**spec)
+    config.architectures = [family.replace("Config", "ForCausalLM")]
+    config.torch_dtype = made["dtype"]
+    with torch.device("meta"):
+        meta = AutoModelForCausalLM.from_config(config)
+    shapes = {name: tuple(p.shape) for name, p in meta.state_dict().items()}
+    if config.tie_word_embeddings:
+        shapes.pop("lm_head.weight", None)
+    dtype = getattr(torch, made["dtype"])
+    gen = torch.Generator(device=device).manual_seed(made["seed"])
+    out.mkdir(parents=True)
+    config.save_pretrained(str(out))
+    shard: dict[str, torch.Tensor] = {}
+    size, index = 0, 0
+
+    def flush() -> None:
+        nonlocal shard, size, index
+        if shard:
+            save_file(shard, str(out / f"model-{index:05d}.safetensors"), {"format": "pt"})
+            shard, size, index = {}, 0, index + 1
+
+    for name, shape in shapes.items():
+        if len(shape) >= 2:
+            t = torch.empty(shape, dtype=dtype, device=device).normal_(0.0, made["std"],
+                                                                       generator=gen)  # fmt: skip
+        elif name.endswith("norm.weight"):
+            t = torch.ones(shape, dtype=dtype, device=device)
+        else:  # biases
+            t = torch.zeros(shape, dtype=dtype, device=device)
+        shard[name] = t.cpu()
+        size += t.numel() * t.element_size()
+        if size >= shard_bytes:
+            flush()
+    flush()
+
+
+def build(cache: Path, smoke: bool, device: str, pair: str = DEFAULT_PAIR) -> dict[str, str]:
     """role → checkpoint directory, building what `cache` does not already hold."""
     paths = {}
-    for role, (name, spec, made) in plan(smoke).items():
-        path = cache / name
+    for role, (name, family, spec, made) in plan(smoke, pair).items():
+        # a streamed checkpoint of the default pair's draft is not the default pair's
+        path = cache / (name if smoke or pair == DEFAULT_PAIR else f"{pair}-{name}")
         record = {"spec": spec, "made": made}
+        if family != "LlamaConfig":
+            record["family"] = family
         if not _ready(path, record):
             partial = path.with_name(path.name + ".partial")
             shutil.rmtree(partial, ignore_errors=True)
-            model = _random_model(spec, made, device)
-            model.save_pretrained(str(partial))
-            tokenizer(spec["vocab_size"]).save_pretrained(str(partial))
+            if made.get("stream"):
+                _stream(family, spec, made, device, partial)
+            else:
+                model = _random_model(family, spec, made, device)
+                model.save_pretrained(str(partial))
+                del model
+            tokenizer(made.get("tokenizer_vocab", spec["vocab_size"])).save_pretrained(str(partial))
             (partial / SPEC_FILE).write_text(json.dumps(record))
-            del model
             shutil.rmtree(path, ignore_errors=True)
             partial.rename(path)
         paths[role] = str(path)

@@ -641,5 +641,5 @@ def write(result: dict[str, Any], out: Path, stem_name: str | None = None) -> Pa
 
 def _tp(settings: dict[str, Any]) -> str:
     """How the serve rows' target is split, where it is."""
-    tp = settings.get("serve_target_tp", 1)
-    return f"; the serve rows' target over {tp} GPUs, tensor-parallel" if tp > 1 else ""
+    tp = settings.get("target_tp", 1)
+    return f", split over {tp} tensor-parallel ranks" if tp > 1 else ""

@@ -107,13 +107,15 @@ def serve_args(
         "--grace-s": "1",
     }
     out = ["serve", *(x for pair in flags.items() for x in pair)]
+    tp = s.get("target_tp", 1)
+    if tp > 1:
+        out += ["--target-tensor-parallel", str(tp)]
     if cpu:  # the Triton interpreter would take about 1 s per step
         out += ["--sampler-impl", "torch", "--num-cpus", "4"]
     else:
         out += ["--cuda-graph-batch-sizes", *map(str, s["graph_sizes"])]
-        tp = s.get("serve_target_tp", 1)
         if tp > 1:  # the target over tp GPUs, the draft (or its stand-in) on one more
-            out += ["--target-tensor-parallel", str(tp), "--num-gpus", str(tp + 1)]
+            out += ["--num-gpus", str(tp + 1)]
         elif placement == "shared":
             out += ["--num-gpus", "1"]
     if length is not None:  # BENCHMARKING ONLY
@@ -527,11 +529,13 @@ def seq_len_needed(s: dict[str, Any]) -> int:
 def placements(result: dict[str, Any]) -> list[str]:
     """The serve rows' placements: as asked, else "shared" and, with two GPUs or more, "split"."""
     s, gpus = result["settings"], result["environment"]["gpu_count"]
-    tp = s.get("serve_target_tp", 1)
+    tp = s.get("target_tp", 1)
+    if tp > 1 and s["target_device"] == "cpu":  # processes, no GPUs to place
+        return ["shared"]
     if tp > 1:  # a tensor-parallel target is never shared with its draft
         if (s.get("serve_placements") or ["split"]) != ["split"] or gpus < tp + 1:
             raise ValueError(
-                f"--serve-target-tensor-parallel {tp} runs the split placement only, on "
+                f"--target-tensor-parallel {tp} runs the split placement only, on "
                 f"{tp + 1} GPUs; this machine has {gpus}."
             )
         return ["split"]

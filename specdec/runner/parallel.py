@@ -54,9 +54,11 @@ RANK_LOST_EXIT = 70  # rank 0's exit status when another rank died (EX_SOFTWARE)
 
 
 def rank_config(config: RunnerConfig, rank: int) -> RunnerConfig:
-    """Rank `rank`'s runner config: its own GPU (index `rank` of those visible) on CUDA."""
-    if torch.device(config.device).type == "cuda":
-        return replace(config, device=f"cuda:{rank}")
+    """Rank `rank`'s runner config: on CUDA its own GPU, the `rank`-th from the configured one
+    ("cuda" or "cuda:0": GPUs 0 .. N-1 of those visible; "cuda:1": 1 .. N)."""
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        return replace(config, device=f"cuda:{(device.index or 0) + rank}")
     return config
 
 
@@ -269,12 +271,13 @@ def check_launchable(config: RunnerConfig) -> None:
     from specdec.runner.loader import check_tensor_parallel_checkpoint
 
     check_tensor_parallel_checkpoint(config)
-    if torch.device(config.device).type == "cuda":
-        have = torch.cuda.device_count()
-        if have < config.tensor_parallel:
+    device = torch.device(config.device)
+    if device.type == "cuda":
+        have, last = torch.cuda.device_count(), (device.index or 0) + config.tensor_parallel
+        if have < last:
             raise ValueError(
-                f"tensor_parallel={config.tensor_parallel} needs that many GPUs; this process "
-                f"sees {have}."
+                f"tensor_parallel={config.tensor_parallel} from {device} needs GPUs up to "
+                f"cuda:{last - 1}; this process sees {have}."
             )
 
 

@@ -70,7 +70,7 @@ def test_greedy_verdict_and_its_report() -> None:
 
 def test_diagnose_replays_each_run_on_a_tiny_model(tmp_path: Path) -> None:
     path = e2e_models.build(tmp_path, True, "cpu")["target"]
-    vocab = e2e_models.plan(True)["target"][1]["vocab_size"]
+    vocab = e2e_models.plan(True)["target"][2]["vocab_size"]
     batch, new, k = 3, 7, 4
     ps = prompts(batch, 5, vocab, 1)
     # transformers' own model, greedy on whole sequences, is the reference for both replays

@@ -111,7 +111,7 @@ def test_a_tensor_parallel_target_runs_split_on_n_plus_one_gpus(
     target, draft = checkpoints
     s = {"paths": {"target": str(target), "draft": str(draft)}, "target_device": "cuda:0",
          "dtype": "bfloat16", "max_slots": 8, "max_seq_len": 128, "num_draft_tokens": 4,
-         "graph_sizes": [1, 8], "serve_target_tp": 2, "serve_placements": None}  # fmt: skip
+         "graph_sizes": [1, 8], "target_tp": 2, "serve_placements": None}  # fmt: skip
     config = serve_config(parse_args(serve_args(s, 3.0, 1, 2, placement="split")))
     assert config.services.target_tensor_parallel == 2 and config.placement.num_gpus == 3
     assert placements({"settings": s, "environment": {"gpu_count": 4}}) == ["split"]

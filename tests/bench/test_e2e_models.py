@@ -1,0 +1,41 @@
+"""The system benchmark's checkpoints of the larger pairs: written tensor by tensor
+(`bench.e2e_models._stream`), loadable by the services' loader, one tokenizer for a pair."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench import e2e_models
+from specdec.runner import ForwardItem, ModelRunner, RunnerConfig
+
+
+def test_each_pair_names_shapes_a_tensor_parallel_split_takes() -> None:
+    from specdec.tensor_parallel import config_split_problem
+
+    for pair in ("70b", "32b"):
+        plans = e2e_models.plan(False, pair)
+        target, draft = plans["target"], plans["draft"]
+        assert target[3]["stream"] and target[3]["tokenizer_vocab"] == draft[3]["tokenizer_vocab"]
+        for world in (2, 4):
+            assert config_split_problem(target[2], world) is None, (pair, world)
+    assert e2e_models.plan(False, "32b")["target"][3]["tokenizer_vocab"] == 151665
+    assert "stream" not in e2e_models.plan(False, "8b")["target"][3]  # the cached 8B as before
+
+
+@pytest.mark.parametrize("family", ["LlamaConfig", "Qwen2Config"])
+def test_a_streamed_checkpoint_loads_on_the_fast_path(family: str, tmp_path: Path) -> None:
+    spec = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                tie_word_embeddings=family == "Qwen2Config")  # fmt: skip
+    made = {"std": 0.1, "dtype": "float32", "seed": 3, "stream": True}
+    out = tmp_path / "model"
+    e2e_models._stream(family, spec, made, "cpu", out, shard_bytes=4096)
+    e2e_models.tokenizer(90).save_pretrained(str(out))
+    assert len(list(out.glob("*.safetensors"))) > 1, "written in several files"
+    runner = ModelRunner.load(RunnerConfig(str(out), max_slots=1, max_seq_len=32))
+    assert runner.info.fast_path and runner.vocab_size == 96
+    runner.add_request("r")
+    logits = runner.forward([ForwardItem("r", [1, 2, 3], 1)])
+    assert logits.shape == (1, 96) and bool(logits.isfinite().all())
