@@ -4,6 +4,7 @@ draft options, and the PIT chi-square of sampled tokens against the target."""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -94,3 +95,21 @@ def pit_against_target(
     if (p[np.arange(len(token)), token] == 0).any():
         return 0.0
     return pit_pvalue(pit(token, p, seed=seed))
+
+
+class Seeds:
+    """Stands in for the `secrets` module where the orchestrator draws an unseeded request's
+    seed (orchestrator.core.requests): the same draws every run."""
+
+    def __init__(self, seed: int) -> None:
+        self._random = random.Random(seed)
+
+    def randbelow(self, n: int) -> int:
+        return self._random.randrange(n)
+
+
+def draw_seeds_from(monkeypatch: Any, seed: int) -> None:
+    """Unseeded requests' seeds from `Seeds(seed)` for the rest of the test."""
+    import orchestrator.core.requests
+
+    monkeypatch.setattr(orchestrator.core.requests, "secrets", Seeds(seed))

@@ -404,6 +404,36 @@ def health(stack: Stack) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
 
 
+def through_a_target_restart(
+    stack: Stack, prompt: list[int], n: int, proposers: tuple[str, ...], fault: Any
+) -> dict[str, Any]:
+    """One stream of `n` greedy tokens per proposer; once each has its first response,
+    `fault()` takes the target down: health turns NOT_SERVING (no pair has a target) and
+    SERVING again, and each stream's tokens (or its error) are returned."""
+    results: dict[str, Any] = {}
+    started = threading.Barrier(len(proposers) + 1)
+
+    def run(proposer: str) -> None:
+        calls = stack.stub.Generate(request(prompt, n, proposer, 3, request_id=proposer))
+        first = next(calls)
+        started.wait()
+        try:
+            results[proposer] = [t for r in (first, *calls) for t in r.token_ids]
+        except BaseException as e:
+            results[proposer] = e
+
+    threads = [threading.Thread(target=run, args=(p,)) for p in proposers]
+    for t in threads:
+        t.start()
+    started.wait()
+    fault()
+    eventually(lambda: health(stack) == "NOT_SERVING", timeout_s=30)
+    eventually(lambda: health(stack) == "SERVING", timeout_s=120)
+    for t in threads:
+        t.join(180)
+    return results
+
+
 def test_killed_target_restarts_and_its_requests_finish(stack: Stack) -> None:
     """Kill the target actor mid-generation: its requests wait for Ray to restart it, are
     admitted again from the orchestrator's records (prompt + committed tokens) and finish with
@@ -413,28 +443,8 @@ def test_killed_target_restarts_and_its_requests_finish(stack: Stack) -> None:
     expected = oracle(stack.target_dir, tuple(prompt), 150)
     pair = stack.orchestrator.placement.pairs[0]
     old_address = pair.target_address
-    results: dict[str, Any] = {}
-    started = threading.Barrier(4)
-
-    def run(proposer: str) -> None:
-        calls = stack.stub.Generate(request(prompt, 150, proposer, 3, request_id=proposer))
-        first = next(calls)
-        started.wait()
-        try:
-            rest = list(calls)
-            results[proposer] = [t for r in (first, *rest) for t in r.token_ids]
-        except BaseException as e:
-            results[proposer] = e
-
-    threads = [threading.Thread(target=run, args=(p,)) for p in ("draft", "ngram", "off")]
-    for t in threads:
-        t.start()
-    started.wait()
-    ray.kill(pair.target, no_restart=False)
-    eventually(lambda: health(stack) == "NOT_SERVING", timeout_s=30)  # no pair has a target
-    eventually(lambda: health(stack) == "SERVING", timeout_s=120)
-    for t in threads:
-        t.join(180)
+    fault = lambda: ray.kill(pair.target, no_restart=False)
+    results = through_a_target_restart(stack, prompt, 150, ("draft", "ngram", "off"), fault)
     assert results == {"draft": expected, "ngram": expected, "off": expected}
     assert pair.target_address != old_address, "a new target process serves the pair"
     m = stack.metrics()

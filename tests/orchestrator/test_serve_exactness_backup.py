@@ -17,15 +17,18 @@ temperature. Greedy output with backups equals target-only greedy output, token 
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Iterator
 
 import numpy as np
 import pytest
 
-import orchestrator.core.requests
 from specdec.client import AsyncClient
-from tests.orchestrator.local_exactness import Served, pit_against_target, serving_ahead
+from tests.orchestrator.local_exactness import (
+    Served,
+    draw_seeds_from,
+    pit_against_target,
+    serving_ahead,
+)
 from tests.orchestrator.test_serve_exactness import (
     REJECT_BELOW,
     Case,
@@ -83,20 +86,9 @@ def _pit_pvalue(served: Served, tokens: np.ndarray, temperature: float) -> float
     return pit_against_target(served, CASE, tokens, temperature, seed=17)
 
 
-class _Seeds:
-    """Stands in for the `secrets` module where the orchestrator draws an unseeded request's
-    seed: the same draws every run."""
-
-    def __init__(self, seed: int) -> None:
-        self._random = random.Random(seed)
-
-    def randbelow(self, n: int) -> int:
-        return self._random.randrange(n)
-
-
 @pytest.fixture(autouse=True)
 def drawn_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(orchestrator.core.requests, "secrets", _Seeds(5))
+    draw_seeds_from(monkeypatch, 5)
 
 
 def test_every_token_follows_target_with_backups(served: Served) -> None:

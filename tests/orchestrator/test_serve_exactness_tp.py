@@ -11,7 +11,6 @@ twice the temperature. Greedy: token for token the output of one rank holding th
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,11 +18,15 @@ import numpy as np
 import pytest
 import torch
 
-import orchestrator.core.requests
 from specdec.client import AsyncClient
 from specdec.runner import ForwardItem, ModelRunner, RunnerConfig
 from specdec.runner.parallel import ParallelRunner
-from tests.orchestrator.local_exactness import Served, pit_against_target, serving_ahead
+from tests.orchestrator.local_exactness import (
+    Served,
+    draw_seeds_from,
+    pit_against_target,
+    serving_ahead,
+)
 from tests.orchestrator.test_serve_exactness import MAX_SEQ_LEN, REJECT_BELOW, Case, K
 
 MAX_REQUESTS = 8
@@ -38,19 +41,9 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
         yield served
 
 
-class _Seeds:
-    """Stands in for `secrets` where the orchestrator draws an unseeded request's seed."""
-
-    def __init__(self, seed: int) -> None:
-        self._random = random.Random(seed)
-
-    def randbelow(self, n: int) -> int:
-        return self._random.randrange(n)
-
-
 @pytest.fixture(autouse=True)
 def drawn_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(orchestrator.core.requests, "secrets", _Seeds(11))
+    draw_seeds_from(monkeypatch, 11)
 
 
 def _generate(served: Served, prompts: list[list[int]], temperature: float) -> np.ndarray:

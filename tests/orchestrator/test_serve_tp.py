@@ -8,10 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import ray
@@ -21,12 +19,11 @@ from tests.draft_service.models import build_checkpoints
 from tests.orchestrator.test_serve import (
     PROMPTS,
     Stack,
-    eventually,
-    health,
     oracle,
     request,
     serve_stack,
     stream,
+    through_a_target_restart,
 )
 
 
@@ -65,28 +62,9 @@ def test_a_rank_killed_mid_stream_loses_no_request(stack: Stack) -> None:
     expected = oracle(stack.target_dir, tuple(prompt), 120)
     pair = stack.orchestrator.placement.pairs[0]
     old_address = pair.target_address
-    results: dict[str, Any] = {}
-    started = threading.Barrier(3)
-
-    def run(proposer: str) -> None:
-        calls = stack.stub.Generate(request(prompt, 120, proposer, 3, request_id=proposer))
-        first = next(calls)
-        started.wait()
-        try:
-            results[proposer] = [t for r in (first, *calls) for t in r.token_ids]
-        except BaseException as e:
-            results[proposer] = e
-
-    threads = [threading.Thread(target=run, args=(p,)) for p in ("draft", "off")]
-    for t in threads:
-        t.start()
-    started.wait()
     (rank,) = _ranks(stack)
-    os.kill(rank, signal.SIGKILL)
-    eventually(lambda: health(stack) == "NOT_SERVING", timeout_s=30)  # no pair has a target
-    eventually(lambda: health(stack) == "SERVING", timeout_s=120)
-    for t in threads:
-        t.join(180)
+    fault = lambda: os.kill(rank, signal.SIGKILL)
+    results = through_a_target_restart(stack, prompt, 120, ("draft", "off"), fault)
     assert results == {"draft": expected, "off": expected}
     assert pair.target_address != old_address, "a new target process serves the pair"
     assert len(_ranks(stack)) == 1 and _ranks(stack) != [rank], "with a new second rank"
