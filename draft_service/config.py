@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from specdec.limits import DEFAULT_MAX_NUM_DRAFT_TOKENS, MAX_DRAFT_AHEAD, MAX_NUM_DRAFT_TOKENS
+from specdec.limits import DEFAULT_MAX_NUM_DRAFT_TOKENS, MAX_NUM_DRAFT_TOKENS, check_draft_ahead
 from specdec.runner import RunnerConfig
 from specdec.serving.ngram import NgramConfig
 from specdec.serving.server import ServerConfig
@@ -70,10 +70,7 @@ class DraftConfig:
             )
         if self.max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {self.max_requests}.")
-        if not 0 <= self.draft_ahead <= MAX_DRAFT_AHEAD:
-            raise ValueError(
-                f"draft_ahead must be in [0, {MAX_DRAFT_AHEAD}], got {self.draft_ahead}."
-            )
+        check_draft_ahead(self.draft_ahead, self.saguaro_scale, self.synthetic_hit_rate)
         if self.draft_ahead_backup not in ("auto", "always", "never"):
             raise ValueError(
                 "draft_ahead_backup must be 'auto', 'always' or 'never', "
@@ -81,18 +78,6 @@ class DraftConfig:
             )
         if self.draft_ahead and self.proposer != "model":
             raise ValueError("draft_ahead needs proposer 'model' (prompt lookup costs nothing).")
-        if not 0.0 < self.saguaro_scale <= 1.0:
-            raise ValueError(f"saguaro_scale must be in (0, 1] (1: off), got {self.saguaro_scale}.")
-        if self.saguaro_scale < 1.0 and not self.draft_ahead:
-            raise ValueError(
-                "saguaro_scale below 1 needs draft_ahead: it scales the tokens draft-ahead "
-                f"guesses, got saguaro_scale {self.saguaro_scale} with draft_ahead 0."
-            )
-        rate = self.synthetic_hit_rate
-        if rate is not None and not (self.draft_ahead and 0.0 <= rate <= 1.0):
-            raise ValueError(
-                f"synthetic_hit_rate must be in [0, 1] and needs draft_ahead, got {rate}."
-            )
         if self.stand_in is not None and self.proposer != "model":
             raise ValueError("stand_in stands in for a draft model: it needs proposer 'model'.")
         slots = self.runner.max_slots if self.runner is not None else 0

@@ -15,9 +15,9 @@ from typing import Literal
 
 from specdec.limits import (
     DEFAULT_MAX_NUM_DRAFT_TOKENS,
-    MAX_DRAFT_AHEAD,
     MAX_DRAFT_DEADLINE_S,
     MAX_NUM_DRAFT_TOKENS,
+    check_draft_ahead,
     check_range,
 )
 from specdec.message_limits import (
@@ -144,24 +144,9 @@ class ServiceConfig:
                 f"draft_deadline_s must be in (0, {MAX_DRAFT_DEADLINE_S:g}] seconds, "
                 f"got {self.draft_deadline_s}."
             )
-        if not 0 <= self.draft_ahead <= MAX_DRAFT_AHEAD:
-            raise ValueError(
-                f"draft_ahead must be in [0, {MAX_DRAFT_AHEAD}], got {self.draft_ahead}."
-            )
+        check_draft_ahead(self.draft_ahead, self.saguaro_scale, self.synthetic_hit_rate)
         if self.draft_ahead and (self.draft is None or self.draft_ahead_slots < 1):
             raise ValueError("draft_ahead needs a draft model and draft_ahead_slots >= 1.")
-        if not 0.0 < self.saguaro_scale <= 1.0:
-            raise ValueError(f"saguaro_scale must be in (0, 1] (1: off), got {self.saguaro_scale}.")
-        if self.saguaro_scale < 1.0 and not self.draft_ahead:
-            raise ValueError(
-                "saguaro_scale below 1 needs draft_ahead: it scales the tokens draft-ahead "
-                f"guesses, got saguaro_scale {self.saguaro_scale} with draft_ahead 0."
-            )
-        rate = self.synthetic_hit_rate
-        if rate is not None and not (self.draft_ahead and 0.0 <= rate <= 1.0):
-            raise ValueError(
-                f"synthetic_hit_rate must be in [0, 1] and needs draft_ahead, got {rate}."
-            )
         if self.draft_stand_in is not None:
             if self.draft is None or self.synthetic_acceptance_length is None:
                 raise ValueError(

@@ -28,3 +28,23 @@ def check_range(value: int, name: str, low: int, high: int) -> None:
     """ValueError naming `name` unless low <= value <= high."""
     if not low <= value <= high:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value}.")
+
+
+def check_draft_ahead(draft_ahead: int, saguaro_scale: float, synthetic_hit_rate: float | None
+                      ) -> None:  # fmt: skip
+    """ValueError naming the field unless draft-ahead's settings, which the draft service's
+    config and `specdec serve`'s share, are in range and consistent: F in [0, MAX_DRAFT_AHEAD],
+    Saguaro's scale in (0, 1] and below 1 only with draft-ahead, a synthetic hit rate in
+    [0, 1] only with draft-ahead."""
+    if not 0 <= draft_ahead <= MAX_DRAFT_AHEAD:
+        raise ValueError(f"draft_ahead must be in [0, {MAX_DRAFT_AHEAD}], got {draft_ahead}.")
+    if not 0.0 < saguaro_scale <= 1.0:
+        raise ValueError(f"saguaro_scale must be in (0, 1] (1: off), got {saguaro_scale}.")
+    if saguaro_scale < 1.0 and not draft_ahead:
+        raise ValueError(
+            "saguaro_scale below 1 needs draft_ahead: it scales the tokens draft-ahead "
+            f"guesses, got saguaro_scale {saguaro_scale} with draft_ahead 0."
+        )
+    rate = synthetic_hit_rate
+    if rate is not None and not (draft_ahead and 0.0 <= rate <= 1.0):
+        raise ValueError(f"synthetic_hit_rate must be in [0, 1] and needs draft_ahead, got {rate}.")
