@@ -36,8 +36,8 @@ class RunnerConfig:
     # drafts; longer steps (a draft catching up after a pause) run eagerly
     cuda_graph_max_tokens: int = 17
     compile_pointwise: bool = False  # torch.compile the pointwise ops instead of `fused` kernels
-    # ranks of one node the model is split over (`parallel`): on CUDA GPUs 0 .. N-1 of those
-    # this process sees, on the CPU N processes; 1 is no split
+    # ranks of one node the model is split over (`parallel`): on CUDA N GPUs from `device`'s
+    # index on (cuda:1: 1 .. N), on the CPU N processes; 1 is no split
     tensor_parallel: int = 1
 
     def __post_init__(self) -> None:

@@ -58,10 +58,14 @@ def _read_config(path: Path) -> Any:
         ) from exc
 
 
-def _count_params(files: tuple[Path, ...]) -> int:
+EMBEDDING = "model.embed_tokens.weight"  # replicated on every tensor-parallel rank
+
+
+def _count_params(files: tuple[Path, ...]) -> tuple[int, int]:
+    """(all parameters, the embedding's) of the checkpoint's files."""
     from safetensors import safe_open
 
-    total = 0
+    total = embedding = 0
     for f in files:
         try:
             with f.open("rb"):  # unreadable (permissions, gone) is not corrupt
@@ -75,9 +79,11 @@ def _count_params(files: tuple[Path, ...]) -> int:
                 for name in handle.keys():  # noqa: SIM118 (safe_open has no __iter__)
                     shape = handle.get_slice(name).get_shape()
                     total += int(torch.Size(shape).numel())
+                    if name == EMBEDDING:
+                        embedding = int(torch.Size(shape).numel())
         except Exception as exc:  # safetensors raises its own SafetensorError, or OSError
             raise CheckpointError(f"The weights file {str(f)!r} is corrupt ({exc}).") from exc
-    return total
+    return total, embedding
 
 
 def _check_dtype(device: torch.device, dtype: torch.dtype, name: str) -> None:
@@ -158,10 +164,12 @@ def open_checkpoint(config: RunnerConfig, kv_bytes: Callable[[Any], int]) -> Che
         raise CheckpointError(f"The tokenizer in {str(path)!r} cannot be loaded ({exc}).") from exc
     device = config.torch_device
     _check_dtype(device, config.torch_dtype, config.dtype)
-    num_params = _count_params(files)
-    # a rank holds its N-th of the weights (the replicated embedding and norms are few) and of
-    # the KV heads, which kv_bytes counts
-    need = num_params * config.torch_dtype.itemsize // config.tensor_parallel + kv_bytes(cfg)
+    num_params, embedding = _count_params(files)
+    # a rank holds its N-th of the weights but the whole embedding (the norms are few), and its
+    # N-th of the KV heads, which kv_bytes counts
+    world = config.tensor_parallel
+    held = (num_params - embedding) // world + embedding if world > 1 else num_params
+    need = held * config.torch_dtype.itemsize + kv_bytes(cfg)
     have = _memory_available(device, config.memory_limit_bytes)
     if need > have:
         raise CheckpointError(

@@ -342,6 +342,9 @@ class Transformer:
         local = linear(hidden, self.w["lm_head"])
         if self.shard.world == 1:
             return local
+        if local.shape[0] == 0:  # no rows asked (a prefill whose logits nobody reads): the
+            # same on every rank, so no rank gathers
+            return local.new_empty(0, self.vocab_size)
         import torch.distributed as dist
 
         parts = [torch.empty_like(local) for _ in range(self.shard.world)]

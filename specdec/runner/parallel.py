@@ -19,6 +19,7 @@ that a dead rank will never join.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import ctypes
 import logging
@@ -26,7 +27,6 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-import socket
 import sys
 import threading
 import time
@@ -35,9 +35,10 @@ from dataclasses import dataclass, replace
 from datetime import timedelta
 from typing import Any
 
+import numpy as np
 import torch
 
-from specdec.errors import CheckpointError
+from specdec.errors import CacheFullError, CheckpointError, InvalidInputError, UnknownRequestError
 from specdec.runner.config import ForwardItem, RunnerConfig
 from specdec.runner.model import Shard
 from specdec.runner.runner import ModelRunner
@@ -51,6 +52,10 @@ MIRRORED = (
 START_TIMEOUT_S = 600.0  # for the ranks to join and load their parts
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # one collective's wait for a slow rank
 RANK_LOST_EXIT = 70  # rank 0's exit status when another rank died (EX_SOFTWARE)
+# what a runner call raises from its checks, before any work on the device: every rank meets
+# it in the same call (their KV state is the same) and the ranks stay in step. Any other error
+# may come after some of a call's collectives, on one rank only: the group ends
+ALIKE = (InvalidInputError, CacheFullError, UnknownRequestError, ValueError, NotImplementedError)
 
 
 def rank_config(config: RunnerConfig, rank: int) -> RunnerConfig:
@@ -62,20 +67,25 @@ def rank_config(config: RunnerConfig, rank: int) -> RunnerConfig:
     return config
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _store(world: int, port: int = 0) -> Any:
+    """The ranks' rendezvous: rank 0 serves it on a port the kernel picks (port 0), so that two
+    targets starting on one node cannot pick the same; the others connect to its port."""
+    import torch.distributed as dist
+
+    timeout = timedelta(seconds=START_TIMEOUT_S)
+    if port == 0:
+        return dist.TCPStore("127.0.0.1", 0, world, True, timeout, wait_for_workers=False)
+    return dist.TCPStore("127.0.0.1", port, world, False, timeout)
 
 
-def _join(rank: int, world: int, port: int, device: torch.device) -> Any:
+def _join(rank: int, world: int, store: Any, device: torch.device) -> Any:
     """Joins the ranks' process group; returns it."""
     import torch.distributed as dist
 
     cuda = device.type == "cuda"
     dist.init_process_group(
-        "nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-        world_size=world, timeout=COLLECTIVE_TIMEOUT, device_id=device if cuda else None,
+        "nccl" if cuda else "gloo", store=store, rank=rank, world_size=world,
+        timeout=COLLECTIVE_TIMEOUT, device_id=device if cuda else None,
     )  # fmt: skip
     return dist.group.WORLD
 
@@ -115,7 +125,7 @@ def _worker(
             torch.cuda.set_device(device)
         else:  # the ranks share the node's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-        group = _join(rank, world, port, device)
+        group = _join(rank, world, _store(world, port), device)
         runner = ModelRunner.load_rank(config, Shard(rank, world, group))
     except BaseException as exc:
         ready.put((rank, f"{type(exc).__name__}: {exc}"))
@@ -132,23 +142,49 @@ def _worker(
         if name in ("graph_step", "ragged_step"):
             key = kwargs.pop("head_key")
             kwargs["head"] = None if key is None else heads.setdefault(key, _NoHead())
+        args = tuple(_from_host(a, runner.device) for a in args)
+        kwargs = {k: _from_host(v, runner.device) for k, v in kwargs.items()}
         try:
             getattr(runner, name)(*args, **kwargs)
-        except Exception as exc:  # rank 0 meets the same error in the same call and reports it
+        except ALIKE as exc:  # rank 0 meets the same error in the same call and reports it
             log.debug("%s failed on rank %d: %s", name, rank, exc)
+        except BaseException:  # perhaps after some collectives: the group cannot go on
+            log.exception("%s failed on rank %d: the group ends", name, rank)
+            os._exit(RANK_LOST_EXIT)
     import torch.distributed as dist
 
     dist.destroy_process_group()
 
 
+@dataclass(frozen=True, slots=True)
+class _Sent:
+    """A tensor as sent to another rank: its values (a NumPy array pickles as bytes, where a
+    CPU tensor would travel as shared memory and a file descriptor) and whether it was on the
+    device, so that the other rank checks what rank 0 checks (`ModelRunner._step` checks token
+    ids on the host only) and the ranks fail alike."""
+
+    values: Any  # np.ndarray
+    on_device: bool
+
+
 def _to_host(value: Any) -> Any:
-    """`value` with every tensor in it on the CPU, to be sent to another rank."""
+    """`value` with every tensor in it as `_Sent`, to be sent to another rank."""
     if isinstance(value, torch.Tensor):
-        return value.cpu()
+        return _Sent(value.detach().cpu().numpy(), value.device.type != "cpu")
     if isinstance(value, ForwardItem) and isinstance(value.token_ids, torch.Tensor):
-        return replace(value, token_ids=value.token_ids.cpu())
+        return replace(value, token_ids=value.token_ids.detach().cpu().tolist())
     if isinstance(value, (list, tuple)):
         return type(value)(_to_host(v) for v in value)
+    return value
+
+
+def _from_host(value: Any, device: torch.device) -> Any:
+    """`_to_host` undone on a rank whose device is `device`."""
+    if isinstance(value, _Sent):
+        t = torch.from_numpy(np.ascontiguousarray(value.values))
+        return t.to(device) if value.on_device else t
+    if isinstance(value, (list, tuple)):
+        return type(value)(_from_host(v, device) for v in value)
     return value
 
 
@@ -174,6 +210,10 @@ class ParallelRunner(ModelRunner):
         self._heads: dict[tuple[object, ...], int] = {}
         self._closing = False
         self._on_rank_death = on_rank_death
+        # before multiprocessing's own exit hook (atexit runs the last registered first), which
+        # ends daemon processes: a clean exit stops the ranks here instead of the watcher
+        # taking their end for a lost rank
+        atexit.register(self.close)
         threading.Thread(target=self._watch, name="tp-watch", daemon=True).start()
 
     @property
@@ -194,9 +234,11 @@ class ParallelRunner(ModelRunner):
         self._on_rank_death()
 
     def _head_key(self, head: object, head_inputs: Sequence[torch.Tensor]) -> int | None:
-        if head is None:
-            return None
+        """The other ranks' stand-in for this head and input layout (their graphs are keyed
+        as rank 0's are); None for no head and no inputs."""
         layout = tuple((tuple(x.shape[1:]), x.dtype) for x in head_inputs)
+        if head is None and not layout:
+            return None
         return self._heads.setdefault((head, layout), len(self._heads))
 
     def _send(self, name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -219,6 +261,12 @@ class ParallelRunner(ModelRunner):
             self._inside = True
             try:
                 return base(self, *args, **kwargs)
+            except ALIKE:
+                raise
+            except BaseException:  # perhaps after some collectives: the ranks are out of step
+                log.exception("%s failed on rank 0: the tensor-parallel group ends", name)
+                self._on_rank_death()
+                raise
             finally:
                 self._inside = False
 
@@ -246,19 +294,21 @@ class ParallelRunner(ModelRunner):
     def ragged_step(self, *args: Any, **kwargs: Any) -> Any:
         return self._mirror("ragged_step", *args, **kwargs)
 
-    def close(self) -> None:
-        """Stops the other ranks and leaves the process group."""
+    def close(self, wait_s: float = 30.0) -> None:
+        """Stops the other ranks (each killed if it has not ended within `wait_s`) and leaves
+        the process group."""
         import torch.distributed as dist
 
         with self._lock:
             if self._closing:
                 return
             self._closing = True
+            atexit.unregister(self.close)
             for r in self._ranks:
                 with contextlib.suppress(OSError):  # it is gone already
                     r.commands.send(("stop", (), {}))
             for r in self._ranks:
-                r.process.join(30.0)
+                r.process.join(wait_s)
                 if r.process.is_alive():
                     r.process.kill()
             if dist.is_initialized():
@@ -284,14 +334,21 @@ def check_launchable(config: RunnerConfig) -> None:
 def launch(config: RunnerConfig, on_rank_death: Callable[[], None] = _exit_group) -> ParallelRunner:
     """Starts ranks 1 .. N-1, loads rank 0's part here, and returns rank 0's runner once every
     rank has its part; CheckpointError (naming the rank) if one could not load it.
-    `on_rank_death` runs when a rank exits later (default: this process exits)."""
+    `on_rank_death` runs when a rank exits later (default: this process exits).
+
+    Call it from the main thread: the kernel ends the ranks when the thread that started them
+    ends (PR_SET_PDEATHSIG follows the thread, not the process)."""
     import torch.distributed as dist
 
+    if threading.current_thread() is not threading.main_thread():
+        log.warning("tensor-parallel ranks started from thread %r end when it ends",
+                    threading.current_thread().name)  # fmt: skip
     check_launchable(config)
     world = config.tensor_parallel
     if dist.is_initialized():
         raise RuntimeError("This process already belongs to a torch.distributed group.")
-    port = _free_port()
+    store = _store(world)
+    port = int(store.port)
     ctx = multiprocessing.get_context("spawn")
     ready = ctx.Queue()
     ranks = []
@@ -306,7 +363,7 @@ def launch(config: RunnerConfig, on_rank_death: Callable[[], None] = _exit_group
         ranks.append(_Rank(rank, process, send))
     try:
         config0 = rank_config(config, 0)
-        group = _wait_joined(ranks, ready, lambda: _join(0, world, port, config0.torch_device))
+        group = _wait_joined(ranks, ready, lambda: _join(0, world, store, config0.torch_device))
         runner = ParallelRunner.load_rank(config0, Shard(0, world, group))
         assert isinstance(runner, ParallelRunner)
         _wait_ready(ranks, ready)

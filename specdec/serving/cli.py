@@ -60,8 +60,9 @@ def add_runner_args(parser: argparse.ArgumentParser, required: bool = True) -> N
     g.add_argument("--max-slots", type=int, default=d("max_slots"), help="requests held at once")
     add_runner_flags(g, d, devices=None, dtypes=("float32", "bfloat16", "float16"))
     g.add_argument("--tensor-parallel", type=int, default=d("tensor_parallel"), metavar="N",
-                   help="split the model over N ranks of this node: GPUs 0 .. N-1 of those "
-                        "this process sees (gloo processes on the CPU)")  # fmt: skip
+                   help="split the model over N ranks of this node: N GPUs from --device's "
+                        "on (cuda or cuda:0: 0 .. N-1; cuda:1: 1 .. N), or N gloo processes "
+                        "on the CPU")  # fmt: skip
 
 
 def server_config(args: argparse.Namespace) -> ServerConfig:

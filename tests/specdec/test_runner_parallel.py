@@ -1,6 +1,9 @@
 """Tensor parallelism on the CPU (gloo): two ranks, each a process holding half of a tiny
 float32 checkpoint, against one rank holding all of it and against transformers."""
 
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -139,3 +142,50 @@ def test_a_rank_that_dies_is_reported(
         assert lost == ["rank"]
     finally:
         two.close()
+
+
+def test_a_failure_past_the_checks_ends_the_group(
+    checkpoints: dict[str, tuple[Any, Path]], lost: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A call that fails on rank 0 after its checks (here: its forward, as an out-of-memory
+    error would) may leave the ranks out of step: rank 0 ends the group (on_rank_death) and
+    raises the error; an error of the checks does not (the test above)."""
+    _, path = checkpoints["qwen3"]
+    two = _launch(path, 2, lost)
+    try:
+        two.add_request("a")
+
+        def broken(*args: Any, **kwargs: Any) -> Any:
+            raise RuntimeError("CUDA out of memory (stand-in)")
+
+        monkeypatch.setattr(two._backend, "run", broken)
+        with pytest.raises(RuntimeError, match="out of memory"):
+            two.forward([ForwardItem("a", [1, 2, 3], 1)])
+        assert lost == ["rank"]
+    finally:
+        two.close(wait_s=1.0)  # rank 1 waits in the forward's first all-reduce: it is killed
+
+
+def test_a_clean_exit_stops_the_ranks_and_exits_0(
+    checkpoints: dict[str, tuple[Any, Path]], tmp_path: Path
+) -> None:
+    """A process that launched ranks and exits without closing them exits 0 (an exit hook
+    stops them before multiprocessing ends them, which the watcher would take for a lost
+    rank: exit status 70)."""
+    _, path = checkpoints["qwen3"]
+    script = tmp_path / "run.py"
+    script.write_text(  # spawned ranks import the main module again: it is guarded
+        "from specdec.runner import ForwardItem, RunnerConfig\n"
+        "from specdec.runner.parallel import launch\n"
+        "if __name__ == '__main__':\n"
+        f"    r = launch(RunnerConfig({str(path)!r}, max_slots=2, max_seq_len=64, "
+        "tensor_parallel=2))\n"
+        "    r.add_request('a')\n"
+        "    print(r.forward([ForwardItem('a', [1, 2, 3], 1)]).shape)\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = os.environ | {"PYTHONPATH": str(root)}
+    command = [sys.executable, str(script)]
+    out = subprocess.run(command, cwd=root, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "torch.Size([1, 300])" in out.stdout and "exited with status" not in out.stderr
