@@ -80,20 +80,18 @@ def plan(
             "draft": (SMOKE_DRAFT, "LlamaConfig", spec, made | {"noise": SMOKE_DRAFT_NOISE}),
         }
     made = {"std": INIT_STD, "dtype": "bfloat16"}
-    out = {}
-    for seed, (role, name) in enumerate(zip(("target", "draft"), PAIRS[pair], strict=True)):
-        family, spec = LARGE.get(name, ("LlamaConfig", MODELS.get(name, {})))
-        how = made | {"seed": seed}
-        if pair != DEFAULT_PAIR:  # written tensor by tensor, one tokenizer for both
-            how |= {"stream": True, "tokenizer_vocab": _tokenizer_vocab(pair)}
-        out[role] = (name, family, spec, how)
-    return out
-
-
-def _tokenizer_vocab(pair: str) -> int:
-    """The pair's one tokenizer's size: the smaller embedding's, at most the released one's."""
-    sizes = [(LARGE.get(n, ("", MODELS.get(n, {})))[1]["vocab_size"]) for n in PAIRS[pair]]
-    return min([*sizes, QWEN_TOKENIZER_VOCAB] if pair == "32b" else sizes)
+    shapes = [LARGE.get(name, ("LlamaConfig", MODELS.get(name, {}))) for name in PAIRS[pair]]
+    if pair != DEFAULT_PAIR:  # written tensor by tensor, one tokenizer for both: the smaller
+        # embedding's size, at most the released tokenizer's
+        sizes = [spec["vocab_size"] for _, spec in shapes]
+        vocab = min([*sizes, QWEN_TOKENIZER_VOCAB] if pair == "32b" else sizes)
+        made |= {"stream": True, "tokenizer_vocab": vocab}
+    return {
+        role: (name, family, spec, made | {"seed": seed})
+        for seed, (role, name, (family, spec)) in enumerate(
+            zip(("target", "draft"), PAIRS[pair], shapes, strict=True)
+        )
+    }
 
 
 def _ready(path: Path, record: dict[str, Any]) -> bool:
@@ -101,13 +99,20 @@ def _ready(path: Path, record: dict[str, Any]) -> bool:
     return spec.is_file() and json.loads(spec.read_text()) == record
 
 
-def _random_model(family: str, spec: dict[str, Any], made: dict[str, Any], device: str) -> Any:
-    import torch
+def _hf_config(family: str, spec: dict[str, Any]) -> Any:
+    """The transformers config of class `family` (e.g. "Qwen2Config") with `spec`."""
     import transformers
-    from transformers import AutoModelForCausalLM
 
     config = getattr(transformers, family)(**spec)
     config.architectures = [family.replace("Config", "ForCausalLM")]
+    return config
+
+
+def _random_model(family: str, spec: dict[str, Any], made: dict[str, Any], device: str) -> Any:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    config = _hf_config(family, spec)
     dtype = getattr(torch, made["dtype"])
     with torch.device(device):  # built in place where transformers honours the context
         model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval().to(device)
@@ -140,12 +145,10 @@ def _stream(
     model's names and shapes from a model on the meta device; matrices normal(0, std), norms
     1, biases 0; generated on `device`."""
     import torch
-    import transformers
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    config = getattr(transformers, family)(**spec)
-    config.architectures = [family.replace("Config", "ForCausalLM")]
+    config = _hf_config(family, spec)
     config.torch_dtype = made["dtype"]
     with torch.device("meta"):
         meta = AutoModelForCausalLM.from_config(config)

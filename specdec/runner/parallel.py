@@ -270,30 +270,6 @@ class ParallelRunner(ModelRunner):
             finally:
                 self._inside = False
 
-    def add_request(self, *args: Any, **kwargs: Any) -> Any:
-        return self._mirror("add_request", *args, **kwargs)
-
-    def release(self, *args: Any, **kwargs: Any) -> Any:
-        return self._mirror("release", *args, **kwargs)
-
-    def truncate(self, *args: Any, **kwargs: Any) -> Any:
-        return self._mirror("truncate", *args, **kwargs)
-
-    def fork(self, *args: Any, **kwargs: Any) -> Any:
-        return self._mirror("fork", *args, **kwargs)
-
-    def swap(self, *args: Any, **kwargs: Any) -> Any:
-        return self._mirror("swap", *args, **kwargs)
-
-    def forward(self, *args: Any, **kwargs: Any) -> Any:
-        return self._mirror("forward", *args, **kwargs)
-
-    def graph_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._mirror("graph_step", *args, **kwargs)
-
-    def ragged_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._mirror("ragged_step", *args, **kwargs)
-
     def close(self, wait_s: float = 30.0) -> None:
         """Stops the other ranks (each killed if it has not ended within `wait_s`) and leaves
         the process group."""
@@ -313,6 +289,19 @@ class ParallelRunner(ModelRunner):
                     r.process.kill()
             if dist.is_initialized():
                 dist.destroy_process_group()
+
+
+def _mirrored(name: str) -> Callable[..., Any]:
+    def call(self: ParallelRunner, *args: Any, **kwargs: Any) -> Any:
+        return self._mirror(name, *args, **kwargs)
+
+    base = getattr(ModelRunner, name)
+    call.__name__, call.__qualname__, call.__doc__ = name, f"ParallelRunner.{name}", base.__doc__
+    return call
+
+
+for _name in MIRRORED:  # the one list of the calls every rank makes
+    setattr(ParallelRunner, _name, _mirrored(_name))
 
 
 def check_launchable(config: RunnerConfig) -> None:
