@@ -138,7 +138,8 @@ def _worker(
         except EOFError:  # rank 0 is gone
             return
         if name == "stop":
-            break
+            _leave_group(runner.device)
+            return
         if name in ("graph_step", "ragged_step"):
             key = kwargs.pop("head_key")
             kwargs["head"] = None if key is None else heads.setdefault(key, _NoHead())
@@ -151,9 +152,24 @@ def _worker(
         except BaseException:  # perhaps after some collectives: the group cannot go on
             log.exception("%s failed on rank %d: the group ends", name, rank)
             os._exit(RANK_LOST_EXIT)
+
+
+def _leave_group(device: torch.device | None) -> None:
+    """Leaves the process group without waiting for the other ranks. NCCL's orderly end
+    (ncclCommFinalize) waits until every rank ends it at once, which a rank that is already
+    gone, or that waits to be joined first, never does (rank 0 and its ranks each hung there);
+    an abort frees this rank's communicators alone. The device is synchronised first, so no
+    collective of this rank is still running (every rank issued the same ones, in order)."""
     import torch.distributed as dist
 
-    dist.destroy_process_group()
+    if not dist.is_initialized():
+        return
+    if dist.get_backend() == "nccl":
+        if device is not None:
+            torch.cuda.synchronize(device)
+        dist.distributed_c10d._abort_process_group()
+    else:
+        dist.destroy_process_group()
 
 
 @dataclass(frozen=True, slots=True)
@@ -273,13 +289,15 @@ class ParallelRunner(ModelRunner):
     def close(self, wait_s: float = 30.0) -> None:
         """Stops the other ranks (each killed if it has not ended within `wait_s`) and leaves
         the process group."""
-        import torch.distributed as dist
 
         with self._lock:
             if self._closing:
                 return
             self._closing = True
             atexit.unregister(self.close)
+            every = all(r.process.is_alive() for r in self._ranks)
+            if every and self.device.type == "cuda":  # this rank's last collectives done
+                torch.cuda.synchronize(self.device)
             for r in self._ranks:
                 with contextlib.suppress(OSError):  # it is gone already
                     r.commands.send(("stop", (), {}))
@@ -287,8 +305,8 @@ class ParallelRunner(ModelRunner):
                 r.process.join(wait_s)
                 if r.process.is_alive():
                     r.process.kill()
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            # with a rank gone, a collective of this one may wait for it forever: no sync
+            _leave_group(self.device if every else None)
 
 
 def _mirrored(name: str) -> Callable[..., Any]:
@@ -359,8 +377,7 @@ def launch(config: RunnerConfig, on_rank_death: Callable[[], None] = _exit_group
     except BaseException:
         for r in ranks:
             r.process.kill()
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        _leave_group(None)
         raise
     runner._attach(ranks, on_rank_death)
     log.info("tensor parallelism over %d ranks (%s)", world, config.device)

@@ -1,0 +1,167 @@
+"""The target's step time split over N GPUs (tensor parallelism) against one GPU, one machine.
+
+For each N of --tp, in a child process of its own (all its device memory returned after): the
+target of --pair (random weights at the released shapes, `e2e_models`) loaded with
+`tensor_parallel=N` on cuda:0 .. cuda:N-1, requests prefilled to --ctx tokens of KV, then the
+mean time of a CUDA graph decode step (n = 1) and verify step (n = k + 1) at each batch
+(`runner_bench.runner_step_ms`: host work included, as a service's step has it), and the memory
+each GPU holds with the model loaded and the graphs captured (nvidia-smi). The report gives
+each N's times over N = 1's: two GPUs' bandwidth would give 0.5, less what the all-reduces
+(two per layer) and the head's all-gather cost.
+
+    PYTHONPATH=. python bench/tp_scaling.py --out bench/results        # GPU: 8B at N = 1, 2
+    PYTHONPATH=. python bench/tp_scaling.py --smoke --out /tmp/tp      # CPU, tiny model, gloo
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench import e2e_models, provenance
+from bench.e2e_inprocess import _load, environment
+from bench.runner_bench import prefill, runner_step_ms
+
+GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
+
+
+def gpu_memory_mib() -> list[int]:
+    """MiB in use on each GPU (every process's), from nvidia-smi; [] without one."""
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+            capture_output=True, text=True, timeout=30, check=True,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError):
+        return []
+    return [int(x) for x in out.split()]
+
+
+def measure(job: dict[str, Any]) -> dict[str, Any]:
+    """One N: the step times ("n,b" → ms) and each GPU's memory (child process)."""
+    tp, batches, ctx = job["tp"], job["batches"], job["ctx"]
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    t0 = time.perf_counter()
+    sizes = [s for s in GRAPH_SIZES if s <= max(batches)]
+    runner = _load(job["path"], device, job["dtype"], max(batches), ctx + 64, sizes, tp)
+    load_s = time.perf_counter() - t0
+    try:
+        ids = prefill(runner, max(batches), ctx, dev)
+        steps = {}
+        for b in batches:
+            for n in (1, job["k"] + 1):
+                steps[f"{n},{b}"] = runner_step_ms(runner, ids[:b], n, ctx, True, dev, job["iters"])
+        memory = gpu_memory_mib()
+    finally:
+        runner.close()  # the other ranks
+    return {"tp": tp, "load_s": round(load_s, 1), "ms": steps, "gpu_memory_mib": memory}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from tqdm import tqdm
+
+    cache = Path(args.cache)
+    device = "cuda:0" if torch.cuda.is_available() and not args.smoke else "cpu"
+    paths = e2e_models.build(cache, args.smoke, device, args.pair)
+    dtype = "float32" if args.smoke else "bfloat16"
+    rows = []
+    for tp in tqdm(args.tp, desc="tensor-parallel sizes", unit="N"):
+        job = {"tp": tp, "path": paths["target"], "dtype": dtype, "batches": args.batches,
+               "ctx": args.ctx, "k": args.num_draft_tokens, "iters": args.iters}  # fmt: skip
+        with open(args.out / f"tp_scaling_N{tp}.job.json", "w") as f:
+            json.dump(job, f)
+        done = subprocess.run(
+            [sys.executable, "-m", "bench.tp_scaling", "--child", f.name],
+            capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent,
+        )  # fmt: skip
+        if done.returncode != 0:
+            raise RuntimeError(f"N = {tp} failed:\n{done.stderr[-4000:]}")
+        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    env = environment() if torch.cuda.is_available() else {"gpu": "cpu"}
+    settings = {"batches": args.batches, "ctx": args.ctx, "k": args.num_draft_tokens,
+                "iters": args.iters, "dtype": dtype}  # fmt: skip
+    return {
+        "command": " ".join(["python", *sys.argv]),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "commit": provenance.commit(),
+        "environment": env,
+        "pair": args.pair,
+        "target": e2e_models.PAIRS[args.pair][0] if not args.smoke else e2e_models.SMOKE_TARGET,
+        "settings": settings,
+        "rows": rows,
+    }
+
+
+def report(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    base = next((r for r in result["rows"] if r["tp"] == 1), None)
+    lines = [
+        f"Target {result['target']} split over N GPUs ({result['environment']['gpu']}, commit "
+        f"{result['commit'][:7]}, {result['date']}): mean ms of a CUDA graph step "
+        f"(`ModelRunner.graph_step`, host work included), {s['ctx']} tokens of KV per "
+        f"request, {s['dtype']}; in brackets, over N = 1.",
+        "",
+        "| N | batch | decode (n = 1) | verify (n = " + str(s["k"] + 1) + ") |",
+        "|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        for b in s["batches"]:
+            cells = []
+            for n in (1, s["k"] + 1):
+                ms = r["ms"][f"{n},{b}"]
+                ratio = f" ({ms / base['ms'][f'{n},{b}']:.2f}x)" if base and r is not base else ""
+                cells.append(f"{ms:.3f}{ratio}")
+            lines.append(f"| {r['tp']} | {b} | {cells[0]} | {cells[1]} |")
+    lines += ["", "Memory in use per GPU with the model loaded and its graphs captured (MiB, "
+              "nvidia-smi, every process):", ""]  # fmt: skip
+    for r in result["rows"]:
+        lines.append(f"- N = {r['tp']}: {r['gpu_memory_mib'] or 'no GPU'} (load {r['load_s']} s)")
+    return "\n".join(lines) + "\n"
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--out", type=Path, default=Path("."))
+    p.add_argument("--cache", default=str(e2e_models.DEFAULT_CACHE))
+    p.add_argument("--smoke", action="store_true", help="tiny model on the CPU (gloo)")
+    p.add_argument("--pair", choices=sorted(e2e_models.PAIRS), default=e2e_models.DEFAULT_PAIR)
+    p.add_argument("--tp", type=int, nargs="+", default=[1, 2], help="the sizes N compared")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    p.add_argument("--ctx", type=int, default=1024, help="tokens of KV per request")
+    p.add_argument("--num-draft-tokens", type=int, default=4)
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.smoke:
+        args.ctx, args.iters, args.batches = min(args.ctx, 32), min(args.iters, 3), [1, 4]
+    bad = [n for n in args.tp if n < 1]
+    if bad or 1 not in args.tp:
+        p.error("--tp takes sizes of at least 1, and 1 among them (the baseline)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    if args.child:
+        print(json.dumps(measure(json.loads(Path(args.child).read_text()))))
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    result = run(args)
+    name = result["environment"]["gpu"].replace(" ", "_")
+    stem = args.out / f"tp_scaling_{args.pair}_{name}"
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    stem.with_suffix(".md").write_text(report(result))
+    print(report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
