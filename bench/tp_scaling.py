@@ -16,6 +16,7 @@ each N's times over N = 1's: two GPUs' bandwidth would give 0.5, less what the a
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import subprocess
 import sys
@@ -44,8 +45,12 @@ def gpu_memory_mib() -> list[int]:
     return [int(x) for x in out.split()]
 
 
-def measure(job: dict[str, Any]) -> dict[str, Any]:
-    """One N: the step times ("n,b" → ms) and each GPU's memory (child process)."""
+def measure(job: dict[str, Any]) -> None:
+    """One N, in a child process: prints its step times ("n,b" → ms) and each GPU's memory as
+    one JSON line before the ranks are stopped, so that a stop that hangs keeps the figures
+    (the parent reports it); where the process waits is dumped to stderr before its time is
+    up."""
+    faulthandler.dump_traceback_later(max(1.0, job["timeout_s"] - 15), exit=False)
     tp, batches, ctx = job["tp"], job["batches"], job["ctx"]
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
@@ -60,9 +65,39 @@ def measure(job: dict[str, Any]) -> dict[str, Any]:
             for n in (1, job["k"] + 1):
                 steps[f"{n},{b}"] = runner_step_ms(runner, ids[:b], n, ctx, True, dev, job["iters"])
         memory = gpu_memory_mib()
+        row = {"tp": tp, "load_s": round(load_s, 1), "ms": steps, "gpu_memory_mib": memory}
+        print(json.dumps(row), flush=True)
     finally:
+        t0 = time.perf_counter()
         runner.close()  # the other ranks
-    return {"tp": tp, "load_s": round(load_s, 1), "ms": steps, "gpu_memory_mib": memory}
+        print(json.dumps({"close_s": round(time.perf_counter() - t0, 2)}), flush=True)
+
+
+def _text(out: str | bytes | None) -> str:
+    return out.decode(errors="replace") if isinstance(out, bytes) else (out or "")
+
+
+def child(job: dict[str, Any], job_file: str) -> dict[str, Any]:
+    """Runs `measure` for one N in a process of its own; its row, with "error" where it
+    failed (a model too big for one GPU, say: the other sizes still run) and "stop_hung"
+    where it measured but did not end within the job's timeout_s."""
+    cmd = [sys.executable, "-m", "bench.tp_scaling", "--child", job_file]
+    repo = Path(__file__).resolve().parent.parent
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, cwd=repo,
+                              timeout=job["timeout_s"])  # fmt: skip
+        out, err, failed = done.stdout, done.stderr, done.returncode != 0
+    except subprocess.TimeoutExpired as exc:
+        out, err, failed = _text(exc.stdout), _text(exc.stderr), True
+    lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
+    row = next((x for x in lines if "ms" in x), None)
+    if failed:
+        print(f"N = {job['tp']} failed or hung:\n{err[-6000:]}", file=sys.stderr)
+    if row is None:
+        tail = err.strip().splitlines()[-1:] or ["no output"]
+        return {"tp": job["tp"], "error": tail[0]}
+    closed = next((x["close_s"] for x in lines if "close_s" in x), None)
+    return row | ({"close_s": closed} if closed is not None else {"stop_hung": True})
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -75,19 +110,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for tp in tqdm(args.tp, desc="tensor-parallel sizes", unit="N"):
         job = {"tp": tp, "path": paths["target"], "dtype": dtype, "batches": args.batches,
-               "ctx": args.ctx, "k": args.num_draft_tokens, "iters": args.iters}  # fmt: skip
+               "ctx": args.ctx, "k": args.num_draft_tokens, "iters": args.iters,
+               "timeout_s": args.child_timeout_s}  # fmt: skip
         with open(args.out / f"tp_scaling_N{tp}.job.json", "w") as f:
             json.dump(job, f)
-        done = subprocess.run(
-            [sys.executable, "-m", "bench.tp_scaling", "--child", f.name],
-            capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent,
-        )  # fmt: skip
-        if done.returncode != 0:  # recorded (a model too big for one GPU, say); the rest run
-            tail = done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]
-            print(f"N = {tp} failed:\n{done.stderr[-4000:]}", file=sys.stderr)
-            rows.append({"tp": tp, "error": tail[0]})
-            continue
-        rows.append(json.loads(done.stdout.strip().splitlines()[-1]))
+        rows.append(child(job, f.name))
     env = environment() if torch.cuda.is_available() else {"gpu": "cpu"}
     settings = {"batches": args.batches, "ctx": args.ctx, "k": args.num_draft_tokens,
                 "iters": args.iters, "dtype": dtype}  # fmt: skip
@@ -129,7 +156,9 @@ def report(result: dict[str, Any]) -> str:
     lines += ["", "Memory in use per GPU with the model loaded and its graphs captured (MiB, "
               "nvidia-smi, every process):", ""]  # fmt: skip
     for r in (r for r in result["rows"] if "error" not in r):
-        lines.append(f"- N = {r['tp']}: {r['gpu_memory_mib'] or 'no GPU'} (load {r['load_s']} s)")
+        stop = "did not end (hung)" if r.get("stop_hung") else f"{r.get('close_s')} s"
+        lines.append(f"- N = {r['tp']}: {r['gpu_memory_mib'] or 'no GPU'} (load {r['load_s']} s, "
+                     f"stop {stop})")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -144,6 +173,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ctx", type=int, default=1024, help="tokens of KV per request")
     p.add_argument("--num-draft-tokens", type=int, default=4)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--child-timeout-s", type=float, default=900.0,
+                   help="one size's whole run: load, steps and stop")  # fmt: skip
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.smoke:
@@ -157,7 +188,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.child:
-        print(json.dumps(measure(json.loads(Path(args.child).read_text()))))
+        measure(json.loads(Path(args.child).read_text()))
         return 0
     args.out.mkdir(parents=True, exist_ok=True)
     result = run(args)

@@ -28,8 +28,10 @@ if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
     exit 2
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
-gpus=$(nvidia-smi -L | wc -l)
-name=$(nvidia-smi --query-gpu=name --format=csv,noheader -i 0 | tr -c 'A-Za-z0-9\n' '_')
+# the GPUs this run sees (CUDA_VISIBLE_DEVICES counts; nvidia-smi lists every GPU of the host)
+gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+first=${CUDA_VISIBLE_DEVICES%%,*}
+name=$(nvidia-smi --query-gpu=name --format=csv,noheader -i "${first:-0}" | tr -c 'A-Za-z0-9\n' '_')
 [[ $gpus -gt 1 ]] && name="${name}_x${gpus}"
 mkdir -p "$out"
 log="$out/gpu_check_${name}.log"
@@ -43,7 +45,7 @@ else
 fi
 {
     echo "commit $commit$([[ $dirty -gt 0 ]] && echo " with $dirty modified tracked files")"
-    echo "date $(date -u +%FT%TZ); $gpus x $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader -i 0)"
+    echo "date $(date -u +%FT%TZ); $gpus x $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader -i "${first:-0}")${CUDA_VISIBLE_DEVICES:+ (CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES)}"
     python3 -c 'import torch, triton, grpc; print(f"torch {torch.__version__}, triton {triton.__version__}, grpcio {grpc.__version__}")'
 } >"$log"
 status=0

@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import faulthandler
 import logging
 import multiprocessing
 import multiprocessing.connection
@@ -33,7 +34,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 import torch
@@ -118,6 +119,7 @@ def _worker(
     """Rank `rank` (> 0): joins, loads its part, then makes rank 0's calls until told to stop."""
     _die_with_parent()
     logging.basicConfig(level=logging.WARNING, format=f"rank {rank}: %(levelname)s %(message)s")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # `kill -USR1`: where it waits
     try:
         config = rank_config(config, rank)
         device = config.torch_device
@@ -136,10 +138,9 @@ def _worker(
         try:
             name, args, kwargs = commands.recv()
         except EOFError:  # rank 0 is gone
-            return
+            _end_rank(None, 0)
         if name == "stop":
-            _leave_group(runner.device)
-            return
+            _end_rank(runner.device, 0)
         if name in ("graph_step", "ragged_step"):
             key = kwargs.pop("head_key")
             kwargs["head"] = None if key is None else heads.setdefault(key, _NoHead())
@@ -154,22 +155,46 @@ def _worker(
             os._exit(RANK_LOST_EXIT)
 
 
+def _end_rank(device: torch.device | None, status: int) -> NoReturn:
+    """Ends a rank > 0 at once: its device's work finished first (`device`: its last
+    collectives, whose peers on rank 0 have been issued), then no teardown of the process group
+    at all. NCCL's orderly end (ncclCommFinalize, also run by the group's destructor at exit)
+    waits until every rank ends it together, which rank 0, joining its ranks first, never did:
+    both hung there on two H100s. The kernel frees what the process held."""
+    if device is not None and device.type == "cuda":
+        torch.cuda.synchronize(device)
+    logging.shutdown()
+    os._exit(status)
+
+
+LEAVE_TIMEOUT_S = 10.0  # for rank 0's abort of its communicators
+
+
 def _leave_group(device: torch.device | None) -> None:
-    """Leaves the process group without waiting for the other ranks. NCCL's orderly end
-    (ncclCommFinalize) waits until every rank ends it at once, which a rank that is already
-    gone, or that waits to be joined first, never does (rank 0 and its ranks each hung there);
-    an abort frees this rank's communicators alone. The device is synchronised first, so no
-    collective of this rank is still running (every rank issued the same ones, in order)."""
+    """Rank 0 leaves the process group without waiting for the other ranks (they have ended,
+    or been killed): NCCL's communicators are aborted, which frees this rank's part alone
+    (an orderly destroy would wait for ranks that are gone), within LEAVE_TIMEOUT_S, after
+    which the service goes on and logs why; gloo's group is destroyed. With `device`, its work
+    is finished first, so no collective of this rank is running."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         return
-    if dist.get_backend() == "nccl":
-        if device is not None:
-            torch.cuda.synchronize(device)
-        dist.distributed_c10d._abort_process_group()
-    else:
+    if dist.get_backend() != "nccl":
         dist.destroy_process_group()
+        return
+    if device is not None:
+        torch.cuda.synchronize(device)
+    done = threading.Event()
+
+    def abort() -> None:
+        dist.distributed_c10d._abort_process_group()
+        done.set()
+
+    threading.Thread(target=abort, name="tp-leave", daemon=True).start()
+    if not done.wait(LEAVE_TIMEOUT_S):
+        log.warning("the tensor-parallel group's NCCL abort did not return within %.0f s; "
+                    "going on without it", LEAVE_TIMEOUT_S)  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
