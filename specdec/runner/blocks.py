@@ -1,0 +1,306 @@
+"""Paged KV bookkeeping on the host: fixed-size blocks, a block table per request, blocks shared
+by reference count, full blocks cached by their token prefix and evicted least recently used.
+
+This module decides which device block holds which request's positions; the device memory it
+indexes (a [num_blocks, 2, kv_heads, block_size, head_dim] tensor per layer) and the copies it
+asks for are the runner's. Its contract with the runner, per forward of a request:
+
+1. `prepare_write(request, start, n)` before the forward: the request's table then covers
+   positions [start, start + n) with blocks it alone holds; the returned (source, destination)
+   block copies must be made on the device before the forward writes (copy on write, for a
+   block a fork or the prefix cache shares). Nothing changes when it raises CacheFullError.
+2. `commit(request, start, tokens)` after the forward wrote those positions' keys and values:
+   the request's tokens and length, and full blocks registered in the prefix cache.
+
+A full block is keyed by its tokens and the key of the block before it (a chain from the first
+block), compared in full, never by a digest: two keys are equal only for the same token
+prefix, so a cached block holds exactly the keys and values a forward of that prefix writes,
+and a hit cannot change what the model computes. A block is registered once its positions were
+written and stays registered while it is unchanged; a request that writes into a block it
+registered (after a rollback) first takes it out of the cache, or copies it where another
+holder shares it.
+
+Released and rolled-back blocks that are registered stay cached at reference count 0, in
+least-recently-used order, and are reused last: a new block comes from the blocks never
+registered first, then evicts the least recently used cached one.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from specdec.errors import CacheFullError, UnknownRequestError
+
+Key = tuple[int, tuple[int, ...]]  # (the previous block's serial, or -1; this block's tokens)
+
+
+@dataclass(slots=True)
+class _Table:
+    blocks: list[int] = field(default_factory=list)
+    tokens: list[int] = field(default_factory=list)  # committed: len(tokens) is the length
+    # the prefix cache's serial of each full block's content, in order (a chain key's first
+    # part): the serial of whichever block is cached under the same key
+    serials: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class CacheStats:
+    """Prefix-cache counts since the pool was made, in tokens (vLLM's prefix_cache_queries
+    and prefix_cache_hits), and the evictions of cached blocks."""
+
+    queried_tokens: int
+    hit_tokens: int
+    evicted_blocks: int
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, prefix_caching: bool = True) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(
+                f"num_blocks and block_size must be at least 1 (got {num_blocks}, {block_size})."
+            )
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.prefix_caching = prefix_caching
+        self._refs = [0] * num_blocks
+        self._free = list(range(num_blocks - 1, -1, -1))  # never registered, or taken out
+        self._cached: OrderedDict[int, None] = OrderedDict()  # registered, ref 0, LRU first
+        self._key: dict[int, Key] = {}  # block -> its key, while registered
+        self._serial: dict[int, int] = {}  # block -> its serial, while registered
+        self._by_key: dict[Key, int] = {}
+        self._serials = itertools.count()
+        self._tables: dict[str, _Table] = {}
+        self._queried = self._hits = self._evicted = 0
+
+    # -- sizes -------------------------------------------------------------------------------
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    @property
+    def available(self) -> int:
+        """Blocks a request can still get: free ones and cached ones no request holds."""
+        return len(self._free) + len(self._cached)
+
+    @property
+    def stats(self) -> CacheStats:
+        return CacheStats(self._queried, self._hits, self._evicted)
+
+    # -- requests ----------------------------------------------------------------------------
+
+    def add(self, request_id: str) -> None:
+        if request_id in self._tables:
+            raise ValueError(f"request_id {request_id!r} is already in the cache.")
+        self._tables[request_id] = _Table()
+
+    def release(self, request_id: str) -> None:
+        table = self._table(request_id)
+        for b in table.blocks:
+            self._unref(b)
+        del self._tables[request_id]
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._tables
+
+    def length(self, request_id: str) -> int:
+        return len(self._table(request_id).tokens)
+
+    def table(self, request_id: str) -> list[int]:
+        """The request's blocks in position order (a copy)."""
+        return list(self._table(request_id).blocks)
+
+    def tokens(self, request_id: str) -> list[int]:
+        return list(self._table(request_id).tokens)
+
+    def _table(self, request_id: str) -> _Table:
+        try:
+            return self._tables[request_id]
+        except KeyError:
+            raise UnknownRequestError(f"request_id {request_id!r} is not in the cache.") from None
+
+    # -- prefix cache ------------------------------------------------------------------------
+
+    def match_prefix(self, request_id: str, tokens: Sequence[int]) -> int:
+        """For a request that holds nothing yet: shares the cached full blocks that begin
+        `tokens` and returns how many tokens they hold (a multiple of block_size, at most
+        len(tokens) - 1, so that a forward of the rest still gives the next-token logits)."""
+        table = self._table(request_id)
+        if table.blocks:
+            raise ValueError(f"request_id {request_id!r} already holds blocks.")
+        self._queried += len(tokens)
+        if not self.prefix_caching:
+            return 0
+        usable = (len(tokens) - 1) // self.block_size
+        parent = -1
+        for i in range(usable):
+            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            block = self._by_key.get((parent, chunk))
+            if block is None:
+                break
+            self._ref(block)
+            table.blocks.append(block)
+            table.tokens.extend(chunk)
+            parent = self._serial[block]
+            table.serials.append(parent)
+        self._hits += len(table.tokens)
+        return len(table.tokens)
+
+    def _register(self, table: _Table, index: int) -> None:
+        """Full block `index` (every one before it done) into the cache, or its serial taken
+        from the block cached under the same key."""
+        assert len(table.serials) == index
+        block = table.blocks[index]
+        start = index * self.block_size
+        parent = table.serials[index - 1] if index else -1
+        key = (parent, tuple(table.tokens[start : start + self.block_size]))
+        cached = self._by_key.get(key)
+        if cached is None:
+            assert block not in self._key, "a registered block was written into"
+            cached = block
+            self._key[block] = key
+            self._serial[block] = next(self._serials)
+            self._by_key[key] = block
+        table.serials.append(self._serial[cached])
+
+    def _unregister(self, block: int) -> None:
+        key = self._key.pop(block)
+        del self._by_key[key]
+        del self._serial[block]
+        self._cached.pop(block, None)
+
+    # -- blocks ------------------------------------------------------------------------------
+
+    def _ref(self, block: int) -> None:
+        if self._refs[block] == 0:
+            self._cached.pop(block)  # a cached block with no holder, taken again
+        self._refs[block] += 1
+
+    def _unref(self, block: int) -> None:
+        self._refs[block] -= 1
+        if self._refs[block] == 0:
+            if block in self._key:
+                self._cached[block] = None  # most recently used last
+            else:
+                self._free.append(block)
+
+    def _take(self) -> int:
+        if self._free:
+            block = self._free.pop()
+        else:
+            block, _ = self._cached.popitem(last=False)  # least recently used
+            self._unregister(block)
+            self._evicted += 1
+        self._refs[block] = 1
+        return block
+
+    def _needed(self, table: _Table, start: int, n: int) -> int:
+        """Blocks `prepare_write` would take: new ones past the table's end, and a copy (or
+        nothing, for a block only this request holds) for each held block written into."""
+        first, end = start // self.block_size, self.blocks_for(start + n)
+        copies = sum(1 for b in table.blocks[first:end] if self._refs[b] > 1)
+        return copies + max(0, end - len(table.blocks))
+
+    def prepare_write(self, request_id: str, start: int, n: int) -> list[tuple[int, int]]:
+        """Makes positions [start, start + n) of the request writable (see the module's
+        contract); returns the (source, destination) block copies to make first. `start` is
+        at most the request's length (positions past it are rewritten, as after a rollback)."""
+        table = self._table(request_id)
+        if not 0 <= start <= len(table.tokens) or n < 0:
+            raise ValueError(
+                f"A write of {n} tokens at {start} for {request_id!r}, whose length is "
+                f"{len(table.tokens)}: writes start at most at the length."
+            )
+        if n == 0:
+            return []
+        needed = self._needed(table, start, n)
+        if needed > self.available:
+            raise CacheFullError(
+                f"{request_id!r} needs {needed} more KV blocks of {self.block_size} tokens "
+                f"and {self.available} of {self.num_blocks} are free; release or shorten a "
+                f"request first."
+            )
+        copies = []
+        first, end = start // self.block_size, self.blocks_for(start + n)
+        for i in range(first, min(end, len(table.blocks))):
+            block = table.blocks[i]
+            if self._refs[block] > 1:  # shared: this request writes into a copy of its own
+                fresh = self._take()
+                self._unref(block)
+                table.blocks[i] = fresh
+                if i * self.block_size < start:  # positions before the write are kept
+                    copies.append((block, fresh))
+            elif block in self._key:  # only ours, but cached under what it holds now
+                self._unregister(block)
+        while len(table.blocks) < end:
+            table.blocks.append(self._take())
+        return copies
+
+    def commit(self, request_id: str, start: int, tokens: Sequence[int]) -> None:
+        """After a forward wrote positions [start, start + len(tokens)) (`prepare_write`
+        first): the request's length is start + len(tokens), and its full blocks are
+        registered in the prefix cache."""
+        table = self._table(request_id)
+        if not 0 <= start <= len(table.tokens):
+            raise ValueError(f"A commit at {start} past {request_id!r}'s length.")
+        end = start + len(tokens)
+        if self.blocks_for(end) > len(table.blocks):
+            raise ValueError(f"A commit to {end} tokens past {request_id!r}'s blocks.")
+        del table.tokens[start:]
+        table.tokens.extend(int(t) for t in tokens)
+        del table.serials[start // self.block_size :]
+        self._drop_past(table, end)
+        if self.prefix_caching:
+            for i in range(start // self.block_size, end // self.block_size):
+                self._register(table, i)
+
+    def truncate(self, request_id: str, length: int) -> None:
+        """Rolls the request back to its first `length` tokens; whole blocks past them are
+        released (a partly kept block stays, and is copied or taken out of the cache when
+        next written)."""
+        table = self._table(request_id)
+        if not 0 <= length <= len(table.tokens):
+            raise ValueError(
+                f"Cannot truncate {request_id!r} to {length}: its length is {len(table.tokens)}."
+            )
+        del table.tokens[length:]
+        del table.serials[length // self.block_size :]
+        self._drop_past(table, length)
+
+    def _drop_past(self, table: _Table, length: int) -> None:
+        keep = self.blocks_for(length)
+        for b in table.blocks[keep:]:
+            self._unref(b)
+        del table.blocks[keep:]
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """A new request `child_id` holding the parent's blocks and tokens, shared: the first
+        write into a shared block copies that block alone."""
+        parent = self._table(parent_id)
+        if child_id in self._tables:
+            raise ValueError(f"request_id {child_id!r} is already in the cache.")
+        for b in parent.blocks:
+            self._ref(b)
+        self._tables[child_id] = _Table(
+            list(parent.blocks), list(parent.tokens), list(parent.serials)
+        )
+
+    def check(self) -> None:
+        """AssertionError unless the bookkeeping is consistent (tests and debugging)."""
+        refs = [0] * self.num_blocks
+        for t in self._tables.values():
+            assert len(t.blocks) >= self.blocks_for(len(t.tokens))
+            full = len(t.tokens) // self.block_size
+            assert len(t.serials) == (full if self.prefix_caching else 0), (t.serials, full)
+            for b in t.blocks:
+                refs[b] += 1
+        assert refs == self._refs, (refs, self._refs)
+        free, cached = set(self._free), set(self._cached)
+        assert len(free) == len(self._free) and not free & cached
+        held = {b for b in range(self.num_blocks) if refs[b]}
+        assert not held & (free | cached)
+        assert held | free | cached == set(range(self.num_blocks))
+        assert all(b in self._key for b in cached) and not free & set(self._key)
+        assert {v: k for k, v in self._by_key.items()} == self._key
