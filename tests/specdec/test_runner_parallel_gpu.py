@@ -15,6 +15,7 @@ from tests.specdec._runner_models import hf_model, save_checkpoint
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs"),
+    pytest.mark.timeout(300),  # a group that hangs (its stop did once) fails, with its stacks
 ]
 
 
