@@ -40,7 +40,9 @@ Key = tuple[int, tuple[int, ...]]  # (the previous block's serial, or -1; this b
 @dataclass(slots=True)
 class _Table:
     blocks: list[int] = field(default_factory=list)
-    tokens: list[int] = field(default_factory=list)  # committed: len(tokens) is the length
+    # committed: len(tokens) is the length; None for a token whose id the runner did not
+    # read back (sampled on the device), which keeps its block out of the prefix cache
+    tokens: list[int | None] = field(default_factory=list)
     # the prefix cache's serial of each full block's content, in order (a chain key's first
     # part): the serial of whichever block is cached under the same key
     serials: list[int] = field(default_factory=list)
@@ -112,7 +114,7 @@ class BlockPool:
         """The request's blocks in position order (a copy)."""
         return list(self._table(request_id).blocks)
 
-    def tokens(self, request_id: str) -> list[int]:
+    def tokens(self, request_id: str) -> list[int | None]:
         return list(self._table(request_id).tokens)
 
     def _table(self, request_id: str) -> _Table:
@@ -123,17 +125,19 @@ class BlockPool:
 
     # -- prefix cache ------------------------------------------------------------------------
 
-    def match_prefix(self, request_id: str, tokens: Sequence[int]) -> int:
+    def match_prefix(self, request_id: str, tokens: Sequence[int], limit: int | None = None) -> int:
         """For a request that holds nothing yet: shares the cached full blocks that begin
         `tokens` and returns how many tokens they hold (a multiple of block_size, at most
-        len(tokens) - 1, so that a forward of the rest still gives the next-token logits)."""
+        `limit`, by default len(tokens) - 1, so that a forward of the rest still gives the
+        next-token logits)."""
         table = self._table(request_id)
-        if table.blocks:
-            raise ValueError(f"request_id {request_id!r} already holds blocks.")
+        if table.blocks or table.tokens:
+            raise ValueError(f"request_id {request_id!r} already holds tokens.")
         self._queried += len(tokens)
         if not self.prefix_caching:
             return 0
-        usable = (len(tokens) - 1) // self.block_size
+        limit = len(tokens) - 1 if limit is None else min(limit, len(tokens))
+        usable = max(0, limit) // self.block_size
         parent = -1
         for i in range(usable):
             chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
@@ -148,14 +152,18 @@ class BlockPool:
         self._hits += len(table.tokens)
         return len(table.tokens)
 
-    def _register(self, table: _Table, index: int) -> None:
+    def _register(self, table: _Table, index: int) -> bool:
         """Full block `index` (every one before it done) into the cache, or its serial taken
-        from the block cached under the same key."""
+        from the block cached under the same key; False for a block with a token not known
+        (it and every block after it stay out)."""
         assert len(table.serials) == index
         block = table.blocks[index]
         start = index * self.block_size
         parent = table.serials[index - 1] if index else -1
-        key = (parent, tuple(table.tokens[start : start + self.block_size]))
+        chunk = table.tokens[start : start + self.block_size]
+        if any(t is None for t in chunk):
+            return False
+        key = (parent, tuple(t for t in chunk if t is not None))
         cached = self._by_key.get(key)
         if cached is None:
             assert block not in self._key, "a registered block was written into"
@@ -164,6 +172,7 @@ class BlockPool:
             self._serial[block] = next(self._serials)
             self._by_key[key] = block
         table.serials.append(self._serial[cached])
+        return True
 
     def _unregister(self, block: int) -> None:
         key = self._key.pop(block)
@@ -196,9 +205,15 @@ class BlockPool:
         self._refs[block] = 1
         return block
 
+    def needed(self, request_id: str, start: int, n: int) -> int:
+        """Blocks `prepare_write(request_id, start, n)` would take from `available`."""
+        return self._needed(self._table(request_id), start, n)
+
     def _needed(self, table: _Table, start: int, n: int) -> int:
         """Blocks `prepare_write` would take: new ones past the table's end, and a copy (or
         nothing, for a block only this request holds) for each held block written into."""
+        if n <= 0:
+            return 0
         first, end = start // self.block_size, self.blocks_for(start + n)
         copies = sum(1 for b in table.blocks[first:end] if self._refs[b] > 1)
         return copies + max(0, end - len(table.blocks))
@@ -238,10 +253,10 @@ class BlockPool:
             table.blocks.append(self._take())
         return copies
 
-    def commit(self, request_id: str, start: int, tokens: Sequence[int]) -> None:
+    def commit(self, request_id: str, start: int, tokens: Sequence[int | None]) -> None:
         """After a forward wrote positions [start, start + len(tokens)) (`prepare_write`
         first): the request's length is start + len(tokens), and its full blocks are
-        registered in the prefix cache."""
+        registered in the prefix cache (None: a token whose id is not known here)."""
         table = self._table(request_id)
         if not 0 <= start <= len(table.tokens):
             raise ValueError(f"A commit at {start} past {request_id!r}'s length.")
@@ -249,12 +264,13 @@ class BlockPool:
         if self.blocks_for(end) > len(table.blocks):
             raise ValueError(f"A commit to {end} tokens past {request_id!r}'s blocks.")
         del table.tokens[start:]
-        table.tokens.extend(int(t) for t in tokens)
+        table.tokens.extend(None if t is None else int(t) for t in tokens)
         del table.serials[start // self.block_size :]
         self._drop_past(table, end)
         if self.prefix_caching:
-            for i in range(start // self.block_size, end // self.block_size):
-                self._register(table, i)
+            for i in range(len(table.serials), end // self.block_size):
+                if not self._register(table, i):
+                    break
 
     def truncate(self, request_id: str, length: int) -> None:
         """Rolls the request back to its first `length` tokens; whole blocks past them are
@@ -275,6 +291,11 @@ class BlockPool:
             self._unref(b)
         del table.blocks[keep:]
 
+    def swap(self, a: str, b: str) -> None:
+        """Requests `a` and `b` exchange what they hold."""
+        ta, tb = self._table(a), self._table(b)
+        self._tables[a], self._tables[b] = tb, ta
+
     def fork(self, parent_id: str, child_id: str) -> None:
         """A new request `child_id` holding the parent's blocks and tokens, shared: the first
         write into a shared block copies that block alone."""
@@ -292,8 +313,9 @@ class BlockPool:
         refs = [0] * self.num_blocks
         for t in self._tables.values():
             assert len(t.blocks) >= self.blocks_for(len(t.tokens))
-            full = len(t.tokens) // self.block_size
-            assert len(t.serials) == (full if self.prefix_caching else 0), (t.serials, full)
+            assert len(t.serials) <= len(t.tokens) // self.block_size
+            if not self.prefix_caching:
+                assert not t.serials
             for b in t.blocks:
                 refs[b] += 1
         assert refs == self._refs, (refs, self._refs)

@@ -25,29 +25,47 @@ class Device:
             [None] * pool.block_size for _ in range(pool.num_blocks)
         ]
         self.copies = 0
+        self.real: dict[str, list[int]] = {}  # each request's token ids, known or not to the pool
 
-    def forward(self, rid: str, start: int, new: list[int]) -> None:
-        """What a runner's forward of `new` at `start` does to the cache."""
+    def forward(self, rid: str, start: int, new: list[int], known: bool = True) -> None:
+        """What a runner's forward of `new` at `start` does to the cache; `known=False`: the
+        runner commits the tokens without their ids (sampled on the device)."""
         pool, bs = self.pool, self.pool.block_size
         for src, dst in pool.prepare_write(rid, start, len(new)):
             self.mem[dst] = list(self.mem[src])
             self.copies += 1
-        tokens = pool.tokens(rid)[:start] + new
+        tokens = self.real.get(rid, [])[:start] + new
         table = pool.table(rid)
         for p in range(start, start + len(new)):
             self.mem[table[p // bs]][p % bs] = tuple(tokens[: p + 1])
-        pool.commit(rid, start, new)
+        pool.commit(rid, start, new if known else [None] * len(new))
+        self.real[rid] = tokens
+
+    def truncate(self, rid: str, length: int) -> None:
+        self.pool.truncate(rid, length)
+        self.real[rid] = self.real.get(rid, [])[:length]
+
+    def fork(self, rid: str, child: str) -> None:
+        self.pool.fork(rid, child)
+        self.real[child] = list(self.real.get(rid, []))
+
+    def swap(self, a: str, b: str) -> None:
+        self.pool.swap(a, b)
+        self.real[a], self.real[b] = self.real.get(b, []), self.real.get(a, [])
 
     def prefill(self, rid: str, prompt: list[int]) -> int:
         """Admission with the prefix cache: the hit, then a forward of the rest."""
         self.pool.add(rid)
         hit = self.pool.match_prefix(rid, prompt)
+        self.real[rid] = prompt[:hit]
         self.forward(rid, hit, prompt[hit:])
         return hit
 
     def check(self, rid: str) -> None:
         pool, bs = self.pool, self.pool.block_size
-        tokens, table = pool.tokens(rid), pool.table(rid)
+        tokens, table = self.real.get(rid, []), pool.table(rid)
+        assert len(tokens) == pool.length(rid)
+        assert all(k is None or k == t for k, t in zip(pool.tokens(rid), tokens, strict=True))
         for p in range(len(tokens)):
             assert self.mem[table[p // bs]][p % bs] == tuple(tokens[: p + 1]), (rid, p)
 
@@ -112,7 +130,7 @@ def test_rollback_frees_whole_blocks_and_a_rewrite_takes_the_block_out_of_the_ca
     dev = Device(pool)
     dev.prefill("a", list(range(10)))  # 3 blocks
     before = pool.available
-    pool.truncate("a", 5)  # [0..3] [4] kept; the third block freed
+    dev.truncate("a", 5)  # [0..3] [4] kept; the third block freed
     assert pool.length("a") == 5 and len(pool.table("a")) == 2
     assert pool.available == before + 1
     dev.forward("a", 5, [50, 51, 52])  # rewrites the second block past position 4
@@ -128,7 +146,7 @@ def test_forks_share_blocks_and_copy_only_the_partial_block_they_write() -> None
     dev.prefill("req", list(range(10)))  # [0..3] [4..7] [8 9]
     held = pool.available
     for h in range(3):  # draft-ahead's hypotheses
-        pool.fork("req", f"h{h}")
+        dev.fork("req", f"h{h}")
     assert pool.available == held  # forking takes no block
     for h in range(3):
         dev.forward(f"h{h}", 10, [100 + h, 200 + h, 300 + h])  # fills [8 9 x y], then one more
@@ -146,7 +164,7 @@ def test_a_refused_write_changes_nothing() -> None:
     pool = BlockPool(num_blocks=4, block_size=2)
     dev = Device(pool)
     dev.prefill("a", [1, 2, 3])
-    pool.fork("a", "b")
+    dev.fork("a", "b")
     state = (pool.table("a"), pool.table("b"), pool.tokens("b"), pool.available)
     with pytest.raises(CacheFullError, match="needs 4 more KV blocks"):
         pool.prepare_write("b", 3, 6)  # a copy of [3] and three new: 4 > 2
@@ -203,21 +221,24 @@ def test_random_traffic_reads_back_what_was_computed(seed: int) -> None:
                     dev.prefill(rid, prompt)
                 finally:
                     live.append(rid)  # admitted, possibly short of its prompt
-            elif op < 0.3:
+            elif op < 0.27:
                 rid = rng.choice(live)
                 child = f"f{step}"
-                pool.fork(rid, child)
+                dev.fork(rid, child)
                 live.append(child)
+            elif op < 0.3:
+                dev.swap(rng.choice(live), rng.choice(live))
             elif op < 0.45:
                 rid = live.pop(rng.randrange(len(live)))
                 pool.release(rid)
             elif op < 0.6:
                 rid = rng.choice(live)
-                pool.truncate(rid, rng.randrange(pool.length(rid) + 1))
+                dev.truncate(rid, rng.randrange(pool.length(rid) + 1))
             else:  # a verify: k + 1 tokens written from the length or a little before it
                 rid = rng.choice(live)
                 start = max(0, pool.length(rid) - rng.randrange(3))
-                dev.forward(rid, start, [rng.randrange(50) for _ in range(rng.randrange(1, 6))])
+                new = [rng.randrange(50) for _ in range(rng.randrange(1, 6))]
+                dev.forward(rid, start, new, known=rng.random() < 0.8)
         except CacheFullError:
             refused += 1
         for rid in live:
@@ -225,3 +246,18 @@ def test_random_traffic_reads_back_what_was_computed(seed: int) -> None:
         pool.check()
     assert refused > 0  # the pool was under pressure
     assert pool.stats.hit_tokens > 0
+
+
+def test_blocks_of_tokens_not_read_back_stay_out_of_the_prefix_cache() -> None:
+    pool = BlockPool(num_blocks=8, block_size=2)
+    dev = Device(pool)
+    dev.prefill("a", [1, 2, 3])  # [1 2] cached, [3] partial
+    dev.forward("a", 3, [4, 5, 6], known=False)  # sampled on the device: [3 ?] [? ?]
+    dev.check("a")
+    pool.add("b")
+    assert pool.match_prefix("b", [1, 2, 3, 4, 5, 6, 7]) == 2  # [1 2] only
+    dev.truncate("a", 3)
+    dev.forward("a", 3, [4, 5, 6])  # the same ids, now known: cached from [3 4] on
+    pool.add("c")
+    assert pool.match_prefix("c", [1, 2, 3, 4, 5, 6, 7]) == 6
+    pool.check()
