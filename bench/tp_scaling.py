@@ -87,8 +87,10 @@ def child(job: dict[str, Any], job_file: str) -> dict[str, Any]:
         done = subprocess.run(cmd, capture_output=True, text=True, cwd=repo,
                               timeout=job["timeout_s"])  # fmt: skip
         out, err, failed = done.stdout, done.stderr, done.returncode != 0
+        end = f"exit {done.returncode}"
     except subprocess.TimeoutExpired as exc:
         out, err, failed = _text(exc.stdout), _text(exc.stderr), True
+        end = f"killed after {job['timeout_s']:.0f} s"
     lines = [json.loads(x) for x in out.splitlines() if x.startswith("{")]
     row = next((x for x in lines if "ms" in x), None)
     if failed:
@@ -97,7 +99,8 @@ def child(job: dict[str, Any], job_file: str) -> dict[str, Any]:
         tail = err.strip().splitlines()[-1:] or ["no output"]
         return {"tp": job["tp"], "error": tail[0]}
     closed = next((x["close_s"] for x in lines if "close_s" in x), None)
-    return row | ({"close_s": closed} if closed is not None else {"stop_hung": True})
+    row |= {"close_s": closed} if closed is not None else {"stop_hung": True}
+    return row | {"process_end": end}  # "killed ..." past close_s: its exit hung
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -157,6 +160,7 @@ def report(result: dict[str, Any]) -> str:
               "nvidia-smi, every process):", ""]  # fmt: skip
     for r in (r for r in result["rows"] if "error" not in r):
         stop = "did not end (hung)" if r.get("stop_hung") else f"{r.get('close_s')} s"
+        stop += f", process {r.get('process_end', '?')}"
         lines.append(f"- N = {r['tp']}: {r['gpu_memory_mib'] or 'no GPU'} (load {r['load_s']} s, "
                      f"stop {stop})")  # fmt: skip
     return "\n".join(lines) + "\n"

@@ -25,9 +25,11 @@ from specdec.runner.decode_attention import decode_attention, num_splits
 
 @dataclass(slots=True)
 class AttnMeta:
-    token_slot: torch.Tensor  # [T] int64: cache slot of each new token
+    token_slot: torch.Tensor  # [T] int64: cache slot (paged: block) of each new token
     positions: torch.Tensor  # [T] int64: absolute position of each new token
-    slots: torch.Tensor  # [B] int64
+    write_pos: torch.Tensor  # [T] int64: where in its slot or block it is stored
+    slots: torch.Tensor  # [B] int64; paged: block tables [B, W]
+    page: int | None  # positions per block of a paged cache; None: slots
     starts: torch.Tensor  # [B] int64: cached tokens before this pass
     cu_q: torch.Tensor | None  # [B + 1] int64 offsets into the T tokens; set iff kernel path
     splits: int  # key ranges per (request, kv head) of the kernel path
@@ -53,11 +55,17 @@ def build_meta(
     equal: bool,
     kernel: bool = False,
     kv_heads: int = 1,
+    page: int | None = None,
 ) -> AttnMeta:
     """Metadata for B requests in `slots` [B] with cached lengths `starts` [B] and `counts` new
     tokens each. With `equal` every count is the same and no host sync or scatter is needed
-    (the CUDA-graph path); with `kernel` neither is needed in any case, nor masks."""
+    (the CUDA-graph path); with `kernel` neither is needed in any case, nor masks. With `page`
+    the cache is paged and `slots` are block tables [B, W]: position p of request b is stored
+    in block slots[b, p // page] at offset p % page."""
     device = slots.device
+    paged = page is not None
+    # the expressions below spread `owner` over the tokens: the slots, or (paged) row numbers
+    owner = torch.arange(slots.shape[0], device=device) if paged else slots
     n_max = max(counts) if counts else 0
     local = torch.arange(n_max, device=device)
     query_pos = starts[:, None] + local[None, :]  # [B, n_max]
@@ -65,7 +73,7 @@ def build_meta(
     if equal:
         q_pad_index = None
         positions = query_pos.reshape(-1)
-        token_slot = slots[:, None].expand(-1, n_max).reshape(-1)
+        token_slot = owner[:, None].expand(-1, n_max).reshape(-1)
         if kernel:
             cu_q = torch.arange(0, n_max * (len(counts) + 1), max(n_max, 1), device=device)
     elif kernel:  # flat, from host counts: no nonzero(), so no host sync
@@ -78,7 +86,7 @@ def build_meta(
         first = cu_q[:-1].repeat_interleave(count_t, output_size=total)
         positions = starts.repeat_interleave(count_t, output_size=total)
         positions = positions + torch.arange(total, device=device) - first
-        token_slot = slots.repeat_interleave(count_t, output_size=total)
+        token_slot = owner.repeat_interleave(count_t, output_size=total)
         q_pad_index = None
     else:
         count_t = torch.tensor(counts, device=device)
@@ -86,7 +94,7 @@ def build_meta(
         query_pos = torch.where(valid, query_pos, torch.zeros_like(query_pos))
         q_pad_index = valid.reshape(-1).nonzero().squeeze(1)
         positions = query_pos.reshape(-1)[q_pad_index]
-        token_slot = slots.repeat_interleave(count_t)
+        token_slot = owner.repeat_interleave(count_t)
     keys = torch.arange(kv_len, device=device)
     masks = {}
     for window in () if kernel else windows:
@@ -97,10 +105,16 @@ def build_meta(
         masks[window] = (
             visible[:, None].expand(b, group, n_max, kv_len).reshape(b, 1, group * n_max, kv_len)
         )
+    write_pos = positions
+    if page is not None:  # token_slot holds each token's row: its block from the row's table
+        token_slot = slots[token_slot, positions // page]
+        write_pos = positions % page
     return AttnMeta(
         token_slot=token_slot,
         positions=positions,
+        write_pos=write_pos,
         slots=slots,
+        page=page,
         starts=starts,
         cu_q=cu_q,
         splits=num_splits(len(counts), kv_heads, kv_len, device) if kernel else 0,
@@ -122,17 +136,25 @@ def attention(
 ) -> torch.Tensor:
     """Attends over `cache`, which already holds the new tokens' K/V; [T, heads * head_dim].
 
-    q [T, heads, D]; cache [slots, 2, kv_heads, max_seq_len, D].
+    q [T, heads, D]; cache [slots, 2, kv_heads, max_seq_len, D] (paged: [blocks, 2, kv_heads,
+    page, D]).
     """
     _, heads, d = q.shape
     kv_heads = cache.shape[2]
     group = heads // kv_heads
     if meta.cu_q is not None:
         out = decode_attention(
-            q, cache, meta.slots, meta.starts, meta.cu_q, meta.n_max, window, meta.splits
-        )
+            q, cache, meta.slots, meta.starts, meta.cu_q, meta.n_max, window, meta.splits,
+            meta.page,
+        )  # fmt: skip
         return out.view(-1, heads * d)
-    kv = cache[:, :, :, : meta.kv_len].index_select(0, meta.slots)  # [B, 2, kv_heads, L, D]
+    if meta.page is None:
+        kv = cache[:, :, :, : meta.kv_len].index_select(0, meta.slots)  # [B, 2, kv_heads, L, D]
+    else:  # each request's blocks in order, as one sequence
+        b, width, page = meta.slots.shape[0], -(-meta.kv_len // meta.page), meta.page
+        blocks = cache.index_select(0, meta.slots[:, :width].reshape(-1))
+        kv = blocks.view(b, width, 2, kv_heads, page, d).permute(0, 2, 3, 1, 4, 5)
+        kv = kv.reshape(b, 2, kv_heads, width * page, d)[:, :, :, : meta.kv_len]
     b, n = kv.shape[0], meta.n_max
     if meta.q_pad_index is not None:
         grid = q.new_zeros(b * n, heads, d)

@@ -46,6 +46,7 @@ class _Table:
     # the prefix cache's serial of each full block's content, in order (a chain key's first
     # part): the serial of whichever block is cached under the same key
     serials: list[int] = field(default_factory=list)
+    pending: tuple[int, int] | None = None  # the prepared write's [start, end) until commit
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,12 +101,16 @@ class BlockPool:
 
     def release(self, request_id: str) -> None:
         table = self._table(request_id)
-        for b in table.blocks:
+        for b in reversed(table.blocks):  # the tail first: evicted before the prefix it extends
             self._unref(b)
         del self._tables[request_id]
 
     def __contains__(self, request_id: str) -> bool:
         return request_id in self._tables
+
+    @property
+    def request_ids(self) -> list[str]:
+        return list(self._tables)
 
     def length(self, request_id: str) -> int:
         return len(self._table(request_id).tokens)
@@ -140,7 +145,7 @@ class BlockPool:
         usable = max(0, limit) // self.block_size
         parent = -1
         for i in range(usable):
-            chunk = tuple(tokens[i * self.block_size : (i + 1) * self.block_size])
+            chunk = tuple(int(t) for t in tokens[i * self.block_size : (i + 1) * self.block_size])
             block = self._by_key.get((parent, chunk))
             if block is None:
                 break
@@ -245,12 +250,15 @@ class BlockPool:
                 fresh = self._take()
                 self._unref(block)
                 table.blocks[i] = fresh
-                if i * self.block_size < start:  # positions before the write are kept
+                # positions it holds stay readable until the commit (a forward not made, a
+                # failed one): copied, unless none is below the length
+                if i * self.block_size < len(table.tokens):
                     copies.append((block, fresh))
             elif block in self._key:  # only ours, but cached under what it holds now
                 self._unregister(block)
         while len(table.blocks) < end:
             table.blocks.append(self._take())
+        table.pending = (start, start + n)
         return copies
 
     def commit(self, request_id: str, start: int, tokens: Sequence[int | None]) -> None:
@@ -258,11 +266,17 @@ class BlockPool:
         first): the request's length is start + len(tokens), and its full blocks are
         registered in the prefix cache (None: a token whose id is not known here)."""
         table = self._table(request_id)
-        if not 0 <= start <= len(table.tokens):
-            raise ValueError(f"A commit at {start} past {request_id!r}'s length.")
         end = start + len(tokens)
-        if self.blocks_for(end) > len(table.blocks):
-            raise ValueError(f"A commit to {end} tokens past {request_id!r}'s blocks.")
+        if tokens and (
+            table.pending is None or table.pending[0] != start or end > table.pending[1]
+        ):
+            raise ValueError(
+                f"A commit of positions [{start}, {end}) of {request_id!r} that were not "
+                f"prepared for writing (prepared: {table.pending})."
+            )
+        if not tokens and start != len(table.tokens):
+            raise ValueError(f"An empty commit at {start}, not at {request_id!r}'s length.")
+        table.pending = None
         del table.tokens[start:]
         table.tokens.extend(None if t is None else int(t) for t in tokens)
         del table.serials[start // self.block_size :]
@@ -283,11 +297,12 @@ class BlockPool:
             )
         del table.tokens[length:]
         del table.serials[length // self.block_size :]
+        table.pending = None
         self._drop_past(table, length)
 
     def _drop_past(self, table: _Table, length: int) -> None:
         keep = self.blocks_for(length)
-        for b in table.blocks[keep:]:
+        for b in reversed(table.blocks[keep:]):
             self._unref(b)
         del table.blocks[keep:]
 

@@ -39,6 +39,13 @@ class RunnerConfig:
     # ranks of one node the model is split over (`parallel`): on CUDA N GPUs from `device`'s
     # index on (cuda:1: 1 .. N), on the CPU N processes; 1 is no split
     tensor_parallel: int = 1
+    # the KV cache: 0, fixed slots (each of the max_slots requests holds max_seq_len positions);
+    # N > 0, paged in blocks of N positions (`kv_cache.PagedCache`): max_slots requests at
+    # once share kv_blocks blocks (0: as many as the slots would hold), full blocks cached
+    # under their token prefix when prefix_caching
+    kv_block_size: int = 0
+    kv_blocks: int = 0
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
@@ -59,6 +66,10 @@ class RunnerConfig:
                 f"cuda_graph_max_tokens must be in [1, 128], got {self.cuda_graph_max_tokens}."
             )
         check_range(self.tensor_parallel, "tensor_parallel", 1, MAX_TENSOR_PARALLEL)
+        check_range(self.kv_block_size, "kv_block_size", 0, 4096)
+        check_range(self.kv_blocks, "kv_blocks", 0, 1 << 24)
+        if self.kv_blocks and not self.kv_block_size:
+            raise ValueError("kv_blocks sizes a paged KV cache: set kv_block_size too.")
         for size in self.cuda_graph_batch_sizes:
             if not 1 <= size <= self.max_slots:
                 raise ValueError(
@@ -69,6 +80,17 @@ class RunnerConfig:
             torch.device(self.device)
         except RuntimeError as exc:
             raise ValueError(f"device must be a torch device string, got {self.device!r}.") from exc
+
+    @property
+    def paged(self) -> bool:
+        return self.kv_block_size > 0
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """Blocks of a paged cache: kv_blocks, or what max_slots slots of max_seq_len hold."""
+        if self.kv_blocks:
+            return self.kv_blocks
+        return self.max_slots * -(-self.max_seq_len // max(1, self.kv_block_size))
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -32,8 +32,8 @@ MAX_ROWS = 128  # group * tokens per request the kernel takes; longer chunks go 
 @triton.jit
 def _split_kernel(
     q_ptr,  # [T, heads, D]
-    cache_ptr,  # [slots, 2, kv_heads, max_seq_len, D]
-    slots_ptr,  # [B] int64
+    cache_ptr,  # [slots, 2, kv_heads, max_seq_len, D]; PAGED: [blocks, 2, kv_heads, PAGE, D]
+    slots_ptr,  # [B] int64; PAGED: block tables [B, W] int64
     starts_ptr,  # [B] int64
     cu_q_ptr,  # [B + 1] int64
     part_out_ptr,  # [B, kv_heads, NUM_SPLITS, BLOCK_M, HEAD_DIM] float32
@@ -46,6 +46,7 @@ def _split_kernel(
     stride_ckv,
     stride_ch,
     stride_cl,
+    stride_table,
     D: tl.constexpr,
     KV_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
@@ -56,13 +57,17 @@ def _split_kernel(
     HAS_WINDOW: tl.constexpr,
     IEEE: tl.constexpr,
     PDL: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE: tl.constexpr,
 ):
     wait_then_release(PDL)  # nothing before this reads or writes what other kernels touch
     pid = tl.program_id(0)
     split = tl.program_id(1)
     b = pid // KV_HEADS
     kvh = pid % KV_HEADS
-    slot = tl.load(slots_ptr + b).to(tl.int64)
+    slot = 0
+    if not PAGED:
+        slot = tl.load(slots_ptr + b).to(tl.int64)
     start = tl.load(starts_ptr + b).to(tl.int32)
     q0 = tl.load(cu_q_ptr + b).to(tl.int32)
     n_b = tl.load(cu_q_ptr + b + 1).to(tl.int32) - q0
@@ -85,7 +90,7 @@ def _split_kernel(
     lo = first + split * per_split
     hi = tl.minimum(lo + per_split, kv_len)
 
-    k_base = cache_ptr + slot * stride_cs + kvh * stride_ch
+    k_base = cache_ptr + slot * stride_cs + kvh * stride_ch  # PAGED: slot 0, blocks per key
     v_base = k_base + stride_ckv
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -93,7 +98,12 @@ def _split_kernel(
     for j0 in range(lo, hi, BLOCK_N):
         keys = j0 + tl.arange(0, BLOCK_N)
         k_ok = keys < hi
-        kv_off = keys.to(tl.int64)[None, :] * stride_cl + dims[:, None]
+        if PAGED:  # key j at offset j % PAGE of block table[b, j // PAGE]
+            blk = tl.load(slots_ptr + b * stride_table + keys // PAGE, mask=k_ok, other=0)
+            key_off = blk.to(tl.int64) * stride_cs + (keys % PAGE).to(tl.int64) * stride_cl
+        else:
+            key_off = keys.to(tl.int64) * stride_cl
+        kv_off = key_off[None, :] + dims[:, None]
         k = tl.load(k_base + kv_off, mask=k_ok[None, :] & d_ok[:, None], other=0.0)  # [HD, N]
         if IEEE:
             s = tl.dot(q, k, input_precision="ieee") * scale
@@ -108,7 +118,7 @@ def _split_kernel(
         p = tl.exp(s - m_safe[:, None])
         alpha = tl.exp(m_i - m_safe)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v_off = keys.to(tl.int64)[:, None] * stride_cl + dims[None, :]
+        v_off = key_off[:, None] + dims[None, :]
         v = tl.load(v_base + v_off, mask=k_ok[:, None] & d_ok[None, :], other=0.0)  # [N, HD]
         if IEEE:
             pv = tl.dot(p.to(v.dtype), v, input_precision="ieee")
@@ -186,13 +196,20 @@ def decode_attention(
     n_max: int,
     window: int | None,
     splits: int,
+    page: int | None = None,
 ) -> torch.Tensor:
     """Attention output [T, heads, D] in q's dtype; no host sync (n_max and splits come from
-    the host). The new tokens' K/V must already be in the cache."""
+    the host). The new tokens' K/V must already be in the cache. With `page`, the cache is
+    paged ([blocks, 2, kv_heads, page, D]) and `slots` are block tables [B, W]."""
     t, heads, d = q.shape
     kv_heads = cache.shape[2]
     group = heads // kv_heads
     b = slots.shape[0]
+    if page is not None and (slots.dim() != 2 or cache.shape[3] != page):
+        raise ValueError(
+            f"A paged decode_attention takes block tables [B, W] and a cache of {page}-position "
+            f"blocks, got tables {tuple(slots.shape)} and a cache {tuple(cache.shape)}."
+        )
     if heads % kv_heads or group * n_max > MAX_ROWS or cache.shape[4] != d:
         raise ValueError(
             f"decode_attention takes heads divisible by kv_heads and group * n_max <= "
@@ -221,6 +238,7 @@ def decode_attention(
         q.stride(0),
         q.stride(1),
         *cache.stride()[:4],
+        slots.stride(0) if page is not None else 0,
         D=d,
         KV_HEADS=kv_heads,
         GROUP=group,
@@ -231,6 +249,8 @@ def decode_attention(
         HAS_WINDOW=window is not None,
         IEEE=ieee,
         PDL=pdl,
+        PAGED=page is not None,
+        PAGE=page or 1,
         **launch_options(pdl),
     )
     _combine_kernel[(b * kv_heads, group * n_max)](
@@ -260,10 +280,17 @@ def decode_attention_reference(
     starts: torch.Tensor,  # [B] int64
     cu_q: torch.Tensor,  # [B + 1] int64
     window: int | None,
+    page: int | None = None,
 ) -> torch.Tensor:
-    """The same function in float64 torch, one request at a time; [T, heads, D] float64."""
+    """The same function in float64 torch, one request at a time; [T, heads, D] float64. With
+    `page`: a paged cache and block tables [B, W], read back as slots first."""
     t, heads, d = q.shape
     group = heads // cache.shape[2]
+    if page is not None:  # each request's blocks in order: a slot per request
+        b, width = slots.shape
+        cache = cache[slots.reshape(-1)].view(b, width, *cache.shape[1:]).permute(0, 2, 3, 1, 4, 5)
+        cache = cache.reshape(b, 2, cache.shape[2], width * page, d)
+        slots = torch.arange(b, device=slots.device)
     out = torch.full((t, heads, d), float("nan"), dtype=torch.float64, device=q.device)
     for slot, start, q0, q1 in zip(
         slots.tolist(), starts.tolist(), cu_q[:-1].tolist(), cu_q[1:].tolist(), strict=True

@@ -24,7 +24,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     tokens: torch.Tensor  # [bs, n] int64
     starts: torch.Tensor  # [bs] int64
-    slots: torch.Tensor  # [bs] int64
+    slots: torch.Tensor  # [bs] int64; paged: block tables [bs, table_width]
     head_inputs: tuple[torch.Tensor, ...]  # each [bs, ...]
     logits: torch.Tensor  # [bs, n, V] float32
     head_outputs: tuple[torch.Tensor, ...]  # each [bs, ...]
@@ -39,6 +39,7 @@ class StepGraphs:
         max_seq_len: int,
         scratch_slot: int,
         device: torch.device,
+        table_width: int | None = None,
     ) -> None:
         self._step = step
         self._sizes = sorted(batch_sizes)
@@ -46,6 +47,8 @@ class StepGraphs:
         self._kv_len = max_seq_len
         self._scratch = scratch_slot
         self._device = device
+        # a paged cache's steps pass block tables [B, table_width] where slots [B] go
+        self._slot_shape = () if table_width is None else (table_width,)
         self._graphs: dict[tuple[object, ...], _Graph] = {}
         self._pool = torch.cuda.graph_pool_handle() if self._sizes else None
 
@@ -93,7 +96,7 @@ class StepGraphs:
         dev = self._device
         tokens = torch.zeros(bs, n, dtype=torch.long, device=dev)
         starts = torch.zeros(bs, dtype=torch.long, device=dev)
-        slots = torch.full((bs,), self._scratch, dtype=torch.long, device=dev)
+        slots = torch.full((bs, *self._slot_shape), self._scratch, dtype=torch.long, device=dev)
         static_in = tuple(
             torch.zeros((bs, *x.shape[1:]), dtype=x.dtype, device=dev) for x in head_inputs
         )

@@ -1,4 +1,10 @@
-"""Per-request KV state in preallocated fixed slots.
+"""Per-request KV state: in preallocated fixed slots (`SlotCache`, the default), or in blocks of
+a shared pool addressed through a block table per request (`PagedCache`, with prefix caching).
+
+Both give the runner the same calls: `prepare` before a forward (what the attention reads and
+writes through: slot ids [B], or block tables [B, W]), `commit` after it (the new length).
+
+SlotCache:
 
 Each admitted request owns one slot of `max_seq_len` tokens in every layer's cache tensor
 [max_slots + 1, 2, kv_heads, max_seq_len, head_dim]; the extra last slot is scratch that the
@@ -14,9 +20,12 @@ K/V past it is masked out and overwritten by the next forward. Releasing a slot 
 returns it to the free list.
 """
 
+from collections.abc import Sequence
+
 import torch
 
 from specdec.errors import CacheFullError, UnknownRequestError
+from specdec.runner.blocks import BlockPool, CacheStats
 
 
 class SlotCache:
@@ -127,6 +136,34 @@ class SlotCache:
     def extend(self, request_id: str, new_tokens: int) -> None:
         self._length[self.slot(request_id)] += new_tokens
 
+    page: int | None = None  # positions per block: none, a slot holds a whole sequence
+
+    def check_fits(
+        self, request_ids: Sequence[str], starts: Sequence[int], counts: Sequence[int]
+    ) -> None:
+        """Nothing to check past `check_room`: a slot holds max_seq_len positions."""
+
+    def prepare(
+        self,
+        request_ids: Sequence[str],
+        starts: Sequence[int],
+        counts: Sequence[int],
+        width: int | None = None,
+    ) -> list[int]:
+        """The slots [B] the forward reads and writes through."""
+        return [self.slot(r) for r in request_ids]
+
+    def commit(self, request_id: str, start: int, n: int, tokens: Sequence[int] | None) -> None:
+        """After a forward of n tokens at `start` (the request's length)."""
+        self._length[self.slot(request_id)] = start + n
+
+    def match_prefix(self, request_id: str, tokens: Sequence[int], limit: int) -> int:
+        return 0
+
+    @property
+    def prefix_stats(self) -> CacheStats | None:
+        return None
+
     @property
     def num_free(self) -> int:
         return len(self._free)
@@ -134,3 +171,156 @@ class SlotCache:
     @property
     def request_ids(self) -> list[str]:
         return list(self._slot)
+
+
+class PagedCache:
+    """KV in `num_blocks` blocks of `block_size` positions (`blocks.BlockPool` decides which
+    request's positions each holds), in every layer's tensor [num_blocks + 1, 2, kv_heads,
+    block_size, head_dim]: the layout of SlotCache with a block for a slot, so the same writes
+    (at block, offset) and reads serve both. The extra last block is scratch: padding rows of
+    a CUDA-graph batch and table entries past a request's blocks point at it.
+
+    At most `max_requests` requests at once, each of up to `max_seq_len` positions; admission
+    takes no memory, a forward takes the blocks its positions need (CacheFullError, with
+    nothing changed, when the pool cannot give them). Forks share blocks and copy only a
+    partly written block they write into; rollback frees whole blocks; full blocks stay cached
+    under their token prefix after their requests end, and a new request's prompt reuses them
+    (`match_prefix`).
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        max_requests: int,
+        max_seq_len: int,
+        num_blocks: int,
+        block_size: int,
+        kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+        prefix_caching: bool = True,
+    ) -> None:
+        self.max_slots = max_requests
+        self.max_seq_len = max_seq_len
+        self.page = block_size
+        self.pool = BlockPool(num_blocks, block_size, prefix_caching)
+        self.scratch_slot = num_blocks
+        self.table_width = -(-max_seq_len // block_size)  # blocks of the longest request
+        shape = (num_blocks + 1, 2, kv_heads, block_size, head_dim)
+        self.layers = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    @staticmethod
+    def bytes_needed(
+        num_layers: int, num_blocks: int, block_size: int, kv_heads: int, head_dim: int,
+        dtype: torch.dtype,
+    ) -> int:  # fmt: skip
+        return num_layers * (num_blocks + 1) * 2 * kv_heads * block_size * head_dim * dtype.itemsize
+
+    def add(self, request_id: str) -> None:
+        if request_id in self.pool:
+            raise ValueError(f"request_id {request_id!r} is already in the cache.")
+        if len(self.pool.request_ids) >= self.max_slots:
+            raise CacheFullError(
+                f"All {self.max_slots} request places of the KV cache are in use; release a "
+                f"request before adding {request_id!r}."
+            )
+        self.pool.add(request_id)
+
+    def release(self, request_id: str) -> None:
+        self.pool.release(request_id)
+
+    def length(self, request_id: str) -> int:
+        return self.pool.length(request_id)
+
+    def truncate(self, request_id: str, length: int) -> None:
+        have = self.pool.length(request_id)
+        if not 0 <= length <= have:
+            raise ValueError(
+                f"truncate length must be in [0, {have}] (the cached length of "
+                f"{request_id!r}), got {length}."
+            )
+        self.pool.truncate(request_id, length)
+
+    def fork(self, branches: list[tuple[str, str, int]]) -> None:
+        """Each (source, branch, length): `branch` (added; what it held is dropped) shares
+        `source`'s blocks up to `length` positions; no copy now."""
+        for source, branch, length in branches:
+            have = self.length(source)
+            if not 0 <= length <= have:
+                raise ValueError(
+                    f"fork length must be in [0, {have}] (the cached length of {source!r}), "
+                    f"got {length}."
+                )
+            self.pool.length(branch)  # UnknownRequestError for a branch not added
+        for source, branch, length in branches:
+            self.pool.release(branch)
+            self.pool.fork(source, branch)
+            self.pool.truncate(branch, length)
+
+    def swap(self, a: str, b: str) -> None:
+        self.pool.swap(a, b)
+
+    def check_room(self, request_id: str, new_tokens: int) -> None:
+        have = self.length(request_id)
+        if have + new_tokens > self.max_seq_len:
+            raise CacheFullError(
+                f"Request {request_id!r} holds {have} tokens and {new_tokens} more would exceed "
+                f"max_seq_len={self.max_seq_len}."
+            )
+
+    def check_fits(
+        self, request_ids: Sequence[str], starts: Sequence[int], counts: Sequence[int]
+    ) -> None:
+        """CacheFullError unless the pool can give every request its write at once."""
+        needed = sum(
+            self.pool.needed(r, s, n) for r, s, n in zip(request_ids, starts, counts, strict=True)
+        )
+        if needed > self.pool.available:
+            raise CacheFullError(
+                f"This step needs {needed} more KV blocks of {self.page} tokens and "
+                f"{self.pool.available} of {self.pool.num_blocks} are free; the requests "
+                f"{', '.join(map(repr, request_ids))} stay as they were."
+            )
+
+    def prepare(
+        self,
+        request_ids: Sequence[str],
+        starts: Sequence[int],
+        counts: Sequence[int],
+        width: int | None = None,
+    ) -> list[list[int]]:
+        """Block tables [B, width] (default: the blocks of the longest request after the
+        write) with positions [start, start + count) of each request writable, copies made;
+        entries past a request's blocks are the scratch block. `check_fits` first."""
+        copies: list[tuple[int, int]] = []
+        for r, start, n in zip(request_ids, starts, counts, strict=True):
+            copies += self.pool.prepare_write(r, start, n)
+        if copies:
+            device = self.layers[0].device
+            src = torch.tensor([c[0] for c in copies], device=device)
+            dst = torch.tensor([c[1] for c in copies], device=device)
+            for layer in self.layers:
+                layer[dst] = layer[src]
+        tables = [self.pool.table(r) for r in request_ids]
+        width = width or max((len(t) for t in tables), default=0) or 1
+        return [t + [self.scratch_slot] * (width - len(t)) for t in tables]
+
+    def commit(self, request_id: str, start: int, n: int, tokens: Sequence[int] | None) -> None:
+        """After a forward of n tokens at `start` (their ids, where known on the host)."""
+        self.pool.commit(request_id, start, [None] * n if tokens is None else tokens)
+
+    def match_prefix(self, request_id: str, tokens: Sequence[int], limit: int) -> int:
+        return self.pool.match_prefix(request_id, tokens, limit)
+
+    @property
+    def prefix_stats(self) -> CacheStats:
+        return self.pool.stats
+
+    @property
+    def num_free(self) -> int:
+        return self.max_slots - len(self.pool.request_ids)
+
+    @property
+    def request_ids(self) -> list[str]:
+        return self.pool.request_ids

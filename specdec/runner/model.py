@@ -296,7 +296,7 @@ class Transformer:
             self.args.rms_norm_eps,
             cache,
             meta.token_slot,
-            meta.positions,
+            meta.write_pos,
         )
         out = attention(q, cache, meta, self.args.windows[i])  # [T, heads * head_dim]
         return self._all_reduce(self._linear(out, w[f"{i}.o_w"], w.get(f"{i}.o_b")))

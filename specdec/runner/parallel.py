@@ -158,24 +158,27 @@ def _worker(
 def _end_rank(device: torch.device | None, status: int) -> NoReturn:
     """Ends a rank > 0 at once: its device's work finished first (`device`: its last
     collectives, whose peers on rank 0 have been issued), then no teardown of the process group
-    at all. NCCL's orderly end (ncclCommFinalize, also run by the group's destructor at exit)
-    waits until every rank ends it together, which rank 0, joining its ranks first, never did:
-    both hung there on two H100s. The kernel frees what the process held."""
+    at all. NCCL's orderly end (ncclCommFinalize, which destroy_process_group runs) waits
+    until every rank ends it together, which rank 0, joining its ranks first, never did: both
+    hung there on two H100s. The kernel frees what the process held."""
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
     logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
     os._exit(status)
 
 
 LEAVE_TIMEOUT_S = 10.0  # for rank 0's abort of its communicators
 
 
-def _leave_group(device: torch.device | None) -> None:
+def _leave_group() -> None:
     """Rank 0 leaves the process group without waiting for the other ranks (they have ended,
     or been killed): NCCL's communicators are aborted, which frees this rank's part alone
-    (an orderly destroy would wait for ranks that are gone), within LEAVE_TIMEOUT_S, after
-    which the service goes on and logs why; gloo's group is destroyed. With `device`, its work
-    is finished first, so no collective of this rank is running."""
+    (an orderly destroy would wait for ranks that are gone), within LEAVE_TIMEOUT_S; gloo's
+    group is destroyed. An abort that fails or does not return is logged as an error: the
+    process still belongs to the group, so a new `launch` in it is refused, saying so."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -183,18 +186,37 @@ def _leave_group(device: torch.device | None) -> None:
     if dist.get_backend() != "nccl":
         dist.destroy_process_group()
         return
-    if device is not None:
-        torch.cuda.synchronize(device)
     done = threading.Event()
+    failed: list[BaseException] = []
 
     def abort() -> None:
-        dist.distributed_c10d._abort_process_group()
+        try:
+            dist.distributed_c10d._abort_process_group()
+        except BaseException as exc:  # reported by the caller
+            failed.append(exc)
         done.set()
 
     threading.Thread(target=abort, name="tp-leave", daemon=True).start()
-    if not done.wait(LEAVE_TIMEOUT_S):
-        log.warning("the tensor-parallel group's NCCL abort did not return within %.0f s; "
-                    "going on without it", LEAVE_TIMEOUT_S)  # fmt: skip
+    if not done.wait(LEAVE_TIMEOUT_S) or failed:
+        why = f"failed: {failed[0]}" if failed else f"did not return within {LEAVE_TIMEOUT_S:.0f} s"
+        log.error("the tensor-parallel group's NCCL abort %s; this process cannot start "
+                  "another group", why)  # fmt: skip
+
+
+def _finish_device(device: torch.device, ranks: list[_Rank], wait_s: float) -> bool:
+    """Whether this rank's queued device work (its last collectives) finished within
+    `wait_s`; False at once if another rank ended meanwhile (a collective it never joins
+    would wait for NCCL's own timeout)."""
+    if device.type != "cuda":
+        return True
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    deadline = time.monotonic() + wait_s
+    while not event.query():
+        if time.monotonic() > deadline or not all(r.process.is_alive() for r in ranks):
+            return False
+        time.sleep(0.001)
+    return True
 
 
 @dataclass(frozen=True, slots=True)
@@ -313,25 +335,31 @@ class ParallelRunner(ModelRunner):
 
     def close(self, wait_s: float = 30.0) -> None:
         """Stops the other ranks (each killed if it has not ended within `wait_s`) and leaves
-        the process group."""
-
-        with self._lock:
+        the process group. Bounded: a call stuck in a collective (holding the lock past
+        `wait_s`) or device work that does not finish gets the ranks killed instead."""
+        locked = self._lock.acquire(timeout=wait_s)
+        try:
             if self._closing:
                 return
-            self._closing = True
             atexit.unregister(self.close)
-            every = all(r.process.is_alive() for r in self._ranks)
-            if every and self.device.type == "cuda":  # this rank's last collectives done
-                torch.cuda.synchronize(self.device)
+            finished = locked and _finish_device(self.device, self._ranks, wait_s)
+            self._closing = True  # from here a rank's end is this stop, not a loss
             for r in self._ranks:
-                with contextlib.suppress(OSError):  # it is gone already
-                    r.commands.send(("stop", (), {}))
+                if finished:
+                    with contextlib.suppress(OSError):  # it is gone already
+                        r.commands.send(("stop", (), {}))
             for r in self._ranks:
-                r.process.join(wait_s)
+                r.process.join(wait_s if finished else 0)
                 if r.process.is_alive():
                     r.process.kill()
-            # with a rank gone, a collective of this one may wait for it forever: no sync
-            _leave_group(self.device if every else None)
+                    r.process.join(wait_s)
+            if not finished:
+                log.warning("tensor-parallel ranks killed at close: work on the device or a "
+                            "call in flight did not finish within %.0f s", wait_s)  # fmt: skip
+            _leave_group()
+        finally:
+            if locked:
+                self._lock.release()
 
 
 def _mirrored(name: str) -> Callable[..., Any]:
@@ -378,7 +406,10 @@ def launch(config: RunnerConfig, on_rank_death: Callable[[], None] = _exit_group
     check_launchable(config)
     world = config.tensor_parallel
     if dist.is_initialized():
-        raise RuntimeError("This process already belongs to a torch.distributed group.")
+        raise RuntimeError(
+            "This process already belongs to a torch.distributed group (another tensor-parallel "
+            "runner's, or one whose NCCL abort failed at close: see the error logged then)."
+        )
     store = _store(world)
     port = int(store.port)
     ctx = multiprocessing.get_context("spawn")
@@ -402,7 +433,7 @@ def launch(config: RunnerConfig, on_rank_death: Callable[[], None] = _exit_group
     except BaseException:
         for r in ranks:
             r.process.kill()
-        _leave_group(None)
+        _leave_group()
         raise
     runner._attach(ranks, on_rank_death)
     log.info("tensor parallelism over %d ranks (%s)", world, config.device)

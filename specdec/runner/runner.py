@@ -17,11 +17,12 @@ import torch
 
 from specdec.errors import InvalidInputError
 from specdec.runner.attention import build_meta
+from specdec.runner.blocks import CacheStats
 from specdec.runner.config import CheckpointInfo, ForwardItem, RunnerConfig
 from specdec.runner.decode_attention import MAX_ROWS
 from specdec.runner.fallback import HFBackend
 from specdec.runner.graphs import Head, StepGraphs
-from specdec.runner.kv_cache import SlotCache
+from specdec.runner.kv_cache import PagedCache, SlotCache
 from specdec.runner.loader import Checkpoint, open_checkpoint, tensor_reader, tokenizer_hash
 from specdec.runner.model import (
     ONE_RANK,
@@ -33,13 +34,15 @@ from specdec.runner.model import (
 )
 
 log = logging.getLogger(__name__)
+Cache = SlotCache | PagedCache
 
 
 class FastBackend:
     """model.Transformer over a SlotCache: the flat-token forward both entry points share."""
 
-    def __init__(self, model: Transformer, cache: SlotCache) -> None:
+    def __init__(self, model: Transformer, cache: Cache) -> None:
         self.model, self.cache = model, cache
+        self.page = cache.page  # None: slots
         a = model.args
         self.vocab_size = model.vocab_size
         self._group = a.num_heads // a.num_kv_heads
@@ -52,9 +55,14 @@ class FastBackend:
         return self._kernel and self._group * n_max <= MAX_ROWS
 
     def run(
-        self, slots: list[int], starts: list[int], tokens: list[torch.Tensor], num_logits: list[int]
+        self,
+        slots: list[int] | list[list[int]],
+        starts: list[int],
+        tokens: list[torch.Tensor],
+        num_logits: list[int],
     ) -> torch.Tensor:
-        """float32 logits [sum(num_logits), vocab]; tokens[i] [n_i] goes after starts[i]."""
+        """float32 logits [sum(num_logits), vocab]; tokens[i] [n_i] goes after starts[i] in
+        slot (paged: through block table) slots[i]."""
         dev = self.model.w["embed"].device
         counts = [t.numel() for t in tokens]
         kv_len = max(s + c for s, c in zip(starts, counts, strict=True))
@@ -70,6 +78,7 @@ class FastBackend:
             equal=False,
             kernel=self._use_kernel(max(counts)),
             kv_heads=self._kv_heads,
+            page=self.page,
         )
         hidden = self.model.hidden(torch.cat(tokens), meta, self.cache.layers)
         ends = torch.tensor(counts).cumsum(0).tolist()
@@ -84,7 +93,8 @@ class FastBackend:
         kv_len: int,
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """float32 logits [B, n, vocab] for tokens [B, n] after starts [B] in slots [B]."""
+        """float32 logits [B, n, vocab] for tokens [B, n] after starts [B] in slots [B] (paged:
+        through block tables [B, W])."""
         b, n = tokens.shape
         meta = build_meta(
             slots,
@@ -98,6 +108,7 @@ class FastBackend:
             equal=True,
             kernel=self._use_kernel(n),
             kv_heads=self._kv_heads,
+            page=self.page,
         )
         hidden = self.model.hidden(tokens.reshape(-1), meta, self.cache.layers)
         logits = self.model.head(hidden).view(b, n, -1)
@@ -136,7 +147,7 @@ class ModelRunner:
         self,
         config: RunnerConfig,
         backend: FastBackend | HFBackend,
-        cache: SlotCache,
+        cache: Cache,
         info: CheckpointInfo,
         tokenizer: Any,
     ) -> None:
@@ -157,7 +168,7 @@ class ModelRunner:
             with on_device(self._device):  # the graphs' memory pool lives on the current device
                 self._graphs = self._step_graphs(backend, cache)
 
-    def _step_graphs(self, backend: FastBackend, cache: SlotCache) -> StepGraphs:
+    def _step_graphs(self, backend: FastBackend, cache: Cache) -> StepGraphs:
         config = self.config
         return StepGraphs(
             backend.step,
@@ -166,6 +177,7 @@ class ModelRunner:
             config.max_seq_len,
             cache.scratch_slot,
             self._device,
+            cache.table_width if isinstance(cache, PagedCache) else None,
         )
 
     @classmethod
@@ -191,6 +203,11 @@ class ModelRunner:
             except (AttributeError, TypeError):
                 return 0
             kv_heads = max(1, kv_heads // config.tensor_parallel)  # a rank's share
+            if config.paged:
+                return PagedCache.bytes_needed(
+                    layers, config.num_kv_blocks, config.kv_block_size, kv_heads, head_dim,
+                    config.torch_dtype,
+                )  # fmt: skip
             return SlotCache.bytes_needed(
                 layers, config.max_slots, config.max_seq_len, kv_heads, head_dim, config.torch_dtype
             )
@@ -258,15 +275,23 @@ class ModelRunner:
                     model = Transformer.from_hf_state(args, read, cos, sin, device, dtype, shard)
         except KeyError as exc:
             raise CheckpointError(f"The checkpoint has no tensor named {exc.args[0]!r}.") from exc
-        cache = SlotCache(
-            local.num_layers,
-            config.max_slots,
-            config.max_seq_len,
-            local.num_kv_heads,
-            local.head_dim,
-            dtype,
-            device,
-        )
+        cache: Cache
+        if config.paged:
+            cache = PagedCache(
+                local.num_layers, config.max_slots, config.max_seq_len, config.num_kv_blocks,
+                config.kv_block_size, local.num_kv_heads, local.head_dim, dtype, device,
+                config.prefix_caching,
+            )  # fmt: skip
+        else:
+            cache = SlotCache(
+                local.num_layers,
+                config.max_slots,
+                config.max_seq_len,
+                local.num_kv_heads,
+                local.head_dim,
+                dtype,
+                device,
+            )
         if config.compile_pointwise:
             model.compile_pointwise()
         backend = FastBackend(model, cache)
@@ -288,6 +313,13 @@ class ModelRunner:
     ) -> "ModelRunner":
         from transformers import AutoModelForCausalLM
 
+        from specdec.errors import CheckpointError
+
+        if config.paged:
+            raise CheckpointError(
+                f"A paged KV cache (kv_block_size={config.kv_block_size}) needs the fast path, "
+                f"which {ckpt.architecture} has not: use kv_block_size=0 (fixed slots)."
+            )
         log.warning(
             "No fast path for %s: running transformers' own model (correct, slower).",
             ckpt.architecture,
@@ -327,6 +359,11 @@ class ModelRunner:
         return self._cache.num_free
 
     @property
+    def prefix_cache_stats(self) -> CacheStats | None:
+        """Tokens the prefix cache was asked for and found (a paged cache's; else None)."""
+        return self._cache.prefix_stats
+
+    @property
     def uses_graphs(self) -> bool:
         """Whether steps of a captured batch size replay CUDA graphs (on CUDA, with sizes)."""
         return self._graphs is not None
@@ -362,11 +399,37 @@ class ModelRunner:
         """One ragged pass; float32 logits [sum(num_logits), vocab] in item order.
 
         Prompts longer than `prefill_chunk` go in several passes of at most that many tokens
-        per request. Nothing changes if any item is invalid or would overflow its slot.
-        """
-        slots, starts, tokens = self._check_items(items)
+        per request. Nothing changes if any item is invalid or would overflow its slot (or,
+        paged, the free blocks). With a paged cache and prefix caching, a request that holds
+        nothing yet first takes the cached blocks its tokens begin with, and only the rest is
+        computed (never the tokens whose logits are asked for)."""
+        starts, tokens, hosts = self._check_items(items)
+        rids = [it.request_id for it in items]
         keep = [it.num_logits for it in items]
-        rows: list[list[torch.Tensor]] = [[] for _ in items]
+        before = list(starts)
+        for i, it in enumerate(items):
+            host = hosts[i]
+            if starts[i] == 0 and host is not None and self._cache.page is not None:
+                hit = self._cache.match_prefix(it.request_id, host, len(host) - it.num_logits)
+                tokens[i], hosts[i], starts[i] = tokens[i][hit:], host[hit:], hit
+        try:
+            self._cache.check_fits(rids, starts, [t.numel() for t in tokens])
+            return self._forward_rounds(rids, starts, tokens, hosts, keep)
+        except BaseException:
+            for rid, length in zip(rids, before, strict=True):  # as it was, prefix hits too
+                if self._cache.length(rid) > length:
+                    self._cache.truncate(rid, length)
+            raise
+
+    def _forward_rounds(
+        self,
+        rids: list[str],
+        starts: list[int],
+        tokens: list[torch.Tensor],
+        hosts: list[list[int] | None],
+        keep: list[int],
+    ) -> torch.Tensor:
+        rows: list[list[torch.Tensor]] = [[] for _ in rids]
         chunk = self.config.prefill_chunk
         rounds = max((t.numel() + chunk - 1) // chunk for t in tokens) if tokens else 0
         for r in range(rounds):
@@ -376,23 +439,27 @@ class ModelRunner:
                 max(0, min(p.numel(), keep[i] - (tokens[i].numel() - r * chunk - p.numel())))
                 for i, p in zip(idx, parts, strict=True)
             ]
-            logits = self._backend.run(
-                [slots[i] for i in idx], [starts[i] + r * chunk for i in idx], parts, want
-            )
+            at = [starts[i] + r * chunk for i in idx]
+            where = self._cache.prepare([rids[i] for i in idx], at, [p.numel() for p in parts])
+            logits = self._backend.run(where, at, parts, want)  # type: ignore[arg-type]
+            for i, a, p in zip(idx, at, parts, strict=True):
+                host = hosts[i]
+                ids = host[r * chunk : r * chunk + p.numel()] if host is not None else None
+                self._cache.commit(rids[i], a, p.numel(), ids)
             for i, piece in zip(idx, logits.split(want), strict=True):
                 rows[i].append(piece)
-        for it, t in zip(items, tokens, strict=True):
-            self._cache.extend(it.request_id, t.numel())
         flat = [x for r in rows for x in r]
         return torch.cat(flat) if flat else torch.empty(0, self.vocab_size, device=self._device)
 
     def _check_items(
         self,
         items: Sequence[ForwardItem],
-    ) -> tuple[list[int], list[int], list[torch.Tensor]]:
+    ) -> tuple[list[int], list[torch.Tensor], list[list[int] | None]]:
+        """Each item's cached length, its tokens on the device, and their ids on the host
+        where they came from there (None where they came on the device)."""
         if len({it.request_id for it in items}) != len(items):
             raise InvalidInputError("Each request may appear at most once in a forward.")
-        slots, starts, tokens = [], [], []
+        starts, tokens, hosts = [], [], []
         for it in items:
             ids = torch.as_tensor(it.token_ids, dtype=torch.long).reshape(-1)
             self._check_tokens(ids, it.request_id)
@@ -402,10 +469,11 @@ class ModelRunner:
                     f"got {it.num_logits}."
                 )
             self._cache.check_room(it.request_id, ids.numel())
-            slots.append(self._cache.slot(it.request_id))
             starts.append(self._cache.length(it.request_id))
+            paged = self._cache.page is not None
+            hosts.append(ids.tolist() if paged and ids.device.type == "cpu" else None)
             tokens.append(ids.to(self._device))
-        return slots, starts, tokens
+        return starts, tokens, hosts
 
     def _check_tokens(self, ids: torch.Tensor, request_id: str) -> None:
         if ids.numel() and not (int(ids.min()) >= 0 and int(ids.max()) < self.vocab_size):
@@ -431,7 +499,7 @@ class ModelRunner:
         the next graph_step of the same shape; the head must then be capturable (no host syncs,
         randomness only from its inputs). Otherwise the step runs eagerly.
         """
-        logits, outs = self._step(request_ids, token_ids, head, head_inputs, None)
+        logits, outs = self._step(request_ids, token_ids, head, head_inputs, None, None)
         return outs if head is not None else logits
 
     def _step(
@@ -441,21 +509,32 @@ class ModelRunner:
         head: Head | None,
         head_inputs: Sequence[torch.Tensor],
         kept: Sequence[int] | None,  # real tokens of each row (the rest is padding); None: n
+        host_rows: Sequence[Sequence[int]] | None,  # the rows' ids where known on the host
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         b, n = token_ids.shape
         for rid in request_ids:
             self._cache.check_room(rid, n)
         if token_ids.device.type == "cpu":  # on a GPU the check would cost a host sync per step
             self._check_tokens(token_ids, ",".join(request_ids))
+            if host_rows is None and self._cache.page is not None:
+                host_rows = token_ids.tolist()
         if len(set(request_ids)) != b:
             raise InvalidInputError(
                 "graph_step needs one distinct request id per row of token_ids."
             )
         lengths = [self._cache.length(r) for r in request_ids]
-        slots_starts = self._to_device([[self._cache.slot(r) for r in request_ids], lengths])
-        slots, starts = slots_starts[0], slots_starts[1]  # one copy for both
-        tokens = token_ids.to(self._device, torch.long, non_blocking=True)
+        # every row's n positions are written, padding too (paged: into blocks of its own)
+        self._cache.check_fits(request_ids, lengths, [n] * b)
         bs = self._graphs.padded_size(b) if self._graphs is not None else None
+        graphed = self._graphs is not None and bs is not None
+        width = self._cache.table_width if graphed and isinstance(self._cache, PagedCache) else None
+        where = self._cache.prepare(request_ids, lengths, [n] * b, width)
+        if self._cache.page is None:
+            slots_starts = self._to_device([where, lengths])  # type: ignore[list-item, arg-type]
+            slots, starts = slots_starts[0], slots_starts[1]  # one copy for both
+        else:
+            slots, starts = self._to_device(where), self._to_device(lengths)
+        tokens = token_ids.to(self._device, torch.long, non_blocking=True)
         if self._graphs is not None and bs is not None:
             logits, outs = self._graphs.run(bs, tokens, starts, slots, head, head_inputs)
             self.graph_steps += 1
@@ -464,7 +543,9 @@ class ModelRunner:
             outs = tuple(head(logits, *head_inputs)) if head is not None else ()
             self.eager_steps += self._graphs is not None
         for i, rid in enumerate(request_ids):
-            self._cache.extend(rid, n if kept is None else kept[i])
+            count = n if kept is None else kept[i]
+            ids = list(host_rows[i][:count]) if host_rows is not None else None
+            self._cache.commit(rid, lengths[i], count, ids)
         return logits, outs
 
     @_on_own_device
@@ -495,7 +576,8 @@ class ModelRunner:
             padded = [[*t, *([0] * (n - len(t)))] for t in token_ids]
             self._check_flat([x for t in token_ids for x in t])
             kept = [len(t) for t in token_ids]
-            return self._step(request_ids, self._to_device(padded), head, head_inputs, kept)
+            tokens = self._to_device(padded)
+            return self._step(request_ids, tokens, head, head_inputs, kept, token_ids)
         self.eager_steps += self._graphs is not None
         items = [ForwardItem(r, t, len(t)) for r, t in zip(request_ids, token_ids, strict=True)]
         rows = self.forward(items)  # [sum len_b, V]

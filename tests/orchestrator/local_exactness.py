@@ -43,18 +43,22 @@ class Served:
 
 @contextmanager
 def serving_ahead(
-    tmp: Path, max_requests: int, target_tensor_parallel: int = 1, **draft: Any
+    tmp: Path,
+    max_requests: int,
+    target_tensor_parallel: int = 1,
+    kv: dict[str, Any] | None = None,
+    **draft: Any,
 ) -> Iterator[Served]:
     """Tiny checkpoints in `tmp`, a local pair drafting ahead (F = FANOUT, k = K, with the
     DraftConfig / ServiceConfig options `draft`, named alike in both) for `max_requests`
     requests, and the client API before it; the target split over `target_tensor_parallel`
-    ranks (processes, gloo)."""
+    ranks (processes, gloo); `kv`: RunnerConfig settings of both KV caches (a paged one)."""
     target, draft_dir = build_checkpoints(tmp)
     ahead_slots = FANOUT * (K + 1) * max_requests
     ahead = {"draft_ahead": FANOUT, "draft_ahead_slots": ahead_slots, **draft}
     draft_config = DraftConfig(
         runner=RunnerConfig(str(draft_dir), max_slots=max_requests + ahead_slots + 1,
-                            max_seq_len=MAX_SEQ_LEN),
+                            max_seq_len=MAX_SEQ_LEN, **(kv or {})),
         **ahead,
     )  # fmt: skip
     target_config = TargetConfig(
@@ -63,6 +67,7 @@ def serving_ahead(
             max_slots=max_requests + 1,
             max_seq_len=MAX_SEQ_LEN,
             tensor_parallel=target_tensor_parallel,
+            **(kv or {}),
         ),
         sampler_impl="torch",
     )

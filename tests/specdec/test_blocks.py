@@ -261,3 +261,37 @@ def test_blocks_of_tokens_not_read_back_stay_out_of_the_prefix_cache() -> None:
     pool.add("c")
     assert pool.match_prefix("c", [1, 2, 3, 4, 5, 6, 7]) == 6
     pool.check()
+
+
+def test_a_forward_not_made_after_its_prepare_leaves_the_request_readable() -> None:
+    pool = BlockPool(num_blocks=8, block_size=2)
+    dev = Device(pool)
+    dev.prefill("a", [1, 2, 3, 4, 5])
+    dev.fork("a", "b")
+    for src, dst in pool.prepare_write("b", 2, 1):  # the copies made, the forward never run
+        dev.mem[dst] = list(dev.mem[src])
+    dev.check("b"), dev.check("a")
+    pool.check()
+
+
+def test_released_blocks_are_evicted_tail_first() -> None:
+    pool = BlockPool(num_blocks=3, block_size=2)
+    dev = Device(pool)
+    dev.prefill("a", [1, 2, 3, 4, 5])
+    pool.release("a")
+    dev.prefill("b", [9, 9, 9])  # one eviction: [3 4], which extends [1 2], goes first
+    pool.add("c")
+    assert pool.match_prefix("c", [1, 2, 3, 4, 5]) == 2
+
+
+def test_a_commit_must_match_the_prepared_write() -> None:
+    pool = BlockPool(num_blocks=8, block_size=2)
+    pool.add("a")
+    with pytest.raises(ValueError, match="not prepared"):
+        pool.commit("a", 0, [1, 2])
+    pool.prepare_write("a", 0, 2)
+    with pytest.raises(ValueError, match="not prepared"):
+        pool.commit("a", 0, [1, 2, 3])  # more than was written
+    pool.commit("a", 0, [1])  # fewer (a verify's accepted part) is fine
+    assert pool.length("a") == 1
+    pool.check()

@@ -54,6 +54,35 @@ def test_kernel_matches_reference(
             assert err < REL_TOL[dtype], f"{dtype}, splits={splits}: relative error {err:.2e}"
 
 
+def _paged(cache: torch.Tensor, slots: torch.Tensor, page: int, seed: int):
+    """The same keys and values in a paged cache: each request's slot cut into blocks of
+    `page` positions, the blocks scattered over the pool in a random order; (cache, tables)."""
+    b, max_len = slots.shape[0], cache.shape[3]
+    width = -(-max_len // page)
+    padded = torch.nn.functional.pad(cache, (0, 0, 0, width * page - max_len))
+    # [B, 2, kvh, width, page, D] -> blocks [B * width, 2, kvh, page, D]
+    blocks = padded[slots].unflatten(3, (width, page)).permute(0, 3, 1, 2, 4, 5).flatten(0, 1)
+    order = torch.randperm(b * width + 3, generator=torch.Generator().manual_seed(seed))
+    pool = torch.randn(b * width + 3, *blocks.shape[1:]).to(cache.dtype)  # 3 blocks unused
+    pool[order[: b * width]] = blocks
+    return pool.to(cache.device), order[: b * width].view(b, width).to(cache.device)
+
+
+@pytest.mark.parametrize(("page", "n", "window"), [(16, 1, None), (64, 5, None), (7, 5, 40)])
+def test_paged_kernel_reads_the_blocks_a_table_names(
+    page: int, n: int, window: int | None, device: torch.device
+) -> None:
+    q, cache, slots, starts, cu_q, n_max = _case(4, 64, n, True, torch.float32, 5, device)
+    ref = decode_attention_reference(q, cache, slots, starts, cu_q, window)
+    pool, tables = _paged(cache, slots, page, 9)
+    paged_ref = decode_attention_reference(q, pool, tables, starts, cu_q, window, page)
+    assert torch.equal(paged_ref, ref)
+    for splits in (1, num_splits(4, 2, 200, device)):
+        out = decode_attention(q, pool, tables, starts, cu_q, n_max, window, splits, page)
+        err = (out.double() - ref).norm() / ref.norm()
+        assert err < REL_TOL[torch.float32], f"splits={splits}: relative error {err:.2e}"
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the kernel path is the default on CUDA")
 def test_kernel_path_matches_transformers() -> None:
     model = hf_model("mistral")  # GQA 4:1 and a sliding window of 6
