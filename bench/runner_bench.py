@@ -174,16 +174,18 @@ def interleaved_ms(
     dev: torch.device,
     before: Any = None,
     rounds: int = 4,
+    ctx: int = 512,
+    iters: int = 50,
 ) -> dict[str, list[float]]:
-    """Graph-step ms of each variant's runner, `rounds` rounds taken in turn (A B A B ...), so
-    a drift of the machine touches every variant alike; `before(variant)` runs first each time
-    (e.g. to set an environment switch)."""
+    """Graph-step ms of each variant's runner (its requests prefilled to `ctx` tokens),
+    `rounds` rounds taken in turn (A B A B ...), so a drift of the machine touches every
+    variant alike; `before(variant)` runs first each time (e.g. to set an environment switch)."""
     times: dict[str, list[float]] = {v: [] for v in runners}
     for _ in range(rounds):
         for variant, (runner, ids) in runners.items():
             if before is not None:
                 before(variant)
-            times[variant].append(runner_step_ms(runner, ids[:b], n, 512, True, dev, 50))
+            times[variant].append(runner_step_ms(runner, ids[:b], n, ctx, True, dev, iters))
     return times
 
 
