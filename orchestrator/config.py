@@ -96,6 +96,12 @@ class ServiceConfig:
     cuda_graph_batch_sizes: tuple[int, ...] = ()
     # the target's model over this many ranks (GPUs) of one node (specdec.runner.parallel)
     target_tensor_parallel: int = 1
+    # both services' KV caches (RunnerConfig): 0, fixed slots; N, paged in blocks of N
+    # positions, kv_blocks of them (0: the target's what its slots would take; the draft's
+    # the same for its requests plus two per draft-ahead hypothesis, which share blocks)
+    kv_block_size: int = 0
+    kv_blocks: int = 0
+    prefix_caching: bool = True
     # draft-ahead (draft_service.ahead): the draft's guesses per accepted count, 0 = off, and
     # the extra KV slots its runner holds for the hypotheses
     draft_ahead: int = 0
@@ -161,6 +167,10 @@ class ServiceConfig:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {DTYPES}, got {self.dtype!r}.")
         check_range(self.target_tensor_parallel, "target_tensor_parallel", 1, MAX_TENSOR_PARALLEL)
+        check_range(self.kv_block_size, "kv_block_size", 0, 4096)
+        check_range(self.kv_blocks, "kv_blocks", 0, 1 << 24)
+        if self.kv_blocks and not self.kv_block_size:
+            raise ValueError("kv_blocks sizes a paged KV cache: set kv_block_size too.")
         if not 1 <= self.max_requests <= 4096:
             raise ValueError(f"max_requests must be in [1, 4096], got {self.max_requests}.")
         if self.max_seq_len is not None and not 2 <= self.max_seq_len <= 1 << 20:

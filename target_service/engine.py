@@ -184,8 +184,33 @@ class TargetEngine:
                 for i, rid in enumerate(rids)
                 if self._check(block, i, counts[rid] if counts else 1, in_vocab, out)
             ]
+            valid = self._within_kv_blocks(block, valid, out)
             times = self._score_safely(block, valid, out) if valid else StepTimes()
             return out, times
+
+    def _within_kv_blocks(
+        self, block: DraftBlock, entries: list[int], out: VerifyResponse
+    ) -> list[int]:
+        """The entries whose steps a paged KV cache can hold at once, in block order; each
+        one past that gets a CAPACITY verdict (its request unchanged), so that the others'
+        step is served. Every row is counted at the step's widest (k + 1): a graphed step
+        writes that many positions for each."""
+        free = self.runner.free_kv_blocks
+        if free is None or not entries:
+            return entries
+        n = max(block.num_draft_tokens[i] for i in entries) + 1
+        needs = [self.runner.kv_blocks_needed(block.request_ids[i], n) for i in entries]
+        kept = len(entries)
+        while kept and sum(needs[:kept]) > free:
+            kept -= 1
+            i = entries[kept]
+            out.fail(i, RequestError.of(ErrorReason.CAPACITY, (
+                f"entries[{i}]: the KV cache has no free blocks for request "
+                f"{block.request_ids[i]!r}'s step ({needs[kept]} needed; the step's requests "
+                f"before it take the {free} free); release requests or give the cache more "
+                f"blocks (--kv-blocks)."
+            )))  # fmt: skip
+        return entries[:kept]
 
     def _check(
         self, block: DraftBlock, i: int, count: int, in_vocab: bool, out: VerifyResponse

@@ -213,6 +213,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             support_size=args.support_size, sampler_impl=args.sampler_impl,
             cuda_graph_batch_sizes=tuple(args.cuda_graph_batch_sizes),
             target_tensor_parallel=args.target_tensor_parallel,
+            kv_block_size=args.kv_block_size, kv_blocks=args.kv_blocks,
+            prefix_caching=args.prefix_caching,
             draft_ahead=args.draft_ahead, draft_deadline_s=args.draft_deadline_ms / 1e3,
             draft_ahead_backup=args.draft_ahead_backup,
             dynamic_speculation=args.dynamic_speculation,

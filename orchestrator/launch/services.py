@@ -40,7 +40,22 @@ def _runner(
         max_seq_len=max_seq_len,
         cuda_graph_batch_sizes=config.cuda_graph_batch_sizes if device != "cpu" else (),
         tensor_parallel=tensor_parallel,
+        kv_block_size=config.kv_block_size,
+        kv_blocks=kv_blocks(config, max_seq_len, extra_slots),
+        prefix_caching=config.prefix_caching,
     )
+
+
+def kv_blocks(config: ServiceConfig, max_seq_len: int, hypotheses: int) -> int:
+    """A paged cache's blocks: the configured number, or a full sequence for each request
+    (and the scratch); and two blocks for each draft-ahead hypothesis, which shares its
+    request's blocks, copies at most the one it writes into and fills one more."""
+    if not config.kv_block_size:
+        return 0
+    if config.kv_blocks:
+        return config.kv_blocks + 2 * hypotheses
+    per_request = -(-max_seq_len // config.kv_block_size)
+    return (config.max_requests + 1) * per_request + 2 * hypotheses
 
 
 def synthetic_acceptance(config: ServiceConfig) -> Any:

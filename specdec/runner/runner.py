@@ -359,6 +359,18 @@ class ModelRunner:
         return self._cache.num_free
 
     @property
+    def free_kv_blocks(self) -> int | None:
+        """Blocks a paged cache can still give (free and cached ones); None for slots."""
+        return self._cache.pool.available if isinstance(self._cache, PagedCache) else None
+
+    def kv_blocks_needed(self, request_id: str, new_tokens: int) -> int:
+        """Blocks a step of `new_tokens` for the request takes from `free_kv_blocks` (0 for
+        slots)."""
+        if not isinstance(self._cache, PagedCache):
+            return 0
+        return self._cache.pool.needed(request_id, self._cache.length(request_id), new_tokens)
+
+    @property
     def prefix_cache_stats(self) -> CacheStats | None:
         """Tokens the prefix cache was asked for and found (a paged cache's; else None)."""
         return self._cache.prefix_stats

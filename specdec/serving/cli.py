@@ -106,4 +106,7 @@ def runner_config(args: argparse.Namespace) -> RunnerConfig:
         max_seq_len=max_seq_len,
         cuda_graph_batch_sizes=tuple(args.cuda_graph_batch_sizes),
         tensor_parallel=args.tensor_parallel,
+        kv_block_size=args.kv_block_size,
+        kv_blocks=args.kv_blocks,
+        prefix_caching=args.prefix_caching,
     )

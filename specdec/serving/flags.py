@@ -53,7 +53,8 @@ def add_tls_flags(group: Group, defaults: Defaults) -> None:
 def add_runner_flags(
     group: Group, defaults: Defaults, *, devices: Sequence[str] | None, dtypes: Sequence[str]
 ) -> None:
-    """--device, --dtype, --max-seq-len and --cuda-graph-batch-sizes. `devices` None takes any
+    """--device, --dtype, --max-seq-len, --cuda-graph-batch-sizes and the KV cache's layout
+    (--kv-block-size, --kv-blocks, --prefix-caching). `devices` None takes any
     device torch names (cuda:1, ...); "auto" among the choices is explained in the help."""
     device_help = "device the model runs on"
     if devices is not None and "auto" in devices:
@@ -70,6 +71,17 @@ def add_runner_flags(
                        default=list(defaults("cuda_graph_batch_sizes")),
                        help="batch sizes whose steps are captured as CUDA graphs (GPU "
                             "only)")  # fmt: skip
+    group.add_argument("--kv-block-size", type=int, metavar="N", default=defaults("kv_block_size"),
+                       help="a paged KV cache in blocks of N positions, shared by the requests "
+                            "(prefix caching, forks without copies); 0: a fixed slot of "
+                            "max-seq-len positions per request")  # fmt: skip
+    group.add_argument("--kv-blocks", type=int, metavar="N", default=defaults("kv_blocks"),
+                       help="blocks of the paged KV cache (0: what the fixed slots would "
+                            "take)")  # fmt: skip
+    group.add_argument("--prefix-caching", action=argparse.BooleanOptionalAction,
+                       default=defaults("prefix_caching"),
+                       help="reuse a paged cache's full blocks across requests that begin with "
+                            "the same tokens")  # fmt: skip
 
 
 def add_k_limit_flag(group: Group, defaults: Defaults) -> None:
