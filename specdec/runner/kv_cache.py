@@ -4,16 +4,11 @@ a shared pool addressed through a block table per request (`PagedCache`, with pr
 Both give the runner the same calls: `prepare` before a forward (what the attention reads and
 writes through: slot ids [B], or block tables [B, W]), `commit` after it (the new length).
 
-SlotCache:
-
-Each admitted request owns one slot of `max_seq_len` tokens in every layer's cache tensor
-[max_slots + 1, 2, kv_heads, max_seq_len, head_dim]; the extra last slot is scratch that the
-padding rows of a CUDA-graph batch write into. Fixed slots rather than pages: the services cap
-each request at `max_seq_len` anyway, a slot needs no block table (so attention is a plain
-index_select + SDPA that a CUDA graph captures with static shapes), and admission is a single
-check — a request either gets a whole slot or a CacheFullError, and nothing is ever evicted.
-The price is memory reserved for the longest request; paging would be the next step if
-requests of very different lengths must share a small cache.
+SlotCache: each admitted request owns one slot of `max_seq_len` tokens in every layer's cache
+tensor [max_slots + 1, 2, kv_heads, max_seq_len, head_dim]; the extra last slot is scratch that
+the padding rows of a CUDA-graph batch write into. Admission is a single check (a whole slot or
+a CacheFullError) and nothing is ever evicted; the price is memory reserved for the longest
+request, which PagedCache avoids.
 
 Lengths live on the host: rollback (`truncate`) only lowers a request's length, since stale
 K/V past it is masked out and overwritten by the next forward. Releasing a slot likewise only
