@@ -21,6 +21,7 @@ import torch
 
 from specdec.errors import InvalidInputError
 from specdec.runner import ForwardItem, ModelRunner
+from specdec.runner.blocks import CacheStats
 from specdec.runner.runner import on_device
 from specdec.runner.timing import StepClock, StepTimes
 from specdec.sampling_params import SamplingParams
@@ -164,6 +165,11 @@ class TargetEngine:
     def tokens(self, request_id: str) -> list[int]:
         with self._lock:
             return list(self._requests[request_id].tokens)
+
+    @property
+    def prefix_cache_stats(self) -> CacheStats | None:
+        """The runner's prefix cache counts since it started (None with fixed KV slots)."""
+        return self.runner.prefix_cache_stats
 
     def verify(self, block: DraftBlock) -> VerifyResponse:
         """One verdict per entry, in the block's order.

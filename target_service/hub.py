@@ -139,6 +139,7 @@ class Hub:
                          if self._config.dynamic_speculation else None)  # fmt: skip
         self._k_cap: int | None = None  # this step's k for the draft's requests, when dynamic
         self._target_step_s = 0.0  # recent step time less the wait for the draft (0: unknown)
+        self._prefix_seen = self._prefix_totals()  # the prefix cache's counts already reported
         self._thread = threading.Thread(target=self._run, name="hub", daemon=True)
 
     def start(self) -> None:
@@ -334,8 +335,17 @@ class Hub:
             draft_fallback=group.fallback,  # type: ignore[arg-type]
             num_fallback_requests=group.num_fallback,
         )  # fmt: skip
+        totals = self._prefix_totals()
+        step.prefix_cache_queried_tokens = totals[0] - self._prefix_seen[0]
+        step.prefix_cache_hit_tokens = totals[1] - self._prefix_seen[1]
+        self._prefix_seen = totals
         self._emit(step=step)
         self._record(verdicts)
+
+    def _prefix_totals(self) -> tuple[int, int]:
+        """(prompt tokens looked up, found) in the target's prefix cache since it started."""
+        stats = getattr(self.engine, "prefix_cache_stats", None)  # the tests' fakes have none
+        return (stats.queried_tokens, stats.hit_tokens) if stats is not None else (0, 0)
 
     def _choose_k(self, group: _Group) -> int | None:
         """The k of this step's draft requests under dynamic speculation, else None."""

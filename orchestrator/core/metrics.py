@@ -201,6 +201,16 @@ class Metrics:
             "ahead (draft-ahead), device time; admissions not counted. rate() / specdec:pairs "
             "is the busy fraction of a pair's draft device.",
         ).labels(self.model_pair)
+        self._prefix_queries = self._counter(
+            "prefix_cache_queries",
+            "Prompt tokens the targets' prefix caches looked up at admission (vLLM's "
+            "prefix_cache_queries; 0 with fixed KV slots).",
+        ).labels(self.model_pair)
+        self._prefix_hits = self._counter(
+            "prefix_cache_hits",
+            "Prompt tokens found in the targets' prefix caches, not prefilled again (vLLM's "
+            "prefix_cache_hits): rate() over prefix_cache_queries' is the hit rate.",
+        ).labels(self.model_pair)
         self._pairs = self._gauge("pairs", "Draft/target pairs this orchestrator runs.")
         self._define_fault_metrics()
 
@@ -260,6 +270,8 @@ class Metrics:
         self._ahead_hits.inc(report.draft_ahead_hits)
         self._ahead_misses.inc(report.draft_ahead_misses)
         self._ahead_backups.inc(report.draft_ahead_backups)
+        self._prefix_queries.inc(report.prefix_cache_queried_tokens)
+        self._prefix_hits.inc(report.prefix_cache_hit_tokens)
         self._step_verify.observe(report.verify_s)
         self._step_sampler.observe(report.sampler_s)
         self._step.observe(report.step_s)

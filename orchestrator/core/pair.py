@@ -128,6 +128,9 @@ class StepReport:
     num_fallback_requests: int = 0
     draft_ahead_s: float = 0.0  # the draft's passes ahead since the last step it answered
     draft_ahead_backups: int = 0  # misses answered with no drafts: the step did not wait
+    # the target's prefix cache since the last step: prompt tokens looked up, and found
+    prefix_cache_queried_tokens: int = 0
+    prefix_cache_hit_tokens: int = 0
 
     @classmethod
     def from_pb(cls, pb: target_pb2.ServeStep) -> StepReport:
@@ -135,7 +138,8 @@ class StepReport:
                    pb.sampler_s, pb.step_s, pb.draft_up, pb.graphed, pb.draft_ahead_hits,
                    pb.draft_ahead_misses, FALLBACKS.get(pb.draft_fallback, ""),
                    pb.num_fallback_requests, pb.draft_ahead_s,
-                   pb.draft_ahead_backups)  # fmt: skip
+                   pb.draft_ahead_backups, pb.prefix_cache_queried_tokens,
+                   pb.prefix_cache_hit_tokens)  # fmt: skip
 
 
 def step_events(

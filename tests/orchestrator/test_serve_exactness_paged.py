@@ -53,6 +53,13 @@ def test_every_token_follows_the_target(served: Served) -> None:
         stats = runner.prefix_cache_stats
         assert stats is not None and stats.hit_tokens > 0, (role, stats)
         print(f"{role}: {stats.hit_tokens} of {stats.queried_tokens} prompt tokens from the cache")
+    # the target's counts reach /metrics by its ServeStep messages (the last step's after)
+    registry = served.orchestrator.metrics.registry
+    pair = {"model_pair": served.target_dir.resolve().name}
+    hits = registry.get_sample_value("specdec:prefix_cache_hits_total", pair)
+    queries = registry.get_sample_value("specdec:prefix_cache_queries_total", pair)
+    target = served.pair.target_engine.runner.prefix_cache_stats
+    assert 0 < hits <= target.hit_tokens and 0 < queries <= target.queried_tokens, (hits, queries)
 
 
 def test_greedy_output_is_the_fixed_slot_runners(served: Served) -> None:
