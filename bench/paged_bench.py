@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -258,9 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     result = run(args)
     stem = args.out / f"paged_{provenance.device_name(torch.device(args.device))}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    stem.with_suffix(".md").write_text(report(result))
-    print(report(result))
+    provenance.save(stem, result, report(result))
     return 0
 
 

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import subprocess
 from contextlib import suppress
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -47,3 +49,10 @@ def machine(device: torch.device) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return f"{os.cpu_count()} cores of {cpu_model()}"
+
+
+def save(stem: Path, result: dict[str, Any], markdown: str) -> None:
+    """`stem`.json (the results) and `stem`.md (the report), and the report on stdout."""
+    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
+    stem.with_suffix(".md").write_text(markdown)
+    print(markdown)

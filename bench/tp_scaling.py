@@ -198,9 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     result = run(args)
     name = result["environment"]["gpu"].replace(" ", "_")
     stem = args.out / f"tp_scaling_{args.pair}_{name}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=1))
-    stem.with_suffix(".md").write_text(report(result))
-    print(report(result))
+    provenance.save(stem, result, report(result))
     return 0
 
 

@@ -23,7 +23,33 @@ from specdec.errors import CacheFullError, UnknownRequestError
 from specdec.runner.blocks import BlockPool, CacheStats
 
 
-class SlotCache:
+class _Checks:
+    """The checks both caches make the same way, from each request's length."""
+
+    max_seq_len: int
+
+    def length(self, request_id: str) -> int:
+        raise NotImplementedError
+
+    def check_room(self, request_id: str, new_tokens: int) -> None:
+        have = self.length(request_id)
+        if have + new_tokens > self.max_seq_len:
+            raise CacheFullError(
+                f"Request {request_id!r} holds {have} tokens and {new_tokens} more would exceed "
+                f"max_seq_len={self.max_seq_len}."
+            )
+
+    def _check_length(self, what: str, request_id: str, length: int) -> None:
+        """ValueError unless 0 <= length <= the request's length (a truncate's or fork's)."""
+        have = self.length(request_id)
+        if not 0 <= length <= have:
+            raise ValueError(
+                f"{what} length must be in [0, {have}] (the cached length of {request_id!r}), "
+                f"got {length}."
+            )
+
+
+class SlotCache(_Checks):
     def __init__(
         self,
         num_layers: int,
@@ -85,13 +111,8 @@ class SlotCache:
         return self._length[self.slot(request_id)]
 
     def truncate(self, request_id: str, length: int) -> None:
-        slot = self.slot(request_id)
-        if not 0 <= length <= self._length[slot]:
-            raise ValueError(
-                f"truncate length must be in [0, {self._length[slot]}] (the cached length of "
-                f"{request_id!r}), got {length}."
-            )
-        self._length[slot] = length
+        self._check_length("truncate", request_id, length)
+        self._length[self.slot(request_id)] = length
 
     def fork(self, branches: list[tuple[str, str, int]]) -> None:
         """Each (source, branch, length): `branch` (already added) holds `source`'s first
@@ -100,12 +121,7 @@ class SlotCache:
         if not branches:
             return
         for source, _, length in branches:
-            have = self.length(source)
-            if not 0 <= length <= have:
-                raise ValueError(
-                    f"fork length must be in [0, {have}] (the cached length of {source!r}), "
-                    f"got {length}."
-                )
+            self._check_length("fork", source, length)
         device = self.layers[0].device
         src = torch.tensor([self.slot(s) for s, _, _ in branches], device=device)
         dst = torch.tensor([self.slot(b) for _, b, _ in branches], device=device)
@@ -119,14 +135,6 @@ class SlotCache:
         """`a` and `b` exchange slots (a hypothesis that came true becomes the request)."""
         slot_a, slot_b = self.slot(a), self.slot(b)
         self._slot[a], self._slot[b] = slot_b, slot_a
-
-    def check_room(self, request_id: str, new_tokens: int) -> None:
-        have = self.length(request_id)
-        if have + new_tokens > self.max_seq_len:
-            raise CacheFullError(
-                f"Request {request_id!r} holds {have} tokens and {new_tokens} more would exceed "
-                f"max_seq_len={self.max_seq_len}."
-            )
 
     def extend(self, request_id: str, new_tokens: int) -> None:
         self._length[self.slot(request_id)] += new_tokens
@@ -168,7 +176,7 @@ class SlotCache:
         return list(self._slot)
 
 
-class PagedCache:
+class PagedCache(_Checks):
     """KV in `num_blocks` blocks of `block_size` positions (`blocks.BlockPool` decides which
     request's positions each holds), in every layer's tensor [num_blocks + 1, 2, kv_heads,
     block_size, head_dim]: the layout of SlotCache with a block for a slot, so the same writes
@@ -229,24 +237,14 @@ class PagedCache:
         return self.pool.length(request_id)
 
     def truncate(self, request_id: str, length: int) -> None:
-        have = self.pool.length(request_id)
-        if not 0 <= length <= have:
-            raise ValueError(
-                f"truncate length must be in [0, {have}] (the cached length of "
-                f"{request_id!r}), got {length}."
-            )
+        self._check_length("truncate", request_id, length)
         self.pool.truncate(request_id, length)
 
     def fork(self, branches: list[tuple[str, str, int]]) -> None:
         """Each (source, branch, length): `branch` (added; what it held is dropped) shares
         `source`'s blocks up to `length` positions; no copy now."""
         for source, branch, length in branches:
-            have = self.length(source)
-            if not 0 <= length <= have:
-                raise ValueError(
-                    f"fork length must be in [0, {have}] (the cached length of {source!r}), "
-                    f"got {length}."
-                )
+            self._check_length("fork", source, length)
             self.pool.length(branch)  # UnknownRequestError for a branch not added
         for source, branch, length in branches:
             self.pool.release(branch)
@@ -255,14 +253,6 @@ class PagedCache:
 
     def swap(self, a: str, b: str) -> None:
         self.pool.swap(a, b)
-
-    def check_room(self, request_id: str, new_tokens: int) -> None:
-        have = self.length(request_id)
-        if have + new_tokens > self.max_seq_len:
-            raise CacheFullError(
-                f"Request {request_id!r} holds {have} tokens and {new_tokens} more would exceed "
-                f"max_seq_len={self.max_seq_len}."
-            )
 
     def check_fits(
         self, request_ids: Sequence[str], starts: Sequence[int], counts: Sequence[int]

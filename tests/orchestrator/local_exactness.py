@@ -23,6 +23,7 @@ from tests.draft_service.models import build_checkpoints
 from tests.orchestrator.inprocess import api_on
 from tests.orchestrator.test_serve_exactness import (
     MAX_SEQ_LEN,
+    REJECT_BELOW,
     Case,
     K,
     distributions,
@@ -100,6 +101,17 @@ def pit_against_target(
     if (p[np.arange(len(token)), token] == 0).any():
         return 0.0
     return pit_pvalue(pit(token, p, seed=seed))
+
+
+def assert_follows_target(served: Served, case: Case, tokens: np.ndarray, seed: int) -> None:
+    """The PIT test passes for `tokens` against the target at the case's temperature, and
+    rejects them against the target at twice it (the mutant)."""
+    exact = pit_against_target(served, case, tokens, case.temperature, seed=seed)
+    print(f"\nPIT of {tokens[:, 1:].size} tokens: p-value {exact:.3g}")
+    assert exact > REJECT_BELOW, exact
+    wrong = pit_against_target(served, case, tokens, case.temperature * 2, seed=seed)
+    print(f"against the target at temperature {case.temperature * 2:g}: p-value {wrong:.3g}")
+    assert wrong < REJECT_BELOW, wrong
 
 
 class Seeds:
