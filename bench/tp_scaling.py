@@ -16,10 +16,15 @@ each N's times over N = 1's: two GPUs' bandwidth would give 0.5, less what the a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import faulthandler
 import json
+import multiprocessing
+import os
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -45,12 +50,27 @@ def gpu_memory_mib() -> list[int]:
     return [int(x) for x in out.split()]
 
 
+def _dump_ranks_later(after_s: float) -> None:
+    """After `after_s`, the other ranks (this process's children) dump their threads' stacks
+    to stderr (SIGUSR1: `parallel._worker`), so that a size whose run hangs says where."""
+
+    def dump() -> None:
+        time.sleep(after_s)
+        for child in multiprocessing.active_children():
+            if child.pid is not None:
+                with contextlib.suppress(OSError):
+                    os.kill(child.pid, signal.SIGUSR1)
+
+    threading.Thread(target=dump, name="dump-ranks", daemon=True).start()
+
+
 def measure(job: dict[str, Any]) -> None:
     """One N, in a child process: prints its step times ("n,b" → ms) and each GPU's memory as
     one JSON line before the ranks are stopped, so that a stop that hangs keeps the figures
     (the parent reports it); where the process waits is dumped to stderr before its time is
     up."""
     faulthandler.dump_traceback_later(max(1.0, job["timeout_s"] - 15), exit=False)
+    _dump_ranks_later(max(1.0, job["timeout_s"] - 20))
     tp, batches, ctx = job["tp"], job["batches"], job["ctx"]
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     dev = torch.device(device)
