@@ -131,6 +131,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
         "serve": args.serve,
         "pair": "smoke" if args.smoke else args.pair,
         "target_tp": args.target_tensor_parallel,
+        "kv_block_size": args.kv_block_size,
     }
     if args.serve:  # every service, Pipeline rows included, gets room for the serve rows
         out |= {
@@ -163,6 +164,8 @@ def service_args(s: dict[str, Any], path: str, device: str) -> list[str]:
     if device.startswith("cuda"):
         sizes = [str(b) for b in GRAPH_SIZES if b <= s["max_slots"]]
         out += ["--cuda-graph-batch-sizes", *sizes]
+    if s.get("kv_block_size"):
+        out += ["--kv-block-size", str(s["kv_block_size"])]
     return out
 
 
@@ -413,6 +416,15 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         metavar="N",
         help="the target over N GPUs in every row (tensor parallelism: in-process on cuda:1 "
         "to cuda:N, the draft on cuda:0; specdec serve --target-tensor-parallel N): N + 1 GPUs",
+    )
+    p.add_argument(
+        "--kv-block-size",
+        type=int,
+        default=0,
+        metavar="N",
+        help="both services' KV caches paged in blocks of N positions (--kv-block-size of the "
+        "services and specdec serve; prefix caching on); 0: fixed slots. The in-process rows "
+        "stay on fixed slots",
     )
     p.add_argument(
         "--pair",

@@ -110,6 +110,8 @@ def serve_args(
     tp = s.get("target_tp", 1)
     if tp > 1:
         out += ["--target-tensor-parallel", str(tp)]
+    if s.get("kv_block_size"):
+        out += ["--kv-block-size", str(s["kv_block_size"])]
     if cpu:  # the Triton interpreter would take about 1 s per step
         out += ["--sampler-impl", "torch", "--num-cpus", "4"]
     else:

@@ -183,3 +183,16 @@ def test_the_default_checkpoint_cache_is_this_users() -> None:
     assert parse([]).cache == e2e_models.DEFAULT_CACHE
     assert soak.parse([]).cache == e2e_models.DEFAULT_CACHE
     assert e2e_models.DEFAULT_CACHE.name == f"specdec_e2e_models-{os.getuid()}"
+
+
+def test_the_pipeline_services_take_the_paged_cache_flag() -> None:
+    from bench.e2e_bench import service_args
+    from specdec.serving.cli import runner_config
+    from target_service.__main__ import build_parser
+
+    s = {"dtype": "float32", "max_slots": 4, "max_seq_len": 128, "kv_block_size": 16}
+    args = build_parser().parse_args(service_args(s, "/ckpt", "cpu"))
+    config = runner_config(args)
+    assert (config.kv_block_size, config.prefix_caching) == (16, True)
+    plain = build_parser().parse_args(service_args(s | {"kv_block_size": 0}, "/ckpt", "cpu"))
+    assert runner_config(plain).kv_block_size == 0

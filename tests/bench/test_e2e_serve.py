@@ -103,6 +103,9 @@ def test_serve_args_match_the_pipeline_services(checkpoints: tuple[Path, Path]) 
     assert (services.draft_ahead, services.synthetic_hit_rate) == (0, None)
     ahead = serve_config(parse_args(serve_args(s | {"draft_ahead": 2}, 3.0, 1, 2, 0.8)))
     assert (ahead.services.draft_ahead, ahead.services.synthetic_hit_rate) == (2, 0.8)
+    assert services.kv_block_size == 0
+    paged = serve_config(parse_args(serve_args(s | {"kv_block_size": 16}, 3.0, 1, 2)))
+    assert paged.services.kv_block_size == 16 and paged.services.prefix_caching
 
 
 def test_a_tensor_parallel_target_runs_split_on_n_plus_one_gpus(
