@@ -199,13 +199,15 @@ class TargetEngine:
     ) -> list[int]:
         """The entries whose steps a paged KV cache can hold at once, in block order; each
         one past that gets a CAPACITY verdict (its request unchanged), so that the others'
-        step is served. Every row is counted at the step's widest (k + 1): a graphed step
-        writes that many positions for each."""
+        step is served. A row takes blocks for its own k + 1 positions (a graphed step's
+        padding goes past them, into positions no block of it holds)."""
         free = self.runner.free_kv_blocks
         if free is None or not entries:
             return entries
-        n = max(block.num_draft_tokens[i] for i in entries) + 1
-        needs = [self.runner.kv_blocks_needed(block.request_ids[i], n) for i in entries]
+        needs = [
+            self.runner.kv_blocks_needed(block.request_ids[i], block.num_draft_tokens[i] + 1)
+            for i in entries
+        ]
         kept = len(entries)
         while kept and sum(needs[:kept]) > free:
             kept -= 1

@@ -48,14 +48,16 @@ def _runner(
 
 def kv_blocks(config: ServiceConfig, max_seq_len: int, hypotheses: int) -> int:
     """A paged cache's blocks: the configured number, or a full sequence for each request
-    (and the scratch); and two blocks for each draft-ahead hypothesis, which shares its
-    request's blocks, copies at most the one it writes into and fills one more."""
+    (and the scratch); and for each draft-ahead hypothesis, which shares its request's blocks,
+    the one it copies on writing into it and those its k + 1 positions run into past it."""
     if not config.kv_block_size:
         return 0
+    # a hypothesis writes up to k + 1 positions: the block it shares, copied, and past it
+    per_hypothesis = 1 + -(-(config.max_num_draft_tokens + 1) // config.kv_block_size)
     if config.kv_blocks:
-        return config.kv_blocks + 2 * hypotheses
+        return config.kv_blocks + per_hypothesis * hypotheses
     per_request = -(-max_seq_len // config.kv_block_size)
-    return (config.max_requests + 1) * per_request + 2 * hypotheses
+    return (config.max_requests + 1) * per_request + per_hypothesis * hypotheses
 
 
 def synthetic_acceptance(config: ServiceConfig) -> Any:

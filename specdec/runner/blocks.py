@@ -261,6 +261,17 @@ class BlockPool:
         table.pending = (start, start + n)
         return copies
 
+    def revert_copies(self, request_id: str, copies: Sequence[tuple[int, int]]) -> None:
+        """Undoes `prepare_write`'s copies on write whose device copies were not made (they
+        failed): the request holds the shared source blocks again, and its write is dropped."""
+        table = self._table(request_id)
+        for src, dst in copies:
+            i = table.blocks.index(dst)
+            self._ref(src)
+            table.blocks[i] = src
+            self._unref(dst)
+        self.truncate(request_id, len(table.tokens))
+
     def commit(self, request_id: str, start: int, tokens: Sequence[int | None]) -> None:
         """After a forward wrote positions [start, start + len(tokens)) (`prepare_write`
         first): the request's length is start + len(tokens), and its full blocks are

@@ -243,6 +243,10 @@ class PagedCache(_Checks):
     def fork(self, branches: list[tuple[str, str, int]]) -> None:
         """Each (source, branch, length): `branch` (added; what it held is dropped) shares
         `source`'s blocks up to `length` positions; no copy now."""
+        if len({b for _, b, _ in branches}) != len(branches) or any(
+            b == src or b in {s for s, _, _ in branches} for src, b, _ in branches
+        ):
+            raise ValueError("fork branches must be distinct requests, none of them a source.")
         for source, branch, length in branches:
             self._check_length("fork", source, length)
             self.pool.length(branch)  # UnknownRequestError for a branch not added
@@ -278,18 +282,29 @@ class PagedCache(_Checks):
         """Block tables [B, width] (default: the blocks of the longest request after the
         write) with positions [start, start + count) of each request writable, copies made;
         entries past a request's blocks are the scratch block. `check_fits` first."""
-        copies: list[tuple[int, int]] = []
+        made: list[tuple[str, list[tuple[int, int]]]] = []
         for r, start, n in zip(request_ids, starts, counts, strict=True):
-            copies += self.pool.prepare_write(r, start, n)
+            made.append((r, self.pool.prepare_write(r, start, n)))
+        copies = [c for _, cs in made for c in cs]
         if copies:
-            device = self.layers[0].device
-            src = torch.tensor([c[0] for c in copies], device=device)
-            dst = torch.tensor([c[1] for c in copies], device=device)
-            for layer in self.layers:
-                layer[dst] = layer[src]
+            try:
+                self._copy_blocks(copies)
+            except BaseException:  # the tables back on the blocks that hold the positions
+                for r, cs in made:
+                    self.pool.revert_copies(r, cs)
+                raise
         tables = [self.pool.table(r) for r in request_ids]
         width = width or max((len(t) for t in tables), default=0) or 1
         return [t + [self.scratch_slot] * (width - len(t)) for t in tables]
+
+    def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Each (source, destination) block's K/V copied, in every layer."""
+        device = self.layers[0].device
+        pairs = torch.tensor(copies, pin_memory=device.type == "cuda")
+        pairs = pairs.to(device, non_blocking=True)  # no wait for the stream
+        src, dst = pairs[:, 0], pairs[:, 1]
+        for layer in self.layers:
+            layer.index_copy_(0, dst, layer.index_select(0, src))
 
     def commit(self, request_id: str, start: int, n: int, tokens: Sequence[int] | None) -> None:
         """After a forward of n tokens at `start` (their ids, where known on the host)."""

@@ -235,7 +235,8 @@ def _to_host(value: Any) -> Any:
     if isinstance(value, torch.Tensor):
         return _Sent(value.detach().cpu().numpy(), value.device.type != "cpu")
     if isinstance(value, ForwardItem) and isinstance(value.token_ids, torch.Tensor):
-        return replace(value, token_ids=value.token_ids.detach().cpu().tolist())
+        # as a tensor, with where it was: a paged cache reads ids it gets on the host only
+        return replace(value, token_ids=_to_host(value.token_ids))
     if isinstance(value, (list, tuple)):
         return type(value)(_to_host(v) for v in value)
     return value
@@ -246,6 +247,8 @@ def _from_host(value: Any, device: torch.device) -> Any:
     if isinstance(value, _Sent):
         t = torch.from_numpy(np.ascontiguousarray(value.values))
         return t.to(device) if value.on_device else t
+    if isinstance(value, ForwardItem) and isinstance(value.token_ids, _Sent):
+        return replace(value, token_ids=_from_host(value.token_ids, device))
     if isinstance(value, (list, tuple)):
         return type(value)(_from_host(v, device) for v in value)
     return value

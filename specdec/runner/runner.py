@@ -419,19 +419,23 @@ class ModelRunner:
         rids = [it.request_id for it in items]
         keep = [it.num_logits for it in items]
         before = list(starts)
-        for i, it in enumerate(items):
-            host = hosts[i]
-            if starts[i] == 0 and host is not None and self._cache.page is not None:
-                hit = self._cache.match_prefix(it.request_id, host, len(host) - it.num_logits)
-                tokens[i], hosts[i], starts[i] = tokens[i][hit:], host[hit:], hit
         try:
+            for i, it in enumerate(items):
+                host = hosts[i]
+                if starts[i] == 0 and host is not None and self._cache.page is not None:
+                    hit = self._cache.match_prefix(it.request_id, host, len(host) - it.num_logits)
+                    tokens[i], hosts[i], starts[i] = tokens[i][hit:], host[hit:], hit
             self._cache.check_fits(rids, starts, [t.numel() for t in tokens])
             return self._forward_rounds(rids, starts, tokens, hosts, keep)
         except BaseException:
-            for rid, length in zip(rids, before, strict=True):  # as it was, prefix hits too
-                if self._cache.length(rid) > length:
-                    self._cache.truncate(rid, length)
+            self._roll_back(rids, before)
             raise
+
+    def _roll_back(self, request_ids: Sequence[str], lengths: Sequence[int]) -> None:
+        """Each request back to its length before a call that failed: what the call wrote or
+        took (prefix hits, blocks) is dropped."""
+        for rid, length in zip(request_ids, lengths, strict=True):
+            self._cache.truncate(rid, length)
 
     def _forward_rounds(
         self,
@@ -535,12 +539,40 @@ class ModelRunner:
                 "graph_step needs one distinct request id per row of token_ids."
             )
         lengths = [self._cache.length(r) for r in request_ids]
-        # every row's n positions are written, padding too (paged: into blocks of its own)
-        self._cache.check_fits(request_ids, lengths, [n] * b)
+        counts = [n] * b if kept is None else list(kept)
+        # a paged cache gives each row blocks for its real tokens; its padding goes past them,
+        # into its last block's unused positions or the scratch block its table ends with
+        self._cache.check_fits(request_ids, lengths, counts)
         bs = self._graphs.padded_size(b) if self._graphs is not None else None
-        graphed = self._graphs is not None and bs is not None
-        width = self._cache.table_width if graphed and isinstance(self._cache, PagedCache) else None
-        where = self._cache.prepare(request_ids, lengths, [n] * b, width)
+        try:
+            return self._step_prepared(
+                request_ids, token_ids, head, head_inputs, lengths, counts, host_rows, bs
+            )
+        except BaseException:
+            self._roll_back(request_ids, lengths)
+            raise
+
+    def _step_prepared(
+        self,
+        request_ids: Sequence[str],
+        token_ids: torch.Tensor,
+        head: Head | None,
+        head_inputs: Sequence[torch.Tensor],
+        lengths: list[int],
+        counts: list[int],
+        host_rows: Sequence[Sequence[int]] | None,
+        bs: int | None,
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        n = token_ids.shape[1]
+        if isinstance(self._cache, PagedCache):  # tables as wide as every row's n positions
+            width = (
+                self._cache.table_width
+                if bs is not None
+                else -(-(max(lengths) + n) // self._cache.page)
+            )
+        else:
+            width = None
+        where = self._cache.prepare(request_ids, lengths, counts, width)
         if self._cache.page is None:
             slots_starts = self._to_device([where, lengths])  # type: ignore[list-item, arg-type]
             slots, starts = slots_starts[0], slots_starts[1]  # one copy for both
@@ -555,9 +587,8 @@ class ModelRunner:
             outs = tuple(head(logits, *head_inputs)) if head is not None else ()
             self.eager_steps += self._graphs is not None
         for i, rid in enumerate(request_ids):
-            count = n if kept is None else kept[i]
-            ids = list(host_rows[i][:count]) if host_rows is not None else None
-            self._cache.commit(rid, lengths[i], count, ids)
+            ids = list(host_rows[i][: counts[i]]) if host_rows is not None else None
+            self._cache.commit(rid, lengths[i], counts[i], ids)
         return logits, outs
 
     @_on_own_device

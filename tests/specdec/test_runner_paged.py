@@ -113,3 +113,88 @@ def test_paged_settings_are_checked() -> None:
         RunnerConfig("unused", kv_block_size=-1)
     config = RunnerConfig("unused", max_slots=4, max_seq_len=100, kv_block_size=16)
     assert config.num_kv_blocks == 4 * 7  # what four slots of 100 positions hold
+
+
+def _failing_once(runner, what: str = "run") -> None:  # type: ignore[no-untyped-def]
+    """The backend's next `what` call raises, as a device error in the forward would."""
+    real = getattr(runner._backend, what)
+    calls: list[int] = []
+
+    def fail_once(*args, **kwargs):  # type: ignore[no-untyped-def]
+        if not calls:
+            calls.append(1)
+            raise RuntimeError("injected: device error in the forward")
+        return real(*args, **kwargs)
+
+    setattr(runner._backend, what, fail_once)
+
+
+@pytest.mark.parametrize("what", ["run", "step"])
+def test_a_failed_forward_or_step_leaves_the_requests_as_they_were(what: str) -> None:
+    model = hf_model("llama3")
+    runner = make_runner(model, kv_block_size=4, kv_blocks=16)
+    a = seqs(1)[2]
+    runner.add_request("a")
+    if what == "step":
+        runner.forward([ForwardItem("a", a[:9], 1)])
+    free, length = runner.free_kv_blocks, runner.cached_length("a")
+    _failing_once(runner, what)
+    call = (lambda: runner.forward([ForwardItem("a", a, 1)])) if what == "run" else (
+        lambda: runner.graph_step(["a"], torch.tensor([a[9:14]])))  # fmt: skip
+    with pytest.raises(RuntimeError, match="injected"):
+        call()
+    assert (runner.cached_length("a"), runner.free_kv_blocks) == (length, free)
+    out = call()  # the retry is served as on a runner that never failed
+    if what == "run":
+        torch.testing.assert_close(out, reference_logits(model, a)[-1:], atol=TOL, rtol=0)
+    else:
+        torch.testing.assert_close(out[0], reference_logits(model, a[:14])[9:], atol=TOL, rtol=0)
+
+
+def test_a_failed_call_undoes_an_earlier_items_prefix_hit() -> None:
+    model = hf_model("llama3")
+    runner = make_runner(model, kv_block_size=4, kv_blocks=32)
+    a = seqs(2)[2]
+    runner.add_request("x")
+    runner.forward([ForwardItem("x", a, 1)])
+    runner.release("x")  # its blocks stay cached
+    runner.add_request("z")
+    _failing_once(runner)
+    with pytest.raises(RuntimeError, match="injected"):
+        runner.forward([ForwardItem("z", a, 1)])  # a hit of 16 tokens, then the failure
+    assert runner.cached_length("z") == 0
+    out = runner.forward([ForwardItem("z", a, 1)])
+    torch.testing.assert_close(out, reference_logits(model, a)[-1:], atol=TOL, rtol=0)
+
+
+def test_a_failed_copy_on_write_leaves_the_fork_readable(monkeypatch: pytest.MonkeyPatch) -> None:
+    model = hf_model("qwen3")
+    runner = make_runner(model, max_slots=3, kv_block_size=4, kv_blocks=40)
+    a = seqs(4)[2]
+    ref = reference_logits(model, a)
+    runner.add_request("a"), runner.add_request("h")
+    runner.forward([ForwardItem("a", a[:10], 1)])
+    runner.fork([("a", "h", 10)])
+    cache = runner._cache
+
+    def boom(copies: object) -> None:
+        raise RuntimeError("injected: out of memory in the copy")
+
+    monkeypatch.setattr(cache, "_copy_blocks", boom)
+    with pytest.raises(RuntimeError, match="injected"):
+        runner.forward([ForwardItem("h", a[10:12], 2)])
+    monkeypatch.undo()
+    assert runner.cached_length("h") == 10
+    out = runner.forward([ForwardItem("h", a[10:12], 2)])
+    torch.testing.assert_close(out, ref[10:12], atol=TOL, rtol=0)
+    cache.pool.check()  # type: ignore[union-attr]
+
+
+def test_forks_are_refused_when_a_branch_is_a_source_or_repeats() -> None:
+    runner = make_runner(hf_model("qwen3"), max_slots=4, **PAGED)
+    for rid in ("a", "b", "c"):
+        runner.add_request(rid)
+    with pytest.raises(ValueError, match="distinct requests"):
+        runner.fork([("a", "b", 0), ("b", "c", 0)])
+    with pytest.raises(ValueError, match="distinct requests"):
+        runner.fork([("a", "a", 0)])

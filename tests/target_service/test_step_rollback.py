@@ -71,18 +71,20 @@ def test_a_step_the_paged_cache_cannot_hold_fails_its_last_requests_only(target_
     roomy = _engine(target_dir)
     config = TargetConfig(replace(runner_config(target_dir), kv_block_size=4), sampler_impl="torch")
     # admission prefills each prompt but its last token: a's 8 (2 blocks), b's 6 (2 blocks);
-    # then the step writes 3 positions a row (k + 1 = 3 at its widest): a block more each
+    # then the step writes k + 1 = 3 positions for each: a block more each
     config = replace(config, runner=replace(config.runner, kv_blocks=2 + 2 + 1))
     tight = TargetEngine(ModelRunner.load(config.runner), config)
     tight.admit(AdmitRequest("a", tuple(range(5, 14)), SamplingParams(0.0)))
     tight.admit(AdmitRequest("b", tuple(range(20, 27)), SamplingParams(0.9, seed=3)))
     assert tight.runner.free_kv_blocks == 1
-    got, want = tight.verify(_block()), roomy.verify(_block())
+    both = [DraftProposal("a", 0, 9, (14, 15)), DraftProposal("b", 0, 7, (27, 28))]
+    step = DraftBlock.from_pb(block_to_pb(both))
+    got, want = tight.verify(step), roomy.verify(step)
     assert list(got.errors) == [1] and got.errors[1].reason == ErrorReason.CAPACITY
     assert "no free blocks" in got.errors[1].message
     assert got.token_ids[0] == want.token_ids[0]
     assert tight.runner.cached_length("b") == 6 and tight.tokens("b") == list(range(20, 27))
     tight.release(["a"])  # its blocks come back (cached, so they can be taken)
-    proposals = [DraftProposal("b", 0, 7, ())]
+    proposals = [DraftProposal("b", 0, 7, (27, 28))]
     retry = tight.verify(DraftBlock.from_pb(block_to_pb(proposals)))
     assert not retry.errors and retry.token_ids[0] == want.token_ids[1]
