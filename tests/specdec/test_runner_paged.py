@@ -198,3 +198,77 @@ def test_forks_are_refused_when_a_branch_is_a_source_or_repeats() -> None:
         runner.fork([("a", "b", 0), ("b", "c", 0)])
     with pytest.raises(ValueError, match="distinct requests"):
         runner.fork([("a", "a", 0)])
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_random_traffic_gives_the_slot_runners_logits(seed: int) -> None:
+    """Admissions on shared prefixes (prefix hits), verifies, rollbacks, forks, swaps and
+    releases, in the same order on a fixed-slot runner and on a paged one whose small pool
+    evicts cached blocks and refuses steps: every logit the paged runner returns is the slot
+    runner's, and a refused step leaves it able to go on."""
+    import random
+
+    rng = random.Random(seed)
+    model = hf_model("qwen3")
+    slots = make_runner(model, max_slots=6, max_seq_len=48)
+    paged = make_runner(model, max_slots=6, max_seq_len=48, kv_block_size=3, kv_blocks=36)
+    # equal blocks after different prefixes (and at different positions), which a hit must
+    # tell apart: a block A repeated, and A after another block B
+    a, b = ([rng.randrange(300) for _ in range(3)] for _ in range(2))
+    prefixes = [a + a + a, b + a]
+    live: list[str] = []
+    refused = 0
+    for step in range(80):
+        op = rng.random()
+        try:
+            if op < 0.25 and len(live) < 6:
+                rid = f"r{step}"
+                prompt = rng.choice(prefixes) + [rng.randrange(300) for _ in range(3)]
+                for r in (paged, slots):  # the paged one first: it may refuse
+                    r.add_request(rid)
+                live.append(rid)
+                try:
+                    want = [paged.forward([ForwardItem(rid, prompt, 2)])]
+                except CacheFullError:
+                    slots.release(rid), paged.release(rid), live.remove(rid)
+                    raise
+                want.append(slots.forward([ForwardItem(rid, prompt, 2)]))
+            elif op < 0.35 and live and len(live) < 6:
+                rid, child = rng.choice(live), f"f{step}"
+                length = rng.randrange(paged.cached_length(rid) + 1)
+                for r in (paged, slots):
+                    r.add_request(child)
+                    r.fork([(rid, child, length)])
+                live.append(child)
+                continue
+            elif op < 0.45 and live:
+                rid = live.pop(rng.randrange(len(live)))
+                paged.release(rid), slots.release(rid)
+                continue
+            elif op < 0.55 and live:
+                rid = rng.choice(live)
+                length = rng.randrange(paged.cached_length(rid) + 1)
+                paged.truncate(rid, length), slots.truncate(rid, length)
+                continue
+            elif op < 0.6 and len(live) > 1:
+                a, b = rng.sample(live, 2)
+                paged.swap(a, b), slots.swap(a, b)
+                continue
+            elif live:  # a verify of the live requests with room: 1 to 4 tokens each
+                rids = [r for r in live if paged.cached_length(r) + 4 <= 48]
+                if not rids:
+                    continue
+                rows = [[rng.randrange(300) for _ in range(rng.randrange(1, 5))] for _ in rids]
+                got = paged.ragged_step(rids, rows)[0]
+                ref = slots.ragged_step(rids, rows)[0]
+                # each row's real positions (its padding's logits mean nothing)
+                want = [torch.cat([got[i, : len(r)] for i, r in enumerate(rows)]),
+                        torch.cat([ref[i, : len(r)] for i, r in enumerate(rows)])]  # fmt: skip
+            else:
+                continue
+        except CacheFullError:
+            refused += 1
+            continue
+        torch.testing.assert_close(want[0], want[1], atol=TOL, rtol=0)
+        assert [paged.cached_length(r) for r in live] == [slots.cached_length(r) for r in live]
+    assert refused > 0 and paged.prefix_cache_stats.hit_tokens > 0  # type: ignore[union-attr]
