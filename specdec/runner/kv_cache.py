@@ -151,9 +151,9 @@ class SlotCache(_Checks):
         request_ids: Sequence[str],
         starts: Sequence[int],
         counts: Sequence[int],
-        width: int | None = None,
+        cover: int = 0,
     ) -> list[int]:
-        """The slots [B] the forward reads and writes through."""
+        """The slots [B] the forward reads and writes through (a slot covers every position)."""
         return [self.slot(r) for r in request_ids]
 
     def commit(self, request_id: str, start: int, n: int, tokens: Sequence[int] | None) -> None:
@@ -277,11 +277,13 @@ class PagedCache(_Checks):
         request_ids: Sequence[str],
         starts: Sequence[int],
         counts: Sequence[int],
-        width: int | None = None,
+        cover: int = 0,
     ) -> list[list[int]]:
-        """Block tables [B, width] (default: the blocks of the longest request after the
-        write) with positions [start, start + count) of each request writable, copies made;
-        entries past a request's blocks are the scratch block. `check_fits` first."""
+        """Block tables [B, W] with positions [start, start + count) of each request
+        writable, copies made; W is the blocks of the longest request after the write, or of
+        the first `cover` positions where more (those a step's padding reaches, or a graph's
+        max_seq_len); entries past a request's blocks are the scratch block. `check_fits`
+        first."""
         made: list[tuple[str, list[tuple[int, int]]]] = []
         for r, start, n in zip(request_ids, starts, counts, strict=True):
             made.append((r, self.pool.prepare_write(r, start, n)))
@@ -294,7 +296,7 @@ class PagedCache(_Checks):
                     self.pool.revert_copies(r, cs)
                 raise
         tables = [self.pool.table(r) for r in request_ids]
-        width = width or max((len(t) for t in tables), default=0) or 1
+        width = max(self.pool.blocks_for(cover), *(len(t) for t in tables), 1)
         return [t + [self.scratch_slot] * (width - len(t)) for t in tables]
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:

@@ -564,15 +564,9 @@ class ModelRunner:
         bs: int | None,
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         n = token_ids.shape[1]
-        if isinstance(self._cache, PagedCache):  # tables as wide as every row's n positions
-            width = (
-                self._cache.table_width
-                if bs is not None
-                else -(-(max(lengths) + n) // self._cache.page)
-            )
-        else:
-            width = None
-        where = self._cache.prepare(request_ids, lengths, counts, width)
+        # every row's n positions, padding too; a graph's tables are as wide as it captured
+        cover = self.config.max_seq_len if bs is not None else max(lengths) + n
+        where = self._cache.prepare(request_ids, lengths, counts, cover)
         if self._cache.page is None:
             slots_starts = self._to_device([where, lengths])  # type: ignore[list-item, arg-type]
             slots, starts = slots_starts[0], slots_starts[1]  # one copy for both
@@ -586,8 +580,9 @@ class ModelRunner:
             logits = self._backend.step(tokens, starts, slots, max(lengths) + n)
             outs = tuple(head(logits, *head_inputs)) if head is not None else ()
             self.eager_steps += self._graphs is not None
+        known = host_rows is not None and self._cache.page is not None  # fixed slots: unused
         for i, rid in enumerate(request_ids):
-            ids = list(host_rows[i][: counts[i]]) if host_rows is not None else None
+            ids = list(host_rows[i][: counts[i]]) if known else None  # type: ignore[index]
             self._cache.commit(rid, lengths[i], counts[i], ids)
         return logits, outs
 
