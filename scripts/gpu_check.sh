@@ -30,7 +30,8 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 # the GPUs this run sees (CUDA_VISIBLE_DEVICES counts; nvidia-smi lists every GPU of the host)
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
-first=${CUDA_VISIBLE_DEVICES%%,*}
+visible=${CUDA_VISIBLE_DEVICES:-}
+first=${visible%%,*}
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader -i "${first:-0}" | tr -c 'A-Za-z0-9\n' '_')
 [[ $gpus -gt 1 ]] && name="${name}_x${gpus}"
 mkdir -p "$out"
@@ -45,7 +46,7 @@ else
 fi
 {
     echo "commit $commit$([[ $dirty -gt 0 ]] && echo " with $dirty modified tracked files")"
-    echo "date $(date -u +%FT%TZ); $gpus x $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader -i "${first:-0}")${CUDA_VISIBLE_DEVICES:+ (CUDA_VISIBLE_DEVICES=$CUDA_VISIBLE_DEVICES)}"
+    echo "date $(date -u +%FT%TZ); $gpus x $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader -i "${first:-0}")${visible:+ (CUDA_VISIBLE_DEVICES=$visible)}"
     python3 -c 'import torch, triton, grpc; print(f"torch {torch.__version__}, triton {triton.__version__}, grpcio {grpc.__version__}")'
 } >"$log"
 status=0

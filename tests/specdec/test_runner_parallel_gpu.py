@@ -68,10 +68,15 @@ def test_two_gpus_give_one_gpus_steps_with_graphs(checkpoint: Path, dtype: str) 
     finally:
         two.close()
     atol = 1e-4 if dtype == "float32" else 5e-2
+    compared = 0
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         if g.dtype != torch.int32:
             torch.testing.assert_close(g.float(), w.float(), atol=atol, rtol=0)
             continue
         top2 = want[i + 1].topk(2, dim=-1).values  # the step's probs follow its greedy tokens
-        clear = (top2[..., 0] - top2[..., 1]) > 2 * atol  # bfloat16: near-ties may differ
-        assert clear.any() and torch.equal(g[clear], w[clear]), (g, w)
+        # a greedy token must agree where its logit leads the runner-up's by more than the
+        # precision can move it (bfloat16: near-ties may go either way)
+        clear = (top2[..., 0].log() - top2[..., 1].log()) > (1e-3 if dtype == "float32" else 0.1)
+        assert torch.equal(g[clear], w[clear]), (g, w)
+        compared += int(clear.sum())
+    assert compared > 0, "every greedy token was a near-tie: nothing compared"
