@@ -139,8 +139,8 @@ def _worker(
             name, args, kwargs = commands.recv()
         except EOFError:  # rank 0 is gone
             _end_rank(None, 0)
-        if name == "stop":
-            _end_rank(runner.device, 0)
+        if name == "stop":  # rank 0 ends the group with every rank: see `_leave_group`
+            _end_rank(runner.device, 0, leave=True)
         if name in ("graph_step", "ragged_step"):
             key = kwargs.pop("head_key")
             kwargs["head"] = None if key is None else heads.setdefault(key, _NoHead())
@@ -155,14 +155,16 @@ def _worker(
             os._exit(RANK_LOST_EXIT)
 
 
-def _end_rank(device: torch.device | None, status: int) -> NoReturn:
+def _end_rank(device: torch.device | None, status: int, leave: bool = False) -> NoReturn:
     """Ends a rank > 0 at once: its device's work finished first (`device`: its last
-    collectives, whose peers on rank 0 have been issued), then no teardown of the process group
-    at all. NCCL's orderly end (ncclCommFinalize, which destroy_process_group runs) waits
-    until every rank ends it together, which rank 0, joining its ranks first, never did: both
-    hung there on two H100s. The kernel frees what the process held."""
+    collectives, whose peers on rank 0 have been issued), then, with `leave` (rank 0's stop),
+    the group's orderly end made together with rank 0 (bounded: see `_leave_group`), else no
+    teardown at all (rank 0 is gone: an orderly end would wait for it for ever). The kernel
+    frees what the process held."""
     if device is not None and device.type == "cuda":
         torch.cuda.synchronize(device)
+    if leave:
+        _leave_group()
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
@@ -170,14 +172,36 @@ def _end_rank(device: torch.device | None, status: int) -> NoReturn:
     os._exit(status)
 
 
-LEAVE_TIMEOUT_S = 10.0  # for rank 0's abort of its communicators
+LEAVE_TIMEOUT_S = 10.0  # for each way out of the group: the orderly end, then the abort
 
 
-def _leave_group() -> None:
-    """Rank 0 leaves the process group without waiting for the other ranks (they have ended,
-    or been killed): NCCL's communicators are aborted, which frees this rank's part alone
-    (an orderly destroy would wait for ranks that are gone), within LEAVE_TIMEOUT_S; gloo's
-    group is destroyed. An abort that fails or does not return is logged as an error: the
+def _bounded(call: Callable[[], None], name: str) -> str | None:
+    """Runs `call` in a daemon thread for at most LEAVE_TIMEOUT_S; None if it returned, else
+    why not."""
+    done = threading.Event()
+    failed: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            call()
+        except BaseException as exc:  # reported by the caller
+            failed.append(exc)
+        done.set()
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    if not done.wait(LEAVE_TIMEOUT_S):
+        return f"did not return within {LEAVE_TIMEOUT_S:.0f} s"
+    return f"failed: {failed[0]}" if failed else None
+
+
+def _leave_group(orderly: bool = True) -> None:
+    """Leaves the process group. `orderly`: every rank is leaving at the same time (rank 0
+    sent each its stop): NCCL's orderly end (ncclCommFinalize, inside destroy_process_group)
+    returns only when every rank makes it together, so each rank makes it at once, without
+    waiting for the others to exit first (rank 0 joining its ranks before its own destroy
+    hung both on two H100s). Not `orderly` (ranks killed or gone), or an orderly end that
+    does not return within LEAVE_TIMEOUT_S: the communicators are aborted, which frees this
+    rank's part alone. An abort that fails or does not return is logged as an error: the
     process still belongs to the group, so a new `launch` in it is refused, saying so."""
     import torch.distributed as dist
 
@@ -186,19 +210,13 @@ def _leave_group() -> None:
     if dist.get_backend() != "nccl":
         dist.destroy_process_group()
         return
-    done = threading.Event()
-    failed: list[BaseException] = []
-
-    def abort() -> None:
-        try:
-            dist.distributed_c10d._abort_process_group()
-        except BaseException as exc:  # reported by the caller
-            failed.append(exc)
-        done.set()
-
-    threading.Thread(target=abort, name="tp-leave", daemon=True).start()
-    if not done.wait(LEAVE_TIMEOUT_S) or failed:
-        why = f"failed: {failed[0]}" if failed else f"did not return within {LEAVE_TIMEOUT_S:.0f} s"
+    if orderly:
+        why = _bounded(dist.destroy_process_group, "tp-leave")
+        if why is None:
+            return
+        log.warning("the tensor-parallel group's orderly end %s; aborting it", why)
+    why = _bounded(dist.distributed_c10d._abort_process_group, "tp-abort")
+    if why is not None:
         log.error("the tensor-parallel group's NCCL abort %s; this process cannot start "
                   "another group", why)  # fmt: skip
 
@@ -347,10 +365,15 @@ class ParallelRunner(ModelRunner):
             atexit.unregister(self.close)
             finished = locked and _finish_device(self.device, self._ranks, wait_s)
             self._closing = True  # from here a rank's end is this stop, not a loss
+            stopped = finished
             for r in self._ranks:
                 if finished:
-                    with contextlib.suppress(OSError):  # it is gone already
+                    try:
                         r.commands.send(("stop", (), {}))
+                    except OSError:  # it is gone already: no orderly end with it
+                        stopped = False
+            if stopped:  # the ranks leave the group now too, each on its stop
+                _leave_group(orderly=True)
             for r in self._ranks:
                 r.process.join(wait_s if finished else 0)
                 if r.process.is_alive():
@@ -359,7 +382,8 @@ class ParallelRunner(ModelRunner):
             if not finished:
                 log.warning("tensor-parallel ranks killed at close: work on the device or a "
                             "call in flight did not finish within %.0f s", wait_s)  # fmt: skip
-            _leave_group()
+            if not stopped:
+                _leave_group(orderly=False)
         finally:
             if locked:
                 self._lock.release()
@@ -436,7 +460,7 @@ def launch(config: RunnerConfig, on_rank_death: Callable[[], None] = _exit_group
     except BaseException:
         for r in ranks:
             r.process.kill()
-        _leave_group()
+        _leave_group(orderly=False)
         raise
     runner._attach(ranks, on_rank_death)
     log.info("tensor parallelism over %d ranks (%s)", world, config.device)
