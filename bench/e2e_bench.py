@@ -287,7 +287,7 @@ def measure_all(result: dict[str, Any], args: argparse.Namespace) -> None:
         prep = child("prepare", job, args.log_dir)
         progress.tick()
         s |= {k: prep[k] for k in ("paths", "draft_device", "target_device")}
-        s["vocab_size"] = e2e_models.plan(args.smoke, s["pair"])["target"][2]["vocab_size"]
+        s["vocab_size"] = e2e_models.prompt_vocab(args.smoke, s["pair"])
         s["models"] = {role: Path(path).name for role, path in s["paths"].items()}
         result["environment"] = prep["environment"]
         result["inprocess_ms"] = {"target": prep["target_ms"], "draft": prep["draft_ms"]}

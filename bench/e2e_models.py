@@ -94,6 +94,14 @@ def plan(
     }
 
 
+def prompt_vocab(smoke: bool, pair: str = DEFAULT_PAIR) -> int:
+    """The token ids a prompt may hold for `pair`: the shared tokenizer's size where the pair
+    has one smaller than the target's embedding (the services refuse ids past it), else the
+    target's vocabulary."""
+    _, _, spec, made = plan(smoke, pair)["target"]
+    return int(made.get("tokenizer_vocab", spec["vocab_size"]))
+
+
 def _ready(path: Path, record: dict[str, Any]) -> bool:
     spec = path / SPEC_FILE
     return spec.is_file() and json.loads(spec.read_text()) == record

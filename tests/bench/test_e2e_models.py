@@ -24,6 +24,18 @@ def test_each_pair_names_shapes_a_tensor_parallel_split_takes() -> None:
     assert "stream" not in e2e_models.plan(False, "8b")["target"][3]  # the cached 8B as before
 
 
+def test_prompts_hold_only_ids_the_pairs_tokenizer_has() -> None:
+    """The 32B pair's tokenizer (151,665) is smaller than its target's embedding (152,064):
+    the services refuse ids past the tokenizer, so the benchmark's prompts stay inside it (its
+    first 32B run drew 151,964 and was refused)."""
+    assert e2e_models.prompt_vocab(False, "32b") == 151665
+    assert e2e_models.prompt_vocab(False, "70b") == e2e_models.plan(False, "70b")["target"][3][
+        "tokenizer_vocab"
+    ]
+    assert e2e_models.prompt_vocab(False, "8b") == 128256
+    assert e2e_models.prompt_vocab(True) == e2e_models.plan(True)["target"][2]["vocab_size"]
+
+
 @pytest.mark.parametrize("family", ["LlamaConfig", "Qwen2Config"])
 def test_a_streamed_checkpoint_loads_on_the_fast_path(family: str, tmp_path: Path) -> None:
     spec = dict(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
