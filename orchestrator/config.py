@@ -110,6 +110,9 @@ class ServiceConfig:
     draft_ahead_backup: Literal["auto", "always", "never"] = "auto"
     # the target chooses each step's k (target_service.speculation)
     dynamic_speculation: bool = False
+    # chunked prefill: prompts longer than this prefilled this many tokens between two steps
+    # (TargetConfig.prefill_chunk_tokens; 0: whole)
+    prefill_chunk_tokens: int = 0
     # the hub's deadline for each Propose: past it the step goes on at k = 0 and the draft is
     # resynchronised once it answers again (TargetConfig.draft_deadline_s)
     draft_deadline_s: float = 0.3
@@ -169,6 +172,7 @@ class ServiceConfig:
         check_range(self.target_tensor_parallel, "target_tensor_parallel", 1, MAX_TENSOR_PARALLEL)
         check_range(self.kv_block_size, "kv_block_size", 0, 4096)
         check_range(self.kv_blocks, "kv_blocks", 0, 1 << 24)
+        check_range(self.prefill_chunk_tokens, "prefill_chunk_tokens", 0, 1 << 20)
         if self.kv_blocks and not self.kv_block_size:
             raise ValueError("kv_blocks sizes a paged KV cache: set kv_block_size too.")
         if not 1 <= self.max_requests <= 4096:

@@ -123,6 +123,7 @@ def target_config(args: argparse.Namespace) -> TargetConfig:
         sampler_impl=args.sampler_impl,
         synthetic=synthetic(args),
         dynamic_speculation=args.dynamic_speculation,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
     )
     if config.synthetic is not None:
         log.warning(

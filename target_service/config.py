@@ -47,8 +47,16 @@ class TargetConfig:
     synthetic: SyntheticAcceptance | None = None
     # the hub chooses each step's k (target_service.speculation); requests' k are upper bounds
     dynamic_speculation: bool = False
+    # chunked prefill: a new request's prompt longer than this is prefilled this many tokens
+    # at a time, one chunk between two steps, so running requests keep stepping (0: whole)
+    prefill_chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(
+                f"prefill_chunk_tokens must be >= 0 (0: prompts prefilled whole), "
+                f"got {self.prefill_chunk_tokens}."
+            )
         if not 1 <= self.max_num_draft_tokens <= MAX_NUM_DRAFT_TOKENS:
             raise ValueError(
                 f"max_num_draft_tokens must be in [1, {MAX_NUM_DRAFT_TOKENS}], "

@@ -75,6 +75,8 @@ class TargetEngine:
         self.runner, self.config = runner, config
         self.vocab_size = runner.info.tokenizer_vocab_size or runner.vocab_size
         self._requests: dict[str, _Request] = {}
+        # prompts prefilled a chunk at a time (`begin_prefill`): each with the tokens its KV holds
+        self._prefilling: dict[str, tuple[_Request, int]] = {}
         self._lock = threading.Lock()
         self._device = runner.device
 
@@ -97,8 +99,7 @@ class TargetEngine:
         """Prefills all but the last prompt token; returns (committed_length, next_step)."""
         adm.check_limits(self.vocab_size, self.config.runner.max_seq_len)
         with self._lock:
-            if adm.request_id in self._requests:
-                raise InvalidInputError(f"request_id {adm.request_id!r} is already admitted.")
+            self._check_new(adm.request_id)
             self.runner.add_request(adm.request_id)
             try:
                 if len(adm.prompt_token_ids) > 1:
@@ -122,8 +123,7 @@ class TargetEngine:
         adm.check_limits(self.vocab_size, self.config.runner.max_seq_len)
         rid = adm.request_id
         with self._lock, on_device(self.runner.device):  # the sampler's kernels too
-            if rid in self._requests:
-                raise InvalidInputError(f"request_id {rid!r} is already admitted.")
+            self._check_new(rid)
             self.runner.add_request(rid)
             req = _Request(list(adm.prompt_token_ids), adm.sampling, adm.first_step)
             self._requests[rid] = req
@@ -138,10 +138,60 @@ class TargetEngine:
                 self.runner.release(rid)
             return out, times
 
-    def _prefill_step(self, rid: str, req: _Request) -> tuple[VerifyResponse, StepTimes]:
+    def _check_new(self, rid: str) -> None:
+        if rid in self._requests or rid in self._prefilling:
+            raise InvalidInputError(f"request_id {rid!r} is already admitted.")
+
+    def begin_prefill(self, adm: AdmitRequest) -> None:
+        """Admits a new request whose prompt is then prefilled over several calls of
+        `prefill_chunk` (chunked prefill: other requests' steps run between them). With prefix
+        caching, its cached start is taken now, and only the rest is computed."""
+        adm.check_limits(self.vocab_size, self.config.runner.max_seq_len)
+        rid = adm.request_id
+        with self._lock, on_device(self.runner.device):
+            self._check_new(rid)
+            self.runner.add_request(rid)
+            try:
+                held = self.runner.take_prefix(rid, adm.prompt_token_ids)
+            except BaseException:
+                self.runner.release(rid)
+                raise
+            req = _Request(list(adm.prompt_token_ids), adm.sampling, adm.first_step)
+            self._prefilling[rid] = (req, held)
+
+    def prefill_chunk(self, rid: str, budget: int) -> tuple[VerifyResponse, StepTimes] | None:
+        """The next at most `budget` prompt tokens of a request from `begin_prefill`: None
+        while more remain; with the last, its first token, decoded as `admit_decoding` decodes
+        it (the same verdict of step `first_step`), and the request is admitted. If anything
+        raises, or the verdict is an error, nothing stays admitted."""
+        with self._lock, on_device(self.runner.device):
+            req, held = self._prefilling[rid]
+            try:
+                if len(req.tokens) - held > budget:
+                    self.runner.forward([ForwardItem(rid, req.tokens[held : held + budget], 0)])
+                    self._prefilling[rid] = (req, held + budget)
+                    return None
+                del self._prefilling[rid]
+                self._requests[rid] = req
+                out, times = self._prefill_step(rid, req, held)
+            except BaseException:
+                self._prefilling.pop(rid, None)
+                self._requests.pop(rid, None)
+                self.runner.release(rid)
+                raise
+            if out.errors:
+                del self._requests[rid]
+                self.runner.release(rid)
+            return out, times
+
+    def _prefill_step(
+        self, rid: str, req: _Request, held: int = 0
+    ) -> tuple[VerifyResponse, StepTimes]:
+        """The forward of the prompt past the `held` tokens the KV has, and its last
+        position's sample: the verdict of step `req.next_step`."""
         clock = StepClock(self._device)
         clock.mark()
-        logits = self.runner.forward([ForwardItem(rid, req.tokens, 1)])  # [1, V]
+        logits = self.runner.forward([ForwardItem(rid, req.tokens[held:], 1)])  # [1, V]
         clock.mark()
         n = len(req.tokens)
         block = DraftBlock.build([rid], [req.next_step], [n], [0], [int(QForm.NONE)], [])
@@ -156,9 +206,11 @@ class TargetEngine:
 
     def release(self, request_ids: Sequence[str]) -> int:
         with self._lock:
-            held = [rid for rid in dict.fromkeys(request_ids) if rid in self._requests]
+            held = [rid for rid in dict.fromkeys(request_ids)
+                    if rid in self._requests or rid in self._prefilling]  # fmt: skip
             for rid in held:
-                del self._requests[rid]
+                self._requests.pop(rid, None)
+                self._prefilling.pop(rid, None)
                 self.runner.release(rid)
         return len(held)
 

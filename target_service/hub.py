@@ -62,6 +62,17 @@ WAIT_POLL_S = 0.005  # between looks at a stalled draft while only seeded reques
 
 
 @dataclass(slots=True)
+class _Prefill:
+    """An admission whose prompt is prefilled a chunk at a time (`prefill_chunk_tokens`)."""
+
+    pb: target_pb2.ServeAdmit
+    adm: AdmitRequest
+    proposer: str
+    num_draft_tokens: int
+    start: float  # when the admission arrived
+
+
+@dataclass(slots=True)
 class _Group:
     """One step: its requests, then the block being built and the draft's times."""
 
@@ -132,6 +143,7 @@ class Hub:
         self._controls: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._events: queue.SimpleQueue[target_pb2.ServeEvent | None] = queue.SimpleQueue()
         self._requests: dict[str, HubRequest] = {}
+        self._prefills: dict[str, _Prefill] = {}  # admissions prefilled a chunk per step
         self._draft = DraftSide(self._config, engine.info, self._requests, self._emit, open_link)
         self._ngram = NgramConfig()
         self._max_seq_len = engine.info.max_seq_len
@@ -166,13 +178,15 @@ class Hub:
         try:
             self._start()
             while self._apply(self._take()):
+                if self._prefills:
+                    self._prefill_next()
                 if self._steppable():
                     self._step()
         except Exception:
             log.exception("the hub's loop failed")
         finally:
             try:
-                self._release(list(self._requests))
+                self._release([*self._requests, *self._prefills])
                 self._draft.close()
             finally:
                 self._events.put(None)
@@ -193,7 +207,8 @@ class Hub:
 
     def _take(self) -> list[object]:
         """The controls sent so far; waits for one while there is nothing to step."""
-        controls = [] if self._steppable() else [self._controls.get()]
+        busy = self._steppable() or self._prefills
+        controls = [] if busy else [self._controls.get()]
         while True:
             try:
                 controls.append(self._controls.get_nowait())
@@ -225,25 +240,62 @@ class Hub:
 
     def _admit(self, pb: target_pb2.ServeAdmit) -> None:
         rid = pb.request.request_id
-        pending, admitted_on_target = None, False
         start = time.perf_counter()
         try:
             adm = AdmitRequest.from_pb(pb.request)
             limit = self._config.max_num_draft_tokens
             proposer, k = _speculation(pb.proposer, pb.num_draft_tokens, limit)
+            chunk = self._config.prefill_chunk_tokens
+            if chunk and adm.first_step == 0 and len(adm.prompt_token_ids) > chunk:
+                self.engine.begin_prefill(adm)  # its chunks run between steps: `_prefill_next`
+                self._prefills[rid] = _Prefill(pb, adm, proposer, k, start)
+                return
             verdicts = self._prefill(adm)
-            admitted_on_target = True
+        except Exception as e:
+            self._refuse(rid, e)
+            return
+        self._admitted(pb, adm, proposer, k, verdicts, start)
+
+    def _prefill_next(self) -> None:
+        """One chunk of the oldest chunked admission; with its last, the request is admitted
+        (its first token goes out) and steps from the next one on."""
+        rid, p = next(iter(self._prefills.items()))
+        try:
+            done = self.engine.prefill_chunk(rid, self._config.prefill_chunk_tokens)
+            if done is not None and done[0].errors:
+                raise _Refused(done[0].errors[0])
+        except Exception as e:  # the engine holds nothing of it any more
+            del self._prefills[rid]
+            self._refuse(rid, e)
+            return
+        if done is not None:
+            del self._prefills[rid]
+            self._admitted(p.pb, p.adm, p.proposer, p.num_draft_tokens, done[0], p.start)
+
+    def _refuse(self, rid: str, e: Exception) -> None:
+        error = e.error if isinstance(e, _Refused) else request_error(e)
+        self._emit(admitted=target_pb2.ServeAdmitted(request_id=rid, error=error.to_pb()))
+
+    def _admitted(
+        self,
+        pb: target_pb2.ServeAdmit,
+        adm: AdmitRequest,
+        proposer: str,
+        k: int,
+        verdicts: VerifyResponse | None,
+        start: float,
+    ) -> None:
+        """A request the target has prefilled: to the draft (when it drafts), then into the
+        steps, its first token out."""
+        rid, pending = adm.request_id, None
+        try:
             if proposer == "draft":  # after the target's prefill, which it would slow down on a
                 # shared GPU; it runs while the first token goes out
                 first_step = adm.first_step + (verdicts is not None)
                 pending = self._draft.start_admit(replace(adm, first_step=first_step))
         except Exception as e:
-            if pending is not None:
-                self._draft.settle(pending, [])
-            if admitted_on_target:
-                self.engine.release([rid])
-            error = e.error if isinstance(e, _Refused) else request_error(e)
-            self._emit(admitted=target_pb2.ServeAdmitted(request_id=rid, error=error.to_pb()))
+            self.engine.release([rid])
+            self._refuse(rid, e)
             return
         tokens = [*adm.prompt_token_ids, *(verdicts.token_ids[0] if verdicts else ())]
         next_step = adm.first_step + (verdicts is not None)
@@ -274,6 +326,13 @@ class Hub:
         return verdicts
 
     def _release(self, request_ids: list[str]) -> None:
+        prefilling = [rid for rid in dict.fromkeys(request_ids) if rid in self._prefills]
+        for rid in prefilling:  # released before its first token; every admit is answered
+            del self._prefills[rid]
+        self.engine.release(prefilling)
+        for rid in prefilling:
+            gone = RequestError.of(ErrorReason.UNKNOWN_REQUEST, "released during its prefill")
+            self._emit(admitted=target_pb2.ServeAdmitted(request_id=rid, error=gone.to_pb()))
         ids = [rid for rid in dict.fromkeys(request_ids) if rid in self._requests]
         held = [self._requests.pop(rid) for rid in ids]
         if held:
@@ -282,13 +341,18 @@ class Hub:
 
     def _set_speculation(self, pb: target_pb2.SetSpeculation) -> None:
         req = self._requests.get(pb.request_id)
-        if req is None:
+        prefill = self._prefills.get(pb.request_id)
+        if req is None and prefill is None:
             return  # released meanwhile
         try:
             limit = self._config.max_num_draft_tokens
             proposer, k = _speculation(pb.proposer, pb.num_draft_tokens, limit)
         except ValueError as e:
             log.warning("set_speculation for %r ignored: %s", pb.request_id, e)
+            return
+        if req is None:  # still in its prefill: takes effect at its admission
+            assert prefill is not None
+            prefill.proposer, prefill.num_draft_tokens = proposer, k
             return
         if proposer != "draft":
             self._draft.release([req])  # it would miss steps; re-admitted if it comes back

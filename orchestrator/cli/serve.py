@@ -218,6 +218,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             draft_ahead=args.draft_ahead, draft_deadline_s=args.draft_deadline_ms / 1e3,
             draft_ahead_backup=args.draft_ahead_backup,
             dynamic_speculation=args.dynamic_speculation,
+            prefill_chunk_tokens=args.prefill_chunk_tokens,
             synthetic_hit_rate=args.synthetic_hit_rate,
             draft_stand_in=args.draft_stand_in,
             saguaro_scale=args.saguaro_scale,

@@ -147,6 +147,7 @@ def start_service(role: str, config: ServiceConfig, host: str) -> tuple[Any, Mod
             draft_deadline_s=config.draft_deadline_s,
             synthetic=synthetic_acceptance(config),
             dynamic_speculation=config.dynamic_speculation,
+            prefill_chunk_tokens=config.prefill_chunk_tokens,
             draft_tls_root_cert=config.tls_root_cert,
             draft_tls_server_name=config.tls_server_name,
             draft_tls_client_cert=config.tls_client_cert,

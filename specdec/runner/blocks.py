@@ -47,6 +47,10 @@ class _Table:
     # part): the serial of whichever block is cached under the same key
     serials: list[int] = field(default_factory=list)
     pending: tuple[int, int] | None = None  # the prepared write's [start, end) until commit
+    # the prefix cache was asked once since the request last held nothing: a prompt whose
+    # start was matched (`ModelRunner.take_prefix`) and then found nothing is not asked again
+    # by its first chunk's forward (nor counted twice)
+    matched: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,6 +142,9 @@ class BlockPool:
         table = self._table(request_id)
         if table.blocks or table.tokens:
             raise ValueError(f"request_id {request_id!r} already holds tokens.")
+        if table.matched:
+            return 0
+        table.matched = True
         self._queried += len(tokens)
         if not self.prefix_caching:
             return 0
@@ -309,6 +316,7 @@ class BlockPool:
         del table.tokens[length:]
         del table.serials[length // self.block_size :]
         table.pending = None
+        table.matched = table.matched and length > 0
         self._drop_past(table, length)
 
     def _drop_past(self, table: _Table, length: int) -> None:

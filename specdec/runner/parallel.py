@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 # the runner's calls every rank makes, in rank 0's order
 MIRRORED = (
     "add_request", "release", "truncate", "fork", "swap", "forward", "graph_step", "ragged_step",
+    "take_prefix",
 )  # fmt: skip
 START_TIMEOUT_S = 600.0  # for the ranks to join and load their parts
 COLLECTIVE_TIMEOUT = timedelta(minutes=10)  # one collective's wait for a slow rank

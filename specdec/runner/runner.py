@@ -350,6 +350,16 @@ class ModelRunner:
     def cached_length(self, request_id: str) -> int:
         return self._cache.length(request_id)
 
+    def take_prefix(self, request_id: str, token_ids: Sequence[int]) -> int:
+        """With prefix caching, a request that holds nothing yet takes the cached blocks its
+        `token_ids` begin with (never the last token, whose logits a prefill needs) and
+        returns how many tokens it now holds; 0 otherwise. What `forward` does for an item
+        that starts a request, for a prompt prefilled over several forwards (chunks), whose
+        first chunk alone would find only its own part."""
+        if self._cache.page is None or self._cache.length(request_id) != 0:
+            return 0
+        return self._cache.match_prefix(request_id, list(token_ids), len(token_ids) - 1)
+
     def truncate(self, request_id: str, length: int) -> None:
         """Rolls back to `length` tokens (0 <= length <= cached_length), e.g. after a rejection."""
         self._cache.truncate(request_id, length)

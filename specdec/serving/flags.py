@@ -102,6 +102,12 @@ def add_target_flags(group: Group, defaults: Defaults) -> None:
                        help="the target chooses each step's k (0 included) from the measured "
                             "acceptance and step times; a request's k is the upper bound, and a "
                             "sampled request with its own seed keeps its k")  # fmt: skip
+    group.add_argument("--prefill-chunk-tokens", type=int, metavar="N",
+                       default=defaults("prefill_chunk_tokens"),
+                       help="chunked prefill: a new prompt longer than N tokens is prefilled N "
+                            "tokens at a time, one chunk between two steps, so running streams "
+                            "keep stepping while it is prefilled (0: whole, at "
+                            "admission)")  # fmt: skip
     group.add_argument("--draft-deadline-ms", type=float, metavar="MS",
                        default=defaults("draft_deadline_s") * 1e3,
                        help="a draft that has not answered a step's Propose after this long "

@@ -29,9 +29,10 @@ def test_prompts_hold_only_ids_the_pairs_tokenizer_has() -> None:
     the services refuse ids past the tokenizer, so the benchmark's prompts stay inside it (its
     first 32B run drew 151,964 and was refused)."""
     assert e2e_models.prompt_vocab(False, "32b") == 151665
-    assert e2e_models.prompt_vocab(False, "70b") == e2e_models.plan(False, "70b")["target"][3][
-        "tokenizer_vocab"
-    ]
+    assert (
+        e2e_models.prompt_vocab(False, "70b")
+        == e2e_models.plan(False, "70b")["target"][3]["tokenizer_vocab"]
+    )
     assert e2e_models.prompt_vocab(False, "8b") == 128256
     assert e2e_models.prompt_vocab(True) == e2e_models.plan(True)["target"][2]["vocab_size"]
 

@@ -48,13 +48,15 @@ def serving_ahead(
     max_requests: int,
     target_tensor_parallel: int = 1,
     kv: dict[str, Any] | None = None,
+    target: dict[str, Any] | None = None,
     **draft: Any,
 ) -> Iterator[Served]:
     """Tiny checkpoints in `tmp`, a local pair drafting ahead (F = FANOUT, k = K, with the
     DraftConfig / ServiceConfig options `draft`, named alike in both) for `max_requests`
     requests, and the client API before it; the target split over `target_tensor_parallel`
-    ranks (processes, gloo); `kv`: RunnerConfig settings of both KV caches (a paged one)."""
-    target, draft_dir = build_checkpoints(tmp)
+    ranks (processes, gloo); `kv`: RunnerConfig settings of both KV caches (a paged one);
+    `target`: more TargetConfig options."""
+    target_dir, draft_dir = build_checkpoints(tmp)
     ahead_slots = FANOUT * (K + 1) * max_requests
     ahead = {"draft_ahead": FANOUT, "draft_ahead_slots": ahead_slots, **draft}
     draft_config = DraftConfig(
@@ -64,23 +66,24 @@ def serving_ahead(
     )  # fmt: skip
     target_config = TargetConfig(
         RunnerConfig(
-            str(target),
+            str(target_dir),
             max_slots=max_requests + 1,
             max_seq_len=MAX_SEQ_LEN,
             tensor_parallel=target_tensor_parallel,
             **(kv or {}),
         ),
         sampler_impl="torch",
+        **(target or {}),
     )
     config = ServeConfig(
-        ServiceConfig(str(target), str(draft_dir), device="cpu", max_requests=max_requests,
+        ServiceConfig(str(target_dir), str(draft_dir), device="cpu", max_requests=max_requests,
                       max_seq_len=MAX_SEQ_LEN, **ahead),
         scheduler=SchedulerConfig(max_queue=4 * max_requests, proposer="draft",
                                   num_draft_tokens=K),
         host="127.0.0.1", port=0, metrics_port=None, grace_s=2.0,
     )  # fmt: skip
     with local_pair(draft_config, target_config) as pair, api_on(pair, config) as orchestrator:
-        yield Served(orchestrator, f"127.0.0.1:{orchestrator.port}", target, pair)
+        yield Served(orchestrator, f"127.0.0.1:{orchestrator.port}", target_dir, pair)
 
 
 def pit_against_target(
