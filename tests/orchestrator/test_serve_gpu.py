@@ -129,10 +129,14 @@ def _metric(url: str, name: str, proposer: str | None) -> float:
 
 
 def _gpu_used_mib_each() -> list[int]:
-    """Memory in use on each GPU (nvidia-smi: a container may not list other processes'
-    pids)."""
+    """Memory in use on each GPU this process may use (nvidia-smi: a container may not list
+    other processes' pids), those CUDA_VISIBLE_DEVICES names where it is set: nvidia-smi lists
+    every GPU of the host, and another job on the others (a GPU check beside a benchmark on a
+    4-GPU host) moved their memory under these tests."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES", "").strip()
+    which = ["-i", visible] if visible else []
     out = subprocess.run(
-        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", *which],
         capture_output=True, text=True, check=True,
     ).stdout  # fmt: skip
     return [int(line) for line in out.split()]
