@@ -188,7 +188,7 @@ def test_the_flags_a_service_takes_too_are_declared_once() -> None:
         "draft": ["--draft-ahead", "--draft-ahead-backup", "--q-form", "--saguaro-scale",
                   "--support-size", "--synthetic-hit-rate"],
         "target": ["--draft-deadline-ms", "--dynamic-speculation", "--no-dynamic-speculation",
-                   "--sampler-impl", "--synthetic-acceptance-length"],
+                   "--prefill-chunk-tokens", "--sampler-impl", "--synthetic-acceptance-length"],
     }  # fmt: skip
     # spelled alike, meant otherwise: the draft main's --max-requests caps its n-gram requests
     # (serve's: the KV slots of a pair), its --proposer picks model or n-gram (serve's: a
