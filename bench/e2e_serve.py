@@ -88,9 +88,11 @@ def serve_args(
     placement: str = "shared",
     dynamic: bool = False,
     stand_in: Path | None = None,
+    extra: Sequence[str] = (),
 ) -> list[str]:
     """`specdec serve` flags with the Pipeline rows' service settings; with `stand_in` (a
-    times file), the draft is the BENCHMARKING ONLY stand-in (`draft_service.stand_in`)."""
+    times file), the draft is the BENCHMARKING ONLY stand-in (`draft_service.stand_in`);
+    `extra`: more flags, last."""
     cpu = s["target_device"] == "cpu"
     flags = {
         "--target": s["paths"]["target"],
@@ -128,7 +130,7 @@ def serve_args(
         out.append("--dynamic-speculation")
     if stand_in is not None:
         out += ["--draft-stand-in", str(stand_in)]
-    return out
+    return [*out, *extra]
 
 
 def serve_env(trace_dir: Path | None = None) -> dict[str, str]:
@@ -177,19 +179,23 @@ def serving(
     placement: str = "shared",
     dynamic: bool = False,
     stand_in: Path | None = None,
+    extra: Sequence[str] = (),
+    name: str | None = None,
 ) -> Iterator[Serve]:
     """`specdec serve` started, SERVING (grpc.health.v1), and stopped on every way out
     (`stopped` is told how); with `hit_rate`, draft-ahead at that synthetic hit rate; with
     `stand_in`, the draft stand-in (BENCHMARKING ONLY)."""
     port, metrics_port = free_port(), free_port()
-    name = f"serve_{placement}_{'plain' if length is None else f'L{length:g}'}"
-    name += "" if hit_rate is None else f"_ahead_h{hit_rate:g}"
-    name += "_dynamic" if dynamic else ""
-    name += "_standin" if stand_in is not None else ""
+    if name is None:
+        name = f"serve_{placement}_{'plain' if length is None else f'L{length:g}'}"
+        name += "" if hit_rate is None else f"_ahead_h{hit_rate:g}"
+        name += "_dynamic" if dynamic else ""
+        name += "_standin" if stand_in is not None else ""
     trace_dir = log_dir / f"trace_{name}"
     log_dir.mkdir(parents=True, exist_ok=True)
     log = log_dir / f"{name}.log"
-    flags = serve_args(s, length, port, metrics_port, hit_rate, placement, dynamic, stand_in)
+    flags = serve_args(s, length, port, metrics_port, hit_rate, placement, dynamic, stand_in,
+                       extra)  # fmt: skip
     cmd = [sys.executable, "-m", "orchestrator", *flags]
     with log.open("wb") as f:
         f.write((" ".join(cmd) + "\n").encode())
