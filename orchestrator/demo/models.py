@@ -75,20 +75,23 @@ def is_heldout(path: Path) -> bool:
     return int(hashlib.sha256(path.name.encode()).hexdigest(), 16) % HELDOUT_EVERY == 0
 
 
-def recipe(budget: DemoBudget) -> dict[str, Any]:
+def recipe(budget: DemoBudget, device: str = "cpu") -> dict[str, Any]:
     files = source_files(budget.corpus_bytes)
     versions = {m: metadata.version(m) for m in ("torch", "transformers", "tokenizers")}
-    return {
+    out = {
         "recipe_version": RECIPE_VERSION,
         "budget": asdict(budget),
         "python": sys.version.split()[0],
         "files": [[f.name, f.stat().st_size] for f in files],
         "versions": versions,
     }
+    if device != "cpu":  # trained elsewhere (a GPU's numerics): a pair of its own
+        out["device"] = device.split(":")[0]
+    return out
 
 
-def cache_key(budget: DemoBudget) -> str:
-    blob = json.dumps(recipe(budget), sort_keys=True).encode()
+def cache_key(budget: DemoBudget, device: str = "cpu") -> str:
+    blob = json.dumps(recipe(budget, device), sort_keys=True).encode()
     return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -97,20 +100,21 @@ def build_demo_models(
     *,
     budget: DemoBudget | None = None,
     progress: bool = True,
+    device: str = "cpu",
 ) -> DemoPair:
-    """The cached pair for `budget`, trained first if absent (atomically: an interrupted build
-    leaves only a temporary directory, never a half cache entry)."""
+    """The cached pair for `budget`, trained on `device` first if absent (atomically: an
+    interrupted build leaves only a temporary directory, never a half cache entry)."""
     budget = budget or DemoBudget()
     parent = (cache_dir or cache_root()) / "demo"
-    final = parent / cache_key(budget)
+    final = parent / cache_key(budget, device)
     if (final / "training.json").is_file():
         return DemoPair(final, final / "target", final / "draft")
     parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}-", dir=parent))
     try:
         files = [f for f in source_files(budget.corpus_bytes) if not is_heldout(f)]
-        stats = training.train_pair(tmp, budget, files, progress)
-        stats["recipe"] = recipe(budget)
+        stats = training.train_pair(tmp, budget, files, progress, device)
+        stats["recipe"] = recipe(budget, device)
         (tmp / "training.json").write_text(json.dumps(stats, indent=1))
         try:
             tmp.rename(final)

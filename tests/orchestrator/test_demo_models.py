@@ -96,7 +96,9 @@ def test_an_interrupted_build_leaves_no_cache_entry_and_trains_on_no_heldout_fil
 ) -> None:
     seen: list[Path] = []
 
-    def fail(out: Path, budget: DemoBudget, files: list[Path], progress: bool) -> dict[str, object]:
+    def fail(
+        out: Path, budget: DemoBudget, files: list[Path], progress: bool, device: str = "cpu"
+    ) -> dict[str, object]:
         seen.extend(files)
         (out / "target").mkdir()  # half-written, then interrupted
         raise KeyboardInterrupt
@@ -153,3 +155,14 @@ def test_measured_acceptance_is_a_mean_length_between_1_and_k_plus_1(pair: DemoP
     per_step = report.committed_tokens / report.verify_steps
     assert report.mean_acceptance_length == pytest.approx(per_step)
     assert report.sample.startswith("def f(x):")
+
+
+def test_a_pair_trained_on_a_gpu_has_a_cache_entry_of_its_own() -> None:
+    """The benchmark's trained pair (`bench/trained_pair_bench.py`) is keyed by the device it
+    trained on; the demo's CPU key is what it was before the device was known."""
+    from orchestrator.demo.models import cache_key, recipe
+
+    budget = DemoBudget.ci()
+    assert cache_key(budget) == cache_key(budget, "cpu")
+    assert "device" not in recipe(budget)
+    assert cache_key(budget, "cuda") == cache_key(budget, "cuda:1") != cache_key(budget)
