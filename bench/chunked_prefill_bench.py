@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -30,8 +29,7 @@ from tqdm import tqdm
 
 from bench import e2e_models, provenance
 from bench.e2e_driver import prompts
-from bench.e2e_serve import Stream, _consume, serving, wait_idle
-from specdec.client import Client
+from bench.e2e_serve import Stream, serving, streaming, wait_idle, wait_until
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PROMPT_LEN = 64
@@ -71,43 +69,25 @@ def measure(serve: Any, args: argparse.Namespace, vocab: int) -> dict[str, Any]:
                               "temperature": 0.0, "proposer": args.proposer}  # fmt: skip
     if args.proposer == "draft":
         params["num_draft_tokens"] = args.num_draft_tokens
-    recs = [Stream() for _ in range(args.streams)]
-    cond, stop = threading.Condition(), threading.Event()
     wait_idle(serve.metrics_url)
     long_prompt = prompts(1, args.long_prompt, vocab, 7)[0]
-    with Client(serve.address) as client:
-        threads = [
-            threading.Thread(target=_consume, daemon=True,
-                             args=(client, p, params | {"request_id": f"s{i}"}, rec, cond, stop))
-            for i, (p, rec) in enumerate(
-                zip(prompts(args.streams, PROMPT_LEN, vocab, 3), recs, strict=True))
-        ]  # fmt: skip
-        for t in threads:
-            t.start()
-        try:
-            deadline = time.monotonic() + args.timeout_s
-            with cond:
-                while not all(len(r.times) >= args.warmup or r.done for r in recs):
-                    if time.monotonic() > deadline:
-                        raise RuntimeError("the streams did not reach their warm-up in time")
-                    cond.wait(1.0)
-            if any(r.done for r in recs):
-                raise RuntimeError(f"a stream ended during its warm-up: {[r.error for r in recs]}")
-            arrival = time.perf_counter()
-            first = None
-            for out in client.generate(long_prompt, max_tokens=args.long_tokens, ignore_eos=True,
-                                       temperature=0.0, proposer=args.proposer,
-                                       request_id="long"):  # fmt: skip
-                if first is None and out.token_ids:
-                    first = time.perf_counter()
-            assert first is not None, "the long request brought no token"
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(timeout=args.timeout_s)
-    errors = [r.error for r in recs if r.error is not None]
-    if errors:
-        raise RuntimeError(f"a stream failed: {errors[0]}")
+    requests = [(p, params | {"request_id": f"s{i}"})
+                for i, p in enumerate(prompts(args.streams, PROMPT_LEN, vocab, 3))]  # fmt: skip
+    with streaming(serve.address, requests, args.timeout_s) as (client, recs, cond):
+        deadline = time.monotonic() + args.timeout_s
+        with cond:
+            wait_until(cond, lambda: all(len(r.times) >= args.warmup or r.done for r in recs),
+                       deadline, "the streams did not warm up")  # fmt: skip
+        if any(r.done for r in recs):
+            raise RuntimeError(f"a stream ended during its warm-up: {[r.error for r in recs]}")
+        arrival = time.perf_counter()
+        first = None
+        for out in client.generate(long_prompt, max_tokens=args.long_tokens, ignore_eos=True,
+                                   temperature=0.0, proposer=args.proposer,
+                                   request_id="long"):  # fmt: skip
+            if first is None and out.token_ids:
+                first = time.perf_counter()
+        assert first is not None, "the long request brought no token"
     during = _gaps(recs, arrival, first)
     before = _gaps(recs, arrival - (first - arrival), arrival)
     row: dict[str, Any] = {"ttft_ms": 1e3 * (first - arrival), "responses_during": len(during)}

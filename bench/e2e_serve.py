@@ -316,6 +316,51 @@ def _consume(
             cond.notify_all()
 
 
+@contextmanager
+def streaming(
+    address: str, requests: Sequence[tuple[Any, dict[str, Any]]], timeout_s: float
+) -> Iterator[tuple[Client, list[Stream], threading.Condition]]:
+    """A client of `address`, and a thread per (prompt, generate parameters) consuming its
+    stream into a `Stream` (notifying the condition at each response); stopped and joined on
+    the way out, then the first stream's error, if any, raised."""
+    with Client(address) as client, _streams(client, requests, timeout_s) as (recs, cond):
+        yield client, recs, cond
+
+
+@contextmanager
+def _streams(
+    client: Client, requests: Sequence[tuple[Any, dict[str, Any]]], timeout_s: float
+) -> Iterator[tuple[list[Stream], threading.Condition]]:
+    recs = [Stream() for _ in requests]
+    cond, stop = threading.Condition(), threading.Event()
+    threads = [
+        threading.Thread(target=_consume, args=(client, p, kw, rec, cond, stop), daemon=True)
+        for (p, kw), rec in zip(requests, recs, strict=True)
+    ]
+    for t in threads:
+        t.start()
+    try:
+        yield recs, cond
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=timeout_s)
+    errors = [r.error for r in recs if r.error is not None]
+    if errors:
+        raise RuntimeError(f"a stream failed: {errors[0]}")
+
+
+def wait_until(
+    cond: threading.Condition, done: Callable[[], bool], deadline: float, what: str
+) -> None:
+    """Waits (holding `cond`, as its notifier's check needs) until `done()`; RuntimeError
+    naming `what` past the monotonic `deadline`."""
+    while not done():
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{what} in time")
+        cond.wait(1.0)
+
+
 def window_figures(rec: Stream, t0: float, t1: float) -> dict[str, Any] | None:
     """A request's client-side figures over its responses inside (t0, t1]."""
     inside = [i for i, t in enumerate(rec.times) if t0 < t <= t1]

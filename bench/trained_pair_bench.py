@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -33,11 +32,10 @@ import torch
 from tqdm import tqdm
 
 from bench import provenance
-from bench.e2e_serve import Serve, Stream, _consume, scrape, serving, wait_idle
+from bench.e2e_serve import Serve, scrape, serving, streaming, wait_idle, wait_until
 from orchestrator.demo.budget import DemoBudget, LlamaShape
 from orchestrator.demo.models import build_demo_models, cache_root, is_heldout, source_files
 from orchestrator.demo.training import heldout_prompts
-from specdec.client import Client
 
 # about 100M (target) and 15M (draft) parameters with 8,192 ids
 TRAINED = DemoBudget(
@@ -84,42 +82,25 @@ def measure(
                             "proposer": "off" if config == "target_only" else "draft"}  # fmt: skip
     if config != "target_only":
         base["num_draft_tokens"] = args.num_draft_tokens
-    recs = [Stream() for _ in range(batch)]
-    cond, stop = threading.Condition(), threading.Event()
+    requests = []
+    for i in range(batch):
+        params = base | {"request_id": f"{config}-T{temperature:g}-b{batch}-{i}"}
+        if temperature > 0:
+            params["seed"] = 1000 + i
+        requests.append((prompts[i % len(prompts)], params))
     wait_idle(serve.metrics_url)
-    with Client(serve.address) as client:
-        threads = []
-        for i, rec in enumerate(recs):
-            params = base | {"request_id": f"{config}-T{temperature:g}-b{batch}-{i}"}
-            if temperature > 0:
-                params["seed"] = 1000 + i
-            args_ = (client, prompts[i % len(prompts)], params, rec, cond, stop)
-            threads.append(threading.Thread(target=_consume, args=args_, daemon=True))
-        for t in threads:
-            t.start()
-        try:
-            deadline = time.monotonic() + args.timeout_s
-            with cond:
-                while not all(len(r.times) >= args.warmup or r.done for r in recs):
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"{config}: the streams did not warm up in time")
-                    cond.wait(1.0)
-                t0, before = time.perf_counter(), scrape(serve.metrics_url)
-                marks = [len(r.times) for r in recs]
-                while not any(r.done for r in recs):
-                    if time.monotonic() > deadline:
-                        raise RuntimeError(f"{config}: no stream finished in time")
-                    cond.wait(1.0)
-                t1 = time.perf_counter()
-                tokens = sum(sum(r.tokens[m:]) for r, m in zip(recs, marks, strict=True))
-            after = scrape(serve.metrics_url)
-        finally:
-            stop.set()
-            for t in threads:
-                t.join(timeout=args.timeout_s)
-    errors = [r.error for r in recs if r.error is not None]
-    if errors:
-        raise RuntimeError(f"{config}: a stream failed: {errors[0]}")
+    deadline = time.monotonic() + args.timeout_s
+    with streaming(serve.address, requests, args.timeout_s) as (_, recs, cond):
+        with cond:
+            wait_until(cond, lambda: all(len(r.times) >= args.warmup or r.done for r in recs),
+                       deadline, f"{config}: the streams did not warm up")  # fmt: skip
+            t0, before = time.perf_counter(), scrape(serve.metrics_url)
+            marks = [len(r.times) for r in recs]
+            wait_until(cond, lambda: any(r.done for r in recs), deadline,
+                       f"{config}: no stream finished")  # fmt: skip
+            t1 = time.perf_counter()
+            tokens = sum(sum(r.tokens[m:]) for r, m in zip(recs, marks, strict=True))
+        after = scrape(serve.metrics_url)
     drafts = _delta(before, after, "spec_decode_num_drafts_total")
     accepted = _delta(before, after, "spec_decode_num_accepted_tokens_total")
     hits = _delta(before, after, "draft_ahead_hits_total")
