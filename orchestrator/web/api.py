@@ -105,7 +105,8 @@ async def _until_done(request: Request, outbox: AsyncOutbox) -> None:
     finally:
         gone.cancel()
         if not done.done():
-            done.cancel()
+            done.cancel()  # a request: the task ends cancelled only when it next runs
+            await asyncio.wait((done,))  # (result() before that raised InvalidStateError: a 500)
     if done.cancelled():
         raise ClientGoneError("The client closed the connection before the response.")
     done.result()  # RequestFailed, if the job failed
