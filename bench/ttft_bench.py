@@ -1,0 +1,239 @@
+"""Time to first token through `specdec serve` and the client: by prompt length, target only
+and with speculation, with and without a cached prefix.
+
+One `specdec serve` (the split placement where the machine has two GPUs or more, else both
+services on one; paged KV with prefix caching where --kv-block-size is set) on the system
+benchmark's checkpoints (`e2e_models`: 8B / 1B shapes with random weights on a GPU, the tiny
+smoke pair with --smoke on the CPU). The server is idle before every request. For each prompt
+length N and each of --repeats + 1 rounds (the first is a warm-up, not reported), each proposer
+in turn (off: the target alone; draft: lock-step speculation with synthetic acceptance,
+BENCHMARKING ONLY) sends:
+  uncached: N random tokens no request sent before;
+  cached:   the uncached prompt's first N - --new-suffix tokens, then --new-suffix new ones
+            (a chat turn resending its history), so its start is in the prefix cache.
+Reported per (N, proposer, cached): the median over rounds of the client's time from the call
+to the first token, the server's TTFT, and its parts (queue, hand-off = admission less the
+target's prefill, prefill, first step); and per (N, cached), speculation's TTFT over the
+target's alone.
+
+    PYTHONPATH=. python bench/ttft_bench.py --out bench/results --kv-block-size 16   # GPU
+    PYTHONPATH=. python bench/ttft_bench.py --smoke --out /tmp/ttft                  # CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from bench import e2e_models, provenance
+from bench.e2e_report import TTFT_PARTS
+from bench.e2e_serve import TTFT_NEW_TOKENS, scrape, serving, ttft_parts_ms, wait_idle
+from specdec.client import Client
+
+GRAPH_SIZES = (1, 2, 4)
+PROPOSERS = ("off", "draft")
+GOAL_LENGTHS = (512, 4096)  # speculation's TTFT within GOAL_RATIO of the target's alone
+GOAL_RATIO = 1.1
+PREFIX_HITS = "specdec:prefix_cache_hits_total"  # prompt tokens the target found cached
+
+
+def _settings(args: argparse.Namespace, paths: dict[str, str]) -> dict[str, Any]:
+    cpu = args.smoke
+    return {
+        "paths": paths,
+        "target_device": "cpu" if cpu else "cuda",
+        "dtype": "float32" if cpu else "bfloat16",
+        "max_slots": 4,
+        "max_seq_len": max(args.lengths) + TTFT_NEW_TOKENS + args.num_draft_tokens + 2,
+        "num_draft_tokens": args.num_draft_tokens,
+        "graph_sizes": list(GRAPH_SIZES),
+        "kv_block_size": args.kv_block_size,
+    }
+
+
+def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
+    return [rng.randrange(1, vocab) for _ in range(n)]
+
+
+def _one(serve: Any, prompt: list[int], proposer: str, k: int, rid: str, timeout_s: float
+         ) -> dict[str, Any]:  # fmt: skip
+    """One request on an idle server: the client's call-to-first-token, the server's parts and
+    the prompt tokens the target's prefix cache held."""
+    params: dict[str, Any] = {
+        "max_tokens": TTFT_NEW_TOKENS,
+        "ignore_eos": True,
+        "temperature": 0.0,
+        "proposer": proposer,
+        "timeout": timeout_s,
+    }
+    if proposer != "off":
+        params["num_draft_tokens"] = k
+    wait_idle(serve.metrics_url)
+    hits = scrape(serve.metrics_url).get(PREFIX_HITS, 0.0)
+    first, timing = None, None
+    with Client(serve.address) as client:
+        start = time.perf_counter()
+        for out in client.generate(prompt, request_id=rid, **params):
+            if first is None and out.token_ids:
+                first = time.perf_counter()
+            if out.timing is not None:
+                timing = out.timing
+    if first is None or timing is None:
+        raise RuntimeError(f"{rid}: no token or no timing in the responses.")
+    wait_idle(serve.metrics_url)  # the step reports that count the hits have arrived
+    hit = scrape(serve.metrics_url).get(PREFIX_HITS, 0.0) - hits
+    return {"client_ms": 1e3 * (first - start), "server_ms": 1e3 * timing.time_to_first_token_s,
+            "parts_ms": ttft_parts_ms(timing), "prefix_hit_tokens": int(hit)}  # fmt: skip
+
+
+def measure(serve: Any, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
+    """The rows: one per (length, proposer, cached), each the medians over the timed rounds."""
+    samples: dict[tuple[int, str, bool], list[dict[str, Any]]] = {}
+    rounds = [(n, i) for n in args.lengths for i in range(args.repeats + 1)]
+    for n, i in tqdm(rounds, desc="TTFT rounds", unit="round"):
+        for proposer in PROPOSERS:
+            rng = random.Random(f"{n}/{proposer}/{i}")  # a prompt of its own: never cached
+            fresh = _prompt(rng, n, vocab)
+            suffix = min(args.new_suffix, n - 1)
+            turn = fresh[: n - suffix] + _prompt(rng, suffix, vocab)
+            for cached, prompt in ((False, fresh), (True, turn)):
+                rid = f"ttft-{n}-{proposer}-{'cached' if cached else 'fresh'}-{i}"
+                one = _one(serve, prompt, proposer, args.num_draft_tokens, rid, args.timeout_s)
+                if i:  # round 0 is the warm-up
+                    samples.setdefault((n, proposer, cached), []).append(one)
+    rows = []
+    for (n, proposer, cached), got in samples.items():
+        rows.append({
+            "prompt_len": n, "proposer": proposer, "cached_prefix": cached,
+            "cached_tokens": n - min(args.new_suffix, n - 1) if cached else 0,
+            "repeats": len(got),
+            "client_ms_median": statistics.median(g["client_ms"] for g in got),
+            "client_ms_max": max(g["client_ms"] for g in got),
+            "server_ms_median": statistics.median(g["server_ms"] for g in got),
+            "prefix_hit_tokens_min": min(g["prefix_hit_tokens"] for g in got),
+            "parts_ms_median": {p: statistics.median(g["parts_ms"][p] for g in got)
+                                for p in TTFT_PARTS},
+        })  # fmt: skip
+    return rows
+
+
+def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (length, cached): speculation's median client TTFT over the target's alone."""
+    by = {(r["prompt_len"], r["cached_prefix"], r["proposer"]): r for r in rows}
+    out = []
+    for (n, cached, proposer), r in by.items():
+        off = by.get((n, cached, "off"))
+        if proposer == "draft" and off is not None:
+            ratio = r["client_ms_median"] / off["client_ms_median"]
+            goal = GOAL_RATIO if n in GOAL_LENGTHS else None
+            out.append({"prompt_len": n, "cached_prefix": cached, "ratio": ratio, "goal": goal,
+                        "met": None if goal is None else ratio <= goal})  # fmt: skip
+    return out
+
+
+def report(result: dict[str, Any]) -> str:
+    s = result["settings"]
+    block = s["kv_block_size"]
+    kv = f"paged in blocks of {block}" if block else "in slots"
+    lines = [
+        f"Time to first token through specdec serve ({result['machine']}, "
+        f"{result['placement']} placement, commit {result['commit']}, {result['date']}): "
+        f"batch 1 on an idle server, {s['repeats']} timed rounds after a warm-up, "
+        f"KV {kv}; "
+        f"speculation is lock-step k = {s['num_draft_tokens']} with synthetic acceptance "
+        "(BENCHMARKING ONLY). A cached prompt resends an earlier prompt's start with "
+        f"{s['new_suffix']} new tokens at its end.",
+        "",
+        "| prompt tokens | prefix | proposer | client TTFT ms (median) | max | server TTFT ms | "
+        "queue | hand-off | prefill | first step | tokens found cached (least) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in sorted(result["rows"], key=lambda r: (r["prompt_len"], r["cached_prefix"],
+                                                   r["proposer"] != "off")):  # fmt: skip
+        p = r["parts_ms_median"]
+        lines.append(
+            f"| {r['prompt_len']} | {'cached' if r['cached_prefix'] else 'none'} | "
+            f"{r['proposer']} | {r['client_ms_median']:.1f} | {r['client_ms_max']:.1f} | "
+            f"{r['server_ms_median']:.1f} | {p['queue']:.2f} | {p['handoff']:.2f} | "
+            f"{p['prefill']:.2f} | {p['first_step']:.2f} | {r['prefix_hit_tokens_min']} |"
+        )
+    lines += ["", "| prompt tokens | prefix | speculation / target only | goal |"]
+    lines += ["|---|---|---|---|"]
+    for r in sorted(result["ratios"], key=lambda r: (r["prompt_len"], r["cached_prefix"])):
+        goal = "—" if r["goal"] is None else f"≤ {r['goal']:g}x: {'met' if r['met'] else 'MISSED'}"
+        lines.append(f"| {r['prompt_len']} | {'cached' if r['cached_prefix'] else 'none'} | "
+                     f"{r['ratio']:.2f}x | {goal} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--cache", type=Path, default=e2e_models.DEFAULT_CACHE)
+    parser.add_argument("--smoke", action="store_true", help="the tiny pair on the CPU")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[512, 4096, 16384])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--new-suffix", type=int, default=64,
+                        help="new tokens at the end of a cached prompt")  # fmt: skip
+    parser.add_argument("--num-draft-tokens", type=int, default=4)
+    parser.add_argument("--kv-block-size", type=int, default=0)
+    parser.add_argument("--placement", choices=["auto", "shared", "split"], default="auto")
+    parser.add_argument("--prefill-chunk-tokens", type=int, default=0)
+    parser.add_argument("--timeout-s", type=float, default=600.0)
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.lengths = sorted({min(n, 256) for n in args.lengths})
+    if min(args.lengths) < 2 or args.repeats < 1 or args.new_suffix < 1:
+        parser.error("--lengths must be >= 2, --repeats >= 1 and --new-suffix >= 1")
+    if args.kv_block_size < 0 or args.prefill_chunk_tokens < 0:
+        parser.error("--kv-block-size and --prefill-chunk-tokens must be >= 0")
+    if not args.smoke and not torch.cuda.is_available():
+        parser.error("no CUDA device: run with --smoke on the CPU")
+    gpus = 0 if args.smoke else torch.cuda.device_count()
+    placement = args.placement
+    if placement == "auto":
+        placement = "split" if gpus >= 2 else "shared"
+    if placement == "split" and gpus < 2:
+        parser.error(f"the split placement needs two GPUs; this machine has {gpus}")
+    paths = e2e_models.build(args.cache, args.smoke, "cpu" if args.smoke else "cuda")
+    s = _settings(args, paths)
+    vocab = e2e_models.prompt_vocab(args.smoke)
+    device = torch.device("cpu" if args.smoke else "cuda")
+    result: dict[str, Any] = {
+        "command": " ".join(["python", *sys.argv]),
+        "commit": provenance.commit(short=True),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "machine": provenance.machine(device) + (f" x {gpus}" if gpus > 1 else ""),
+        "placement": placement,
+        "settings": vars(args) | {"out": str(args.out), "cache": str(args.cache)},
+    }
+    extra = ["--prefill-chunk-tokens", str(args.prefill_chunk_tokens)]
+    with serving(
+        s,
+        3.0,
+        args.out / "ttft_logs",
+        args.timeout_s,
+        placement=placement,
+        extra=extra,
+        name="serve_ttft",
+    ) as serve:  # fmt: skip  (L = 3: BENCHMARKING ONLY)
+        result["rows"] = measure(serve, args, vocab)
+    result["ratios"] = ratios(result["rows"])
+    args.out.mkdir(parents=True, exist_ok=True)
+    name = provenance.device_name(device) + (f"_x{gpus}" if gpus > 1 else "")
+    provenance.save(args.out / f"ttft_{name}", result, report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
