@@ -381,6 +381,12 @@ class ModelRunner:
         return self._cache.pool.needed(request_id, self._cache.length(request_id), new_tokens)
 
     @property
+    def kv_cache_bytes(self) -> int:
+        """Bytes of the KV tensors this runner holds: every layer's slots or blocks, the
+        scratch included (this rank's share on several ranks)."""
+        return sum(t.numel() * t.element_size() for t in self._cache.layers)
+
+    @property
     def prefix_cache_stats(self) -> CacheStats | None:
         """Tokens the prefix cache was asked for and found (a paged cache's; else None)."""
         return self._cache.prefix_stats
