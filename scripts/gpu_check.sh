@@ -11,15 +11,21 @@
 # it ran on, its last line the result. Needs the runtime dependencies, ray included, and
 # pytest; run from the source tree (the script sets PYTHONPATH).
 #
-#   bash scripts/gpu_check.sh [--out DIR] [--skip-bench] [pytest args...]
+#   bash scripts/gpu_check.sh [--out DIR] [--skip-bench | --skip-tests] [pytest args...]
+#
+# --skip-bench and --skip-tests run one half each, e.g. the two halves at once on disjoint
+# GPUs of one host (CUDA_VISIBLE_DEVICES=0,1 and =2,3, each with its own RAY_TMPDIR); the check
+# is both logs passing.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=bench/results
 bench=1
+tests=1
 while [[ $# -gt 0 ]]; do
     case $1 in
         --out) out=$2; shift 2 ;;
         --skip-bench) bench=0; shift ;;
+        --skip-tests) tests=0; shift ;;
         *) break ;;
     esac
 done
@@ -49,12 +55,18 @@ fi
     echo "date $(date -u +%FT%TZ); $gpus x $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader -i "${first:-0}")${visible:+ (CUDA_VISIBLE_DEVICES=$visible)}"
     python3 -c 'import torch, triton, grpc; print(f"torch {torch.__version__}, triton {triton.__version__}, grpcio {grpc.__version__}")'
 } >"$log"
+if [[ $bench -eq 0 && $tests -eq 0 ]]; then
+    echo "gpu_check: --skip-bench and --skip-tests leave nothing to run." >&2
+    exit 2
+fi
 status=0
-echo "== pytest -m gpu" | tee -a "$log"
-python3 -m pytest -q -m gpu -p no:cacheprovider "$@" 2>&1 | tee -a "$log"
-tests=${PIPESTATUS[0]}
-[[ $tests -ne 0 ]] && status=1
-summary=$(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)' "$log" | tail -1 | tr -d '=' | xargs)
+summary="not run (--skip-tests)"
+if [[ $tests -eq 1 ]]; then
+    echo "== pytest -m gpu" | tee -a "$log"
+    python3 -m pytest -q -m gpu -p no:cacheprovider "$@" 2>&1 | tee -a "$log"
+    [[ ${PIPESTATUS[0]} -ne 0 ]] && status=1
+    summary=$(grep -E '^[0-9]+ (passed|failed)|^=+ .*(passed|failed|error)' "$log" | tail -1 | tr -d '=' | xargs)
+fi
 if [[ $bench -eq 1 ]]; then
     echo "== bench/e2e_bench.py --serve (quick)" | tee -a "$log"
     python3 bench/e2e_bench.py --serve --out "$out/gpu_check_bench" \
