@@ -57,20 +57,42 @@ def child_env(log_level: str) -> dict[str, str]:
 
 def run_in_child(argv: Sequence[str], log_level: str) -> int:
     """Runs `python -m orchestrator ARGV` in a new session, forwarding signals to it; returns
-    its exit code (128 + N where signal N ended it)."""
+    its exit code (128 + N where signal N ended it), except that an abort during a stop this
+    process forwarded is exit code 1 with a line saying why (`stop_code`)."""
     process = subprocess.Popen(
         [sys.executable, "-m", "orchestrator", *argv],
         env=child_env(log_level),
         start_new_session=True,
     )
+    stopping = []
 
     def forward(signum: int, _frame: object) -> None:
+        stopping.append(signum)
         if process.poll() is None:
             process.send_signal(signum)
 
     for signum in FORWARDED:
         signal.signal(signum, forward)
     code = process.wait()  # retried across the signals' handlers (PEP 475)
+    return stop_code(code, bool(stopping))
+
+
+def stop_code(code: int, stopping: bool) -> int:
+    """The command's exit code for the orchestrator's `code` (Popen's: -N where signal N ended
+    it). Ray's core worker aborts its process (SIGABRT) when Ray's own processes, the raylet
+    and the GCS, are gone under it: a SIGTERM to every process of a systemd unit or a session
+    stops them while the orchestrator still drains. That stop is then what the user asked
+    for, not a crash: exit code 1 and a line saying so, as where Ray did not answer the stop.
+    Any other signal, or an abort outside a stop, keeps 128 + N."""
+    if code == -signal.SIGABRT and stopping:
+        print(
+            "specdec serve: the orchestrator was aborted during the stop (SIGABRT): Ray's core "
+            "worker does so when Ray's own processes (raylet, GCS) were stopped under it, as a "
+            "SIGTERM to every process of the unit or session does. Exit code 1.",
+            file=sys.stderr,
+            flush=True,
+        )
+        return 1
     return code if code >= 0 else 128 - code
 
 

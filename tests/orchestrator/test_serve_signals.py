@@ -220,5 +220,8 @@ def test_sigterm_to_every_process_of_the_unit_ends_within_the_deadline(
     finally:
         if proc.poll() is None:
             proc.kill()
-    if code != 0:  # Ray did not answer (every run so far): said so, exit 1
-        assert code == 1 and "Ray did not answer within" in log.read_text()
+    text = log.read_text()
+    assert code in (0, 1), f"exit code {code}; its stderr ends:\n{text[-3000:]}"
+    if code == 1:  # Ray did not answer the stop, or its core worker aborted: said so
+        said = ("Ray did not answer within", "aborted during the stop")
+        assert any(line in text for line in said), text[-3000:]
