@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.errors import InvalidInputError
+from specdec.errors import CacheFullError, InvalidInputError
 from specdec.runner import ForwardItem, ModelRunner
 from specdec.runner.blocks import CacheStats
 from specdec.runner.runner import on_device
@@ -153,11 +153,29 @@ class TargetEngine:
             self.runner.add_request(rid)
             try:
                 held = self.runner.take_prefix(rid, adm.prompt_token_ids)
+                self._check_room_for_rest(rid, len(adm.prompt_token_ids) - held)
             except BaseException:
                 self.runner.release(rid)
                 raise
             req = _Request(list(adm.prompt_token_ids), adm.sampling, adm.first_step)
             self._prefilling[rid] = (req, held)
+
+    def _check_room_for_rest(self, rid: str, rest: int) -> None:
+        """CacheFullError unless a paged cache's free blocks hold the prompt's `rest` tokens
+        and a block more for each running request: a chunked prompt takes its blocks chunk by
+        chunk, and would otherwise take those the running requests' next steps need (they would
+        fail with CAPACITY before it did). It yields to them instead, as a whole prefill that
+        does not fit is refused before it takes anything."""
+        free = self.runner.free_kv_blocks
+        if free is None:
+            return
+        need = self.runner.kv_blocks_needed(rid, rest) + len(self._requests)
+        if need > free:
+            raise CacheFullError(
+                f"No free KV blocks for request {rid!r}'s prompt: its {rest} tokens still to "
+                f"prefill and the {len(self._requests)} running requests' next steps need "
+                f"{need} blocks, {free} are free."
+            )
 
     def prefill_chunk(self, rid: str, budget: int) -> tuple[VerifyResponse, StepTimes] | None:
         """The next at most `budget` prompt tokens of a request from `begin_prefill`: None
@@ -167,6 +185,7 @@ class TargetEngine:
         with self._lock, on_device(self.runner.device):
             req, held = self._prefilling[rid]
             try:
+                self._check_room_for_rest(rid, len(req.tokens) - held)
                 if len(req.tokens) - held > budget:
                     self.runner.forward([ForwardItem(rid, req.tokens[held : held + budget], 0)])
                     self._prefilling[rid] = (req, held + budget)

@@ -142,6 +142,8 @@ class DraftSide:
         wait_s = min(self._deadline_s, step_s) if step_s > 0 else self._deadline_s
         end = time.monotonic() + wait_s
         for item in list(self._admitting):
+            if item not in self._admitting:  # cleared by an earlier settle (the draft down)
+                continue
             # a seeded sampled request is waited for: at k = 0 meanwhile, its output would
             # depend on how fast the draft prefilled (a k = 0 step draws other tokens)
             fixed = any(r.fixed_k for r in item.reqs if self._requests.get(r.request_id) is r)
@@ -251,6 +253,12 @@ class DraftSide:
                 r.on_draft = False
 
     def close(self, graceful: bool = True) -> None:
+        """Leaves the draft service; `graceful` (the stream's end, a new draft named), first
+        settles the admissions still in flight (each within its timeout), so that what they
+        admitted for requests gone is undone there rather than left holding its KV."""
+        while graceful and self.link is not None and self._stall is None and self._admitting:
+            item = self._admitting.pop(0)
+            self.settle(item.pending, item.reqs)
         if self.link is not None:
             self.link.close(graceful and self._stall is None)
             self.link = None
@@ -306,8 +314,9 @@ class DraftSide:
         hub idle), this is what undoes a released request's admission once the draft ends
         it."""
         for item in [i for i in self._admitting if i.pending.done(0.0)]:
-            self._admitting.remove(item)
-            self.settle(item.pending, item.reqs)
+            if item in self._admitting:  # not cleared by an earlier settle (the draft down)
+                self._admitting.remove(item)
+                self.settle(item.pending, item.reqs)
 
     def start_admit(self, admission: AdmitRequest) -> PendingAdmits | None:
         """Admits a new request while the target prefills it; `settle` finishes."""
@@ -345,8 +354,8 @@ class DraftSide:
     def settle(self, pending: PendingAdmits, reqs: list[HubRequest]) -> None:
         """Waits for draft admissions: `reqs` admitted there go on the draft, the others run at
         k = 0; admissions of requests not in `reqs` (their target admission failed, or they
-        were released meanwhile) are undone."""
-        reqs = [r for r in reqs if self._requests.get(r.request_id) is r]
+        were released meanwhile, or no longer draft requests) are undone."""
+        reqs = [r for r in reqs if self._requests.get(r.request_id) is r and r.proposer == "draft"]
         try:
             errors = pending.wait()
         except DraftDown as e:
@@ -370,7 +379,7 @@ class DraftSide:
         """Frees the requests' KV on the draft service; they run at k = 0 if they stay."""
         gone = {r.request_id for r in reqs}
         for item in [i for i in self._admitting if gone & i.pending.request_ids]:
-            if item.pending.done(0.0):  # settled now: what it admitted is undone if released
+            if item in self._admitting and item.pending.done(0.0):  # settled now: undone
                 self._admitting.remove(item)
                 self.settle(item.pending, item.reqs)
             # else the draft is still admitting it (a long prompt's prefill): the hub does not

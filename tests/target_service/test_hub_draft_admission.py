@@ -82,3 +82,61 @@ def test_a_release_does_not_wait_for_the_admission(tmp_path: pytest.TempPathFact
     side.release([req])
     assert pending.waits == [0.0], "the release waited for the draft's admission"
     assert side.admitting, "its undo is left for when the draft ends it"
+
+
+class _Answered(_Pending):
+    """Admissions that have ended: `wait` gives each its answer, or raises `error`."""
+
+    def __init__(self, rids: Sequence[str], error: BaseException | None = None):
+        super().__init__(rids)
+        self.error = error
+
+    def done(self, timeout_s: float) -> bool:
+        self.waits.append(timeout_s)
+        return True
+
+    def wait(self) -> dict[str, str | None]:
+        if self.error is not None:
+            raise self.error
+        return {rid: None for rid in self.request_ids}
+
+    def cancel(self) -> None:
+        pass
+
+
+class _Link:
+    def __init__(self) -> None:
+        self.address, self.timeout_s, self.released = "draft:1", 5.0, []  # type: list[str]
+        self.closed = False
+
+    def release(self, request_ids: Sequence[str], timeout_s: float) -> None:
+        self.released += list(request_ids)
+
+    def close(self, graceful: bool = True) -> None:
+        self.closed = True
+
+
+def test_two_released_admissions_failing_with_the_draft_down_end_nothing_else(
+    tmp_path: pytest.TempPathFactory,
+) -> None:
+    """The first settle takes the draft as down, which clears the admissions in flight: the
+    second is then skipped, not settled twice (it raised in the hub's idle loop)."""
+    from target_service.draft_link import DraftDown
+
+    side = _side(tmp_path, {})
+    side.link = _Link()  # type: ignore[assignment]
+    for rid in ("x", "y"):
+        side.defer(_Answered([rid], DraftDown("gone")), [_req(rid)])  # type: ignore[arg-type]
+    side.settle_done()
+    assert not side.admitting and side.link is None
+
+
+def test_the_streams_end_undoes_what_admissions_in_flight_admitted(
+    tmp_path: pytest.TempPathFactory,
+) -> None:
+    side = _side(tmp_path, {})
+    link = _Link()
+    side.link = link  # type: ignore[assignment]
+    side.defer(_Answered(["gone"]), [_req("gone")])  # type: ignore[arg-type]
+    side.close()  # the stream's end: its requests were released first
+    assert link.released == ["gone"] and link.closed and not side.admitting
