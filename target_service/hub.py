@@ -182,6 +182,8 @@ class Hub:
                     self._prefill_next()
                 if self._steppable():
                     self._step()
+                elif self._draft.admitting:  # no step polls them: settle what has ended
+                    self._draft.settle_done()
         except Exception:
             log.exception("the hub's loop failed")
         finally:
