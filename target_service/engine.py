@@ -126,17 +126,22 @@ class TargetEngine:
             self._check_new(rid)
             self.runner.add_request(rid)
             req = _Request(list(adm.prompt_token_ids), adm.sampling, adm.first_step)
-            self._requests[rid] = req
-            try:
-                out, times = self._prefill_step(rid, req)
-            except BaseException:
-                del self._requests[rid]
-                self.runner.release(rid)
-                raise
-            if out.errors:
-                del self._requests[rid]
-                self.runner.release(rid)
-            return out, times
+            return self._decode_first(rid, req, 0)
+
+    def _decode_first(self, rid: str, req: _Request, held: int) -> tuple[VerifyResponse, StepTimes]:
+        """Admits `req` (its KV slot taken, `held` tokens in it) with its first token decoded
+        (`_prefill_step`); if that raises, or its verdict is an error, nothing stays admitted."""
+        self._requests[rid] = req
+        try:
+            out, times = self._prefill_step(rid, req, held)
+        except BaseException:
+            del self._requests[rid]
+            self.runner.release(rid)
+            raise
+        if out.errors:
+            del self._requests[rid]
+            self.runner.release(rid)
+        return out, times
 
     def _check_new(self, rid: str) -> None:
         if rid in self._requests or rid in self._prefilling:
@@ -190,18 +195,12 @@ class TargetEngine:
                     self.runner.forward([ForwardItem(rid, req.tokens[held : held + budget], 0)])
                     self._prefilling[rid] = (req, held + budget)
                     return None
-                del self._prefilling[rid]
-                self._requests[rid] = req
-                out, times = self._prefill_step(rid, req, held)
             except BaseException:
-                self._prefilling.pop(rid, None)
-                self._requests.pop(rid, None)
+                del self._prefilling[rid]
                 self.runner.release(rid)
                 raise
-            if out.errors:
-                del self._requests[rid]
-                self.runner.release(rid)
-            return out, times
+            del self._prefilling[rid]
+            return self._decode_first(rid, req, held)
 
     def _prefill_step(
         self, rid: str, req: _Request, held: int = 0
