@@ -17,7 +17,12 @@ from specdec.serving.cli import (
     serve,
     server_config,
 )
-from specdec.serving.flags import add_draft_flags, add_k_limit_flag, add_synthetic_hit_rate_flag
+from specdec.serving.flags import (
+    add_draft_flags,
+    add_k_limit_flag,
+    add_prefill_chunk_flag,
+    add_synthetic_hit_rate_flag,
+)
 from specdec.serving.ngram import NgramConfig
 
 
@@ -31,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ngram-min", type=int, default=default_of(NgramConfig, "min_n"))
     parser.add_argument("--ngram-max", type=int, default=default_of(NgramConfig, "max_n"))
     add_k_limit_flag(parser, d)
+    add_prefill_chunk_flag(parser, d)
     parser.add_argument("--max-requests", type=int, default=d("max_requests"), help="n-gram only")
     add_draft_flags(parser, d)
     parser.add_argument("--draft-ahead-slots", type=int, default=d("draft_ahead_slots"),
@@ -59,6 +65,7 @@ def draft_config(args: argparse.Namespace) -> DraftConfig:
         saguaro_scale=args.saguaro_scale,
         synthetic_hit_rate=args.synthetic_hit_rate,
         stand_in=args.stand_in,
+        prefill_chunk_tokens=args.prefill_chunk_tokens,
         server=server_config(args),
     )
 

@@ -50,6 +50,10 @@ class DraftConfig:
     # BENCHMARKING ONLY: the times file of `draft_service.stand_in`; the runner is then the
     # stand-in, which waits the measured forward times on no GPU and drafts no model's tokens
     stand_in: str | None = None
+    # chunked prefill: an admission's prompt longer than this is prefilled this many tokens at
+    # a time, the engine's lock let go between chunks, so proposals for the running requests
+    # are served meanwhile (0: whole)
+    prefill_chunk_tokens: int = 0
     server: ServerConfig = field(default_factory=ServerConfig)
 
     def __post_init__(self) -> None:
@@ -70,6 +74,11 @@ class DraftConfig:
             )
         if self.max_requests < 1:
             raise ValueError(f"max_requests must be >= 1, got {self.max_requests}.")
+        if self.prefill_chunk_tokens < 0:
+            raise ValueError(
+                f"prefill_chunk_tokens must be >= 0 (0: prompts prefilled whole), "
+                f"got {self.prefill_chunk_tokens}."
+            )
         check_draft_ahead(self.draft_ahead, self.saguaro_scale, self.synthetic_hit_rate)
         if self.draft_ahead_backup not in ("auto", "always", "never"):
             raise ValueError(

@@ -73,6 +73,10 @@ class DraftEngine:
         self.vocab_size = info.tokenizer_vocab_size
         self._drafter = Drafter(config, runner, self.vocab_size)
         self._requests: dict[str, DraftRequest] = {}
+        # admissions prefilled a chunk at a time (`prefill_chunk_tokens`), the lock let go
+        # between chunks: their ids, and those released meanwhile
+        self._prefilling: set[str] = set()
+        self._dropped: set[str] = set()
         self._lock = threading.Lock()
         self._ahead = AheadPass(config, runner, info, self._drafter, self._requests)
         self.ahead_backups = 0  # asks that found no chain and got a backup proposal (no drafts)
@@ -89,25 +93,70 @@ class DraftEngine:
         return self._ahead.misses
 
     def admit(self, adm: AdmitRequest) -> tuple[int, int]:
+        """Holds a new request, its prompt but the last token prefilled. With
+        `prefill_chunk_tokens`, a longer prompt is prefilled that many tokens at a time and the
+        engine's lock is let go between chunks, so the running requests' proposals and passes
+        ahead are not held up by it; the request is held (and proposed for) once its last
+        chunk is in. A release meanwhile ends it there (InvalidInputError)."""
         adm.check_limits(self.vocab_size, self.info.max_seq_len)
+        chunk = self.config.prefill_chunk_tokens
+        if chunk and self.runner is not None and len(adm.prompt_token_ids) - 1 > chunk:
+            return self._admit_chunked(adm, chunk)
         with self._lock:
-            if adm.request_id in self._requests:
-                raise InvalidInputError(f"request_id {adm.request_id!r} is already admitted.")
-            if ahead.BRANCH_MARK in adm.request_id:
-                raise InvalidInputError("request_id must not contain the character U+001F.")
-            if self.config.stand_in is not None and not adm.sampling.greedy:
-                raise InvalidInputError(
-                    "The draft stand-in (BENCHMARKING ONLY) drafts for greedy requests only."
-                )
+            self._check_admission(adm)
             tokens = list(adm.prompt_token_ids)
             req = DraftRequest(tokens, adm.sampling, adm.first_step)
-            capped = self.runner is None or self.config.draft_ahead  # else the cache says
-            if capped and len(self._requests) >= self.info.max_requests:
-                raise CacheFullError(f"{self.info.max_requests} requests are held already.")
             if self.runner is not None:
                 self._prefill(adm.request_id, tokens[:-1])
                 req.kv = tokens[:-1]
             self._requests[adm.request_id] = req
+        return len(tokens), adm.first_step
+
+    def _check_admission(self, adm: AdmitRequest) -> None:
+        rid = adm.request_id
+        if rid in self._requests or rid in self._prefilling:
+            raise InvalidInputError(f"request_id {rid!r} is already admitted.")
+        if ahead.BRANCH_MARK in rid:
+            raise InvalidInputError("request_id must not contain the character U+001F.")
+        if self.config.stand_in is not None and not adm.sampling.greedy:
+            raise InvalidInputError(
+                "The draft stand-in (BENCHMARKING ONLY) drafts for greedy requests only."
+            )
+        capped = self.runner is None or self.config.draft_ahead  # else the cache says
+        if capped and len(self._requests) + len(self._prefilling) >= self.info.max_requests:
+            raise CacheFullError(f"{self.info.max_requests} requests are held already.")
+
+    def _admit_chunked(self, adm: AdmitRequest, chunk: int) -> tuple[int, int]:
+        rid, tokens = adm.request_id, list(adm.prompt_token_ids)
+        assert self.runner is not None
+        with self._lock:
+            self._check_admission(adm)
+            self.runner.add_request(rid)
+            self._prefilling.add(rid)
+        body = tokens[:-1]
+        try:
+            with self._lock, on_device(self.runner.device):  # a cached start, taken once
+                done = self.runner.take_prefix(rid, tokens)
+            while done < len(body):
+                time.sleep(0)  # lets a thread waiting for the lock (a Propose) take it first
+                with self._lock, on_device(self.runner.device):
+                    if rid in self._dropped:
+                        raise InvalidInputError(f"request {rid!r} was released while admitted.")
+                    self.runner.forward([ForwardItem(rid, body[done : done + chunk], 0)])
+                done += chunk
+            with self._lock:
+                if rid in self._dropped:
+                    raise InvalidInputError(f"request {rid!r} was released while admitted.")
+                req = DraftRequest(tokens, adm.sampling, adm.first_step)
+                req.kv = body
+                self._requests[rid] = req
+                self._prefilling.discard(rid)
+        except BaseException:
+            with self._lock:
+                self._prefilling.discard(rid)
+                self._dropped.discard(rid)
+                self.runner.release(rid)
+            raise
         return len(tokens), adm.first_step
 
     def _prefill(self, request_id: str, tokens: list[int]) -> None:
@@ -122,6 +171,8 @@ class DraftEngine:
 
     def release(self, request_ids: Sequence[str]) -> int:
         with self._lock:
+            # an admission still in its chunks ends at its next one, and frees its slot then
+            self._dropped.update(rid for rid in request_ids if rid in self._prefilling)
             held = [rid for rid in dict.fromkeys(request_ids) if rid in self._requests]
             for rid in held:
                 self._ahead.drop(self._requests.pop(rid))

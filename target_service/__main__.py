@@ -16,7 +16,12 @@ from specdec.serving.cli import (
     serve,
     server_config,
 )
-from specdec.serving.flags import add_k_limit_flag, add_synthetic_length_flag, add_target_flags
+from specdec.serving.flags import (
+    add_k_limit_flag,
+    add_prefill_chunk_flag,
+    add_synthetic_length_flag,
+    add_target_flags,
+)
 from target_service.config import TargetConfig
 from target_service.server import start
 from target_service.synthetic import SyntheticAcceptance
@@ -31,6 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_server_args(parser, default_port=50052)
     add_runner_args(parser)
     add_k_limit_flag(parser, d)
+    add_prefill_chunk_flag(parser, d)
     parser.add_argument(
         "--max-support-size",
         type=int,

@@ -82,6 +82,7 @@ class PendingAdmits:
 
     def __init__(self, futures: list[tuple[AdmitRequest, grpc.Future]], address: str):
         self.admissions = [a for a, _ in futures]
+        self.request_ids = {a.request_id for a in self.admissions}
         self._futures = futures
         self._address = address
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from specdec.errors import InvalidInputError
+from specdec.errors import CacheFullError, InvalidInputError
 from specdec.runner import ForwardItem, ModelRunner
 from specdec.runner.blocks import CacheStats
 from specdec.runner.runner import on_device
@@ -126,17 +126,22 @@ class TargetEngine:
             self._check_new(rid)
             self.runner.add_request(rid)
             req = _Request(list(adm.prompt_token_ids), adm.sampling, adm.first_step)
-            self._requests[rid] = req
-            try:
-                out, times = self._prefill_step(rid, req)
-            except BaseException:
-                del self._requests[rid]
-                self.runner.release(rid)
-                raise
-            if out.errors:
-                del self._requests[rid]
-                self.runner.release(rid)
-            return out, times
+            return self._decode_first(rid, req, 0)
+
+    def _decode_first(self, rid: str, req: _Request, held: int) -> tuple[VerifyResponse, StepTimes]:
+        """Admits `req` (its KV slot taken, `held` tokens in it) with its first token decoded
+        (`_prefill_step`); if that raises, or its verdict is an error, nothing stays admitted."""
+        self._requests[rid] = req
+        try:
+            out, times = self._prefill_step(rid, req, held)
+        except BaseException:
+            del self._requests[rid]
+            self.runner.release(rid)
+            raise
+        if out.errors:
+            del self._requests[rid]
+            self.runner.release(rid)
+        return out, times
 
     def _check_new(self, rid: str) -> None:
         if rid in self._requests or rid in self._prefilling:
@@ -153,11 +158,29 @@ class TargetEngine:
             self.runner.add_request(rid)
             try:
                 held = self.runner.take_prefix(rid, adm.prompt_token_ids)
+                self._check_room_for_rest(rid, len(adm.prompt_token_ids) - held)
             except BaseException:
                 self.runner.release(rid)
                 raise
             req = _Request(list(adm.prompt_token_ids), adm.sampling, adm.first_step)
             self._prefilling[rid] = (req, held)
+
+    def _check_room_for_rest(self, rid: str, rest: int) -> None:
+        """CacheFullError unless a paged cache's free blocks hold the prompt's `rest` tokens
+        and a block more for each running request: a chunked prompt takes its blocks chunk by
+        chunk, and would otherwise take those the running requests' next steps need (they would
+        fail with CAPACITY before it did). It yields to them instead, as a whole prefill that
+        does not fit is refused before it takes anything."""
+        free = self.runner.free_kv_blocks
+        if free is None:
+            return
+        need = self.runner.kv_blocks_needed(rid, rest) + len(self._requests)
+        if need > free:
+            raise CacheFullError(
+                f"No free KV blocks for request {rid!r}'s prompt: its {rest} tokens still to "
+                f"prefill and the {len(self._requests)} running requests' next steps need "
+                f"{need} blocks, {free} are free."
+            )
 
     def prefill_chunk(self, rid: str, budget: int) -> tuple[VerifyResponse, StepTimes] | None:
         """The next at most `budget` prompt tokens of a request from `begin_prefill`: None
@@ -167,22 +190,17 @@ class TargetEngine:
         with self._lock, on_device(self.runner.device):
             req, held = self._prefilling[rid]
             try:
+                self._check_room_for_rest(rid, len(req.tokens) - held)
                 if len(req.tokens) - held > budget:
                     self.runner.forward([ForwardItem(rid, req.tokens[held : held + budget], 0)])
                     self._prefilling[rid] = (req, held + budget)
                     return None
-                del self._prefilling[rid]
-                self._requests[rid] = req
-                out, times = self._prefill_step(rid, req, held)
             except BaseException:
-                self._prefilling.pop(rid, None)
-                self._requests.pop(rid, None)
+                del self._prefilling[rid]
                 self.runner.release(rid)
                 raise
-            if out.errors:
-                del self._requests[rid]
-                self.runner.release(rid)
-            return out, times
+            del self._prefilling[rid]
+            return self._decode_first(rid, req, held)
 
     def _prefill_step(
         self, rid: str, req: _Request, held: int = 0

@@ -182,6 +182,8 @@ class Hub:
                     self._prefill_next()
                 if self._steppable():
                     self._step()
+                elif self._draft.admitting:  # no step polls them: settle what has ended
+                    self._draft.settle_done()
         except Exception:
             log.exception("the hub's loop failed")
         finally:
@@ -208,7 +210,14 @@ class Hub:
     def _take(self) -> list[object]:
         """The controls sent so far; waits for one while there is nothing to step."""
         busy = self._steppable() or self._prefills
-        controls = [] if busy else [self._controls.get()]
+        if not busy and self._draft.admitting:  # idle, a draft admission to settle when it ends
+            try:
+                controls = [self._controls.get(timeout=WAIT_POLL_S)]
+            except queue.Empty:
+                controls = []
+            self._draft.settle_done()
+        else:
+            controls = [] if busy else [self._controls.get()]
         while True:
             try:
                 controls.append(self._controls.get_nowait())
@@ -459,7 +468,7 @@ class Hub:
     def _propose(self, group: _Group) -> None:
         """Fills group.block: the draft's proposals, then the local entries (ngram, k = 0)."""
         start = time.perf_counter()
-        self._draft.poll()
+        self._draft.poll(self._target_step_s)
         group.poll_s = time.perf_counter() - start
         asks = [r for r in group.requests if r.on_draft]
         group.asked = bool(asks)

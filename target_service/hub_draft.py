@@ -71,6 +71,16 @@ Emit = Callable[..., None]  # ServeEvent fields, e.g. emit(draft_down=...)
 
 
 @dataclass(slots=True)
+class _Admitting:
+    """Draft admissions in flight, not settled yet; `waited`: a step already waited for them
+    (it waits once: past that, they are looked at without waiting)."""
+
+    pending: PendingAdmits
+    reqs: list[HubRequest]
+    waited: bool = False
+
+
+@dataclass(slots=True)
 class _Stall:
     """A draft that missed its deadline: the probe waiting for its answer, and the requests
     it may still hold."""
@@ -95,7 +105,7 @@ class DraftSide:
         self._open_link = open_link or self._open_grpc_link
         self.link: DraftLink | None = None
         self._stall: _Stall | None = None
-        self._admitting: list[tuple[PendingAdmits, list[HubRequest]]] = []  # not settled yet
+        self._admitting: list[_Admitting] = []  # not settled yet
         # a stalled draft taken as down may still hold requests: its address and their ids,
         # released there if it is named again (`replace`)
         self._left: tuple[str, set[str]] | None = None
@@ -122,20 +132,28 @@ class DraftSide:
         stalled = self._stall is not None
         return stalled and req.fixed_k and req.proposer == "draft" and not req.done
 
-    def poll(self) -> None:
-        """Settles the admissions made since the last step (waiting up to the deadline for
-        them: a request whose admission is still running decodes at k = 0 meanwhile), and
-        resynchronises a stalled draft that has answered its probe (or, if the probe failed,
-        takes it as down); called at every step."""
-        end = time.monotonic() + self._deadline_s
+    def poll(self, step_s: float = 0.0) -> None:
+        """Settles the admissions made since the last step, and resynchronises a stalled
+        draft that has answered its probe (or, if the probe failed, takes it as down); called
+        at every step. The first step after an admission waits for it up to the deadline, or
+        up to `step_s` (the target's recent step) where that is shorter: a longer wait would
+        cost every running request more than this one loses by decoding at k = 0 meanwhile
+        (a long prompt's prefill on the draft); later steps do not wait for it again."""
+        wait_s = min(self._deadline_s, step_s) if step_s > 0 else self._deadline_s
+        end = time.monotonic() + wait_s
         for item in list(self._admitting):
+            if item not in self._admitting:  # cleared by an earlier settle (the draft down)
+                continue
             # a seeded sampled request is waited for: at k = 0 meanwhile, its output would
             # depend on how fast the draft prefilled (a k = 0 step draws other tokens)
-            fixed = any(r.fixed_k for r in item[1])
+            fixed = any(r.fixed_k for r in item.reqs if self._requests.get(r.request_id) is r)
             until = time.monotonic() + self._admit_timeout_s() if fixed else end
-            if item[0].done(max(0.0, until - time.monotonic())):
+            if item.waited and not fixed:
+                until = time.monotonic()
+            item.waited = True
+            if item.pending.done(max(0.0, until - time.monotonic())):
                 self._admitting.remove(item)
-                self.settle(*item)
+                self.settle(item.pending, item.reqs)
         stall = self._stall
         if stall is None:
             return
@@ -225,9 +243,9 @@ class DraftSide:
                         message)  # fmt: skip
             self._stall = _Stall(self.link.probe())
         self._stall.held.update(held)
-        for pending, _ in self._admitting:
-            pending.cancel()
-            self._stall.held.update(a.request_id for a in pending.admissions)
+        for item in self._admitting:
+            item.pending.cancel()
+            self._stall.held.update(a.request_id for a in item.pending.admissions)
         self._admitting.clear()
         for r in self._requests.values():
             if r.on_draft:
@@ -235,14 +253,20 @@ class DraftSide:
                 r.on_draft = False
 
     def close(self, graceful: bool = True) -> None:
+        """Leaves the draft service; `graceful` (the stream's end, a new draft named), first
+        settles the admissions still in flight (each within its timeout), so that what they
+        admitted for requests gone is undone there rather than left holding its KV."""
+        while graceful and self.link is not None and self._stall is None and self._admitting:
+            item = self._admitting.pop(0)
+            self.settle(item.pending, item.reqs)
         if self.link is not None:
             self.link.close(graceful and self._stall is None)
             self.link = None
         if self._stall is not None:
             self._stall.probe.cancel()
             self._stall = None
-        for pending, _ in self._admitting:
-            pending.cancel()
+        for item in self._admitting:
+            item.pending.cancel()
         self._admitting.clear()
         for r in self._requests.values():
             r.on_draft = False
@@ -280,10 +304,32 @@ class DraftSide:
                       if err.request_id in self._requests])  # fmt: skip
         return response, round_trip
 
+    @property
+    def admitting(self) -> bool:
+        """Whether draft admissions are in flight (a released one's undo among them)."""
+        return bool(self._admitting)
+
+    def settle_done(self) -> None:
+        """Settles the admissions that have ended, without waiting: while no step runs (the
+        hub idle), this is what undoes a released request's admission once the draft ends
+        it."""
+        for item in [i for i in self._admitting if i.pending.done(0.0)]:
+            if item in self._admitting:  # not cleared by an earlier settle (the draft down)
+                self._admitting.remove(item)
+                self.settle(item.pending, item.reqs)
+
     def start_admit(self, admission: AdmitRequest) -> PendingAdmits | None:
         """Admits a new request while the target prefills it; `settle` finishes."""
         if self.link is None or self._stall is not None:
             return None  # a stalled draft gets it when it is resynchronised
+        rid = admission.request_id
+        for item in [i for i in self._admitting if rid in i.pending.request_ids]:
+            # an earlier request of this id, released while the draft admitted it: its undo
+            # (a release of the id) must reach the draft before this admission does
+            self._admitting.remove(item)
+            self.settle(item.pending, item.reqs)
+        if self.link is None or self._stall is not None:
+            return None
         return self.link.start_admit([admission], self._admit_timeout_s())
 
     def _admit_timeout_s(self) -> float:
@@ -303,13 +349,13 @@ class DraftSide:
 
     def defer(self, pending: PendingAdmits, reqs: list[HubRequest]) -> None:
         """Settles `pending` at the next step (`poll`): the hub does not wait for it before."""
-        self._admitting.append((pending, reqs))
+        self._admitting.append(_Admitting(pending, reqs))
 
     def settle(self, pending: PendingAdmits, reqs: list[HubRequest]) -> None:
         """Waits for draft admissions: `reqs` admitted there go on the draft, the others run at
         k = 0; admissions of requests not in `reqs` (their target admission failed, or they
-        were released meanwhile) are undone."""
-        reqs = [r for r in reqs if self._requests.get(r.request_id) is r]
+        were released meanwhile, or no longer draft requests) are undone."""
+        reqs = [r for r in reqs if self._requests.get(r.request_id) is r and r.proposer == "draft"]
         try:
             errors = pending.wait()
         except DraftDown as e:
@@ -332,9 +378,12 @@ class DraftSide:
     def release(self, reqs: list[HubRequest]) -> None:
         """Frees the requests' KV on the draft service; they run at k = 0 if they stay."""
         gone = {r.request_id for r in reqs}
-        for item in [i for i in self._admitting if gone & {a.request_id for a in i[0].admissions}]:
-            self._admitting.remove(item)  # settled now: what it admitted is undone if released
-            self.settle(*item)
+        for item in [i for i in self._admitting if gone & i.pending.request_ids]:
+            if item in self._admitting and item.pending.done(0.0):  # settled now: undone
+                self._admitting.remove(item)
+                self.settle(item.pending, item.reqs)
+            # else the draft is still admitting it (a long prompt's prefill): the hub does not
+            # wait for it here; a later step's `poll` settles it and undoes what it admitted
         ids = [r.request_id for r in reqs if r.on_draft]
         for r in reqs:
             r.on_draft = False

@@ -36,6 +36,7 @@ from specdec.serving.flags import (
     add_draft_flags,
     add_k_limit_flag,
     add_listen_flags,
+    add_prefill_chunk_flag,
     add_runner_flags,
     add_stop_flags,
     add_synthetic_hit_rate_flag,
@@ -61,6 +62,7 @@ def _services_args(parser: argparse.ArgumentParser) -> None:
                         "divides its attention heads, KV heads and MLP width); the draft keeps "
                         "a GPU of its own, so a pair takes N + 1")  # fmt: skip
     add_k_limit_flag(g, d)
+    add_prefill_chunk_flag(g, d)
     add_draft_flags(g, d)
     add_target_flags(g, d)
     b = parser.add_argument_group(

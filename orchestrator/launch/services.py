@@ -130,6 +130,7 @@ def start_service(role: str, config: ServiceConfig, host: str) -> tuple[Any, Mod
                 synthetic_hit_rate=config.synthetic_hit_rate,
                 saguaro_scale=config.saguaro_scale,
                 stand_in=None if stand_in is None else str(stand_in),
+                prefill_chunk_tokens=config.prefill_chunk_tokens,
                 server=server,
             )
         )

@@ -91,6 +91,16 @@ def add_k_limit_flag(group: Group, defaults: Defaults) -> None:
                        help="largest k a request may ask for")  # fmt: skip
 
 
+def add_prefill_chunk_flag(group: Group, defaults: Defaults) -> None:
+    """--prefill-chunk-tokens: chunked prefill, on both services (serve passes it to both)."""
+    group.add_argument("--prefill-chunk-tokens", type=int, metavar="N",
+                       default=defaults("prefill_chunk_tokens"),
+                       help="chunked prefill: a new prompt longer than N tokens is prefilled N "
+                            "tokens at a time, one chunk between two steps, so running streams "
+                            "keep stepping while it is prefilled (0: whole, at "
+                            "admission)")  # fmt: skip
+
+
 def add_target_flags(group: Group, defaults: Defaults) -> None:
     """The target service's: its sampler, dynamic speculation and its deadline for the draft."""
     group.add_argument("--sampler-impl", choices=["auto", "triton", "torch"],
@@ -102,12 +112,6 @@ def add_target_flags(group: Group, defaults: Defaults) -> None:
                        help="the target chooses each step's k (0 included) from the measured "
                             "acceptance and step times; a request's k is the upper bound, and a "
                             "sampled request with its own seed keeps its k")  # fmt: skip
-    group.add_argument("--prefill-chunk-tokens", type=int, metavar="N",
-                       default=defaults("prefill_chunk_tokens"),
-                       help="chunked prefill: a new prompt longer than N tokens is prefilled N "
-                            "tokens at a time, one chunk between two steps, so running streams "
-                            "keep stepping while it is prefilled (0: whole, at "
-                            "admission)")  # fmt: skip
     group.add_argument("--draft-deadline-ms", type=float, metavar="MS",
                        default=defaults("draft_deadline_s") * 1e3,
                        help="a draft that has not answered a step's Propose after this long "

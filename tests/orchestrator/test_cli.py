@@ -182,13 +182,13 @@ def test_the_flags_a_service_takes_too_are_declared_once() -> None:
     serve = _subparsers()["serve"]
     common = ["--cuda-graph-batch-sizes", "--device", "--drain-s", "--dtype", "--grace-s",
               "--host", "--kv-block-size", "--kv-blocks", "--max-num-draft-tokens",
-              "--max-seq-len", "--no-prefix-caching", "--port", "--prefix-caching", "--tls-cert",
-              "--tls-client-ca", "--tls-key"]  # fmt: skip
+              "--max-seq-len", "--no-prefix-caching", "--port", "--prefill-chunk-tokens",
+              "--prefix-caching", "--tls-cert", "--tls-client-ca", "--tls-key"]  # fmt: skip
     own = {
         "draft": ["--draft-ahead", "--draft-ahead-backup", "--q-form", "--saguaro-scale",
                   "--support-size", "--synthetic-hit-rate"],
         "target": ["--draft-deadline-ms", "--dynamic-speculation", "--no-dynamic-speculation",
-                   "--prefill-chunk-tokens", "--sampler-impl", "--synthetic-acceptance-length"],
+                   "--sampler-impl", "--synthetic-acceptance-length"],
     }  # fmt: skip
     # spelled alike, meant otherwise: the draft main's --max-requests caps its n-gram requests
     # (serve's: the KV slots of a pair), its --proposer picks model or n-gram (serve's: a

@@ -143,6 +143,7 @@ class FakePendingAdmits:
 
     def __init__(self, admissions: Sequence[AdmitRequest], gate: FakeFuture, wait_s: float):
         self.admissions, self._gate, self._wait_s = list(admissions), gate, wait_s
+        self.request_ids = {a.request_id for a in self.admissions}
 
     def done(self, timeout_s: float) -> bool:
         return self._gate.done()  # no waiting: a gate left shut is a deadline that passed

@@ -195,3 +195,24 @@ def _admission(rid: str, prompt: list[int]) -> Any:
 def test_a_negative_chunk_is_refused(checkpoints: tuple[Path, Path]) -> None:
     with pytest.raises(ValueError, match="prefill_chunk_tokens must be >= 0"):
         TargetConfig(runner_config(checkpoints[0]), prefill_chunk_tokens=-1)
+
+
+def test_a_prompt_the_blocks_cannot_hold_yields_to_the_running_requests(
+    checkpoints: tuple[Path, Path],
+) -> None:
+    """Chunk by chunk, a prompt larger than the free blocks would take those the running
+    requests' next steps need, and they would fail first; it is refused instead, before it takes
+    any (as a whole prefill that does not fit is), and the running request steps on."""
+    from specdec.errors import CacheFullError
+
+    engine = _engine(checkpoints[0], kv_block_size=4, kv_blocks=12, prefix_caching=False)
+    engine.admit_decoding(AdmitRequest("run", PROMPT[:9], SamplingParams(0.0)))
+    free = engine.runner.free_kv_blocks
+    long_prompt = (PROMPT * 2)[:44]  # 11 blocks, more than the 9 free
+    with pytest.raises(CacheFullError, match="No free KV blocks"):
+        engine.begin_prefill(AdmitRequest("long", long_prompt, SamplingParams(0.0)))
+    assert engine.runner.free_kv_blocks == free and engine.release(["long"]) == 0
+    for step in (1, 2, 3):
+        _k0_step(engine, "run", step)
+    fits, _ = _chunked(engine, AdmitRequest("fits", PROMPT[:20], SamplingParams(0.0)), 4)
+    assert not fits.errors

@@ -139,10 +139,14 @@ def test_a_request_released_while_its_draft_admission_is_in_flight_is_undone_the
     assert not link.proposes, "nothing was asked of the draft for it"
     assert "a" in link.held  # the draft service admitted it; the hub has not heard yet
     run.release("a")
-    _sync(run)
+    _sync(run)  # the hub does not wait for the draft's admission to end before going on
+    assert "a" not in run.engine.held and "a" not in link.released
+    link.admit_gate.finish()  # the draft ends it: the hub, idle, undoes it there
+    deadline = time.monotonic() + 10
+    while "a" not in link.released and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert "a" in link.released and "a" not in link.held
     assert not link.proposes
-    assert "a" not in run.engine.held
 
 
 def _ks(run: HubRun, rid: str) -> list[int]:
@@ -227,3 +231,26 @@ def test_a_step_of_seeded_requests_only_that_meets_a_stall_verifies_nothing(
         run.next(lambda e: e.HasField("step"))
     assert all(s.verdicts.request_ids == ["seeded"] for s in run.steps), "no empty step"
     assert _ks(run, "seeded") == [4] * len(run.steps)
+
+
+def test_a_request_moved_off_the_draft_while_admitted_there_stays_off(
+    runs: list[HubRun],
+) -> None:
+    """Switched to prompt lookup while its draft admission is in flight: once the draft ends
+    that admission, the hub undoes it there, and never asks the draft for the request."""
+    from specdec.serving.proposers import TO_PB
+
+    link = FakeLink("draft:1", admitting=False)
+    run = _start(runs, link)
+    run.admit("a", PROMPT, "draft", k=4)
+    run.until_length("a", 2)
+    pb = target_pb2.SetSpeculation(request_id="a", proposer=TO_PB["ngram"], num_draft_tokens=3)
+    run.hub.control(target_pb2.ServeControl(set_speculation=pb))
+    _sync(run)
+    link.admit_gate.finish()
+    deadline = time.monotonic() + 10
+    while "a" not in link.released and time.monotonic() < deadline:
+        run.next(lambda e: e.HasField("step"))  # the next step's poll settles it
+    assert "a" in link.released and "a" not in link.held
+    asked = {e.request_id for entries in link.proposes for e in entries}
+    assert "a" not in asked, "the draft was asked for it"
