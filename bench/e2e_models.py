@@ -116,6 +116,21 @@ def _hf_config(family: str, spec: dict[str, Any]) -> Any:
     return config
 
 
+def _install(partial: Path, path: Path, record: dict[str, Any]) -> None:
+    """`partial`, complete, becomes `path`; where another process has meanwhile installed the
+    same checkpoint there, that one is kept and `partial` removed."""
+    if _ready(path, record):
+        shutil.rmtree(partial, ignore_errors=True)
+        return
+    shutil.rmtree(path, ignore_errors=True)
+    try:
+        partial.rename(path)
+    except OSError:  # another process installed it between the check and the rename
+        if not _ready(path, record):
+            raise
+        shutil.rmtree(partial, ignore_errors=True)
+
+
 def _free_cached(device: str) -> None:
     """The blocks the build left in this process's caching allocator given back: a caller
     that goes on to start the services on this GPU (chunked_prefill_bench, ttft_bench) found
@@ -214,8 +229,10 @@ def build(cache: Path, smoke: bool, device: str, pair: str = DEFAULT_PAIR) -> di
         if family != "LlamaConfig":
             record["family"] = family
         if not _ready(path, record):
-            partial = path.with_name(path.name + ".partial")
-            shutil.rmtree(partial, ignore_errors=True)
+            # a directory of this build's own: two benchmarks building one cache at once (say,
+            # on two GPUs of one host) each write their own, and the first to finish wins
+            cache.mkdir(parents=True, exist_ok=True)
+            partial = Path(tempfile.mkdtemp(prefix=f"{path.name}.partial-", dir=cache))
             if made.get("stream"):
                 _stream(family, spec, made, device, partial)
             else:
@@ -224,8 +241,7 @@ def build(cache: Path, smoke: bool, device: str, pair: str = DEFAULT_PAIR) -> di
                 del model
             tokenizer(made.get("tokenizer_vocab", spec["vocab_size"])).save_pretrained(str(partial))
             (partial / SPEC_FILE).write_text(json.dumps(record))
-            shutil.rmtree(path, ignore_errors=True)
-            partial.rename(path)
+            _install(partial, path, record)
         paths[role] = str(path)
     if device.startswith("cuda"):
         _free_cached(device)

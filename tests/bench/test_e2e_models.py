@@ -52,3 +52,55 @@ def test_a_streamed_checkpoint_loads_on_the_fast_path(family: str, tmp_path: Pat
     runner.add_request("r")
     logits = runner.forward([ForwardItem("r", [1, 2, 3], 1)])
     assert logits.shape == (1, 96) and bool(logits.isfinite().all())
+
+
+def _build_smoke(cache: str) -> dict[str, str]:
+    return e2e_models.build(Path(cache), True, "cpu")
+
+
+def test_two_processes_building_one_cache_both_get_the_checkpoints(tmp_path: Path) -> None:
+    """Two benchmarks on two GPUs of one host built one cache directory at once, and one
+    removed the other's half-written files (a device run of 2026-11-28): each process now
+    writes its own, the first to finish installs it and the other keeps that one."""
+    import multiprocessing
+
+    cache = tmp_path / "cache"
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        got = pool.map(_build_smoke, [str(cache), str(cache)])
+    assert got[0] == got[1]
+    for path in got[0].values():
+        assert (Path(path) / e2e_models.SPEC_FILE).is_file()
+        assert any(Path(path).glob("*.safetensors"))
+    assert not list(cache.glob("*.partial*"))  # nothing half-written left behind
+    again = e2e_models.build(cache, True, "cpu")  # and it is taken as built
+    assert again == got[0]
+
+
+def test_a_build_that_finishes_while_another_writes_leaves_its_files_alone(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The race above made certain: while the first build writes its target (its weights
+    written, its tokenizer next), a second build of the same cache runs to its end. The
+    first's files are still where it wrote them, and it completes and keeps the installed
+    checkpoint."""
+    cache = tmp_path / "cache"
+    tokenizer, nested = e2e_models.tokenizer, []
+
+    class Racing:
+        def __init__(self, vocab: int) -> None:
+            self.inner = tokenizer(vocab)
+
+        def save_pretrained(self, where: str) -> None:
+            if not nested:  # the first build's first tokenizer: the second build, whole, now
+                nested.append(None)
+                nested[0] = e2e_models.build(cache, True, "cpu")
+                assert any(Path(where).glob("*.safetensors")), "the other build removed them"
+            self.inner.save_pretrained(where)
+
+    monkeypatch.setattr(e2e_models, "tokenizer", Racing)
+    first = e2e_models.build(cache, True, "cpu")
+    assert first == nested[0]
+    for path in first.values():
+        assert (Path(path) / e2e_models.SPEC_FILE).is_file()
+        assert any(Path(path).glob("*.safetensors"))
+    assert not list(cache.glob("*.partial*"))

@@ -221,6 +221,7 @@ def test_sigterm_to_every_process_of_the_unit_ends_within_the_deadline(
         if proc.poll() is None:
             proc.kill()
     text = log.read_text()
+    print(f"its stderr ends:\n{text[-2500:]}")  # shown with -s, or where the test fails
     assert code in (0, 1), f"exit code {code}; its stderr ends:\n{text[-3000:]}"
     if code == 1:  # Ray did not answer the stop, or its core worker aborted: said so
         said = ("Ray did not answer within", "aborted during the stop")
