@@ -20,9 +20,10 @@ Steps, each phase in its own process where it holds device memory:
    process with its own local Ray cluster; needs `ray` importable) and `specdec.client`: B
    concurrent streams, target-only and speculation per --serve-lengths, the client's time
    per output token and step against the hub's step time from /metrics and the Pipeline
-   rows, and time to first token of a --ttft-prompt-len prompt against the in-process
-   prefill (`bench.e2e_serve`); per placement (--serve-placements: both services on one
-   GPU, "shared", and with two GPUs one each, "split"), lock-step and draft-ahead rows, each
+   rows, and time to first token at each --ttft-prompt-len (with --kv-block-size, also with
+   a cached prefix) against the in-process prefill (`bench.e2e_serve`); per placement
+   (--serve-placements: both services on one GPU, "shared", and with two GPUs one each,
+   "split"), lock-step and draft-ahead rows, each
    with its GPUs' busy fractions and, at batch 1, a timeline of what each GPU did, from the
    services' device traces (`bench.e2e_timeline`, SPECDEC_GPU_TRACE);
 5. if the greedy runs diverged (on a GPU), the target's logits at each first divergence,
@@ -143,7 +144,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
             "serve_stand_in_lockstep": args.serve_stand_in_lockstep,
             "draft_ahead": args.draft_ahead,
             "serve_steps": args.serve_steps,
-            "ttft_prompt_len": args.ttft_prompt_len,
+            "ttft_prompt_lens": args.ttft_prompt_len,
             "ttft_repeats": args.ttft_repeats,
         }
         need = max(need, e2e_serve.seq_len_needed(out))
@@ -282,7 +283,8 @@ def measure_all(result: dict[str, Any], args: argparse.Namespace) -> None:
             "cache": str(args.cache),
             "graph_sizes": list(GRAPH_SIZES),
             "iters": args.inprocess_iters,
-            "prefill_len": s["ttft_prompt_len"] if s["serve"] else 0,
+            # the shortest: the in-process runner holds max(batches) + 1 slots of that length
+            "prefill_len": min(s["ttft_prompt_lens"]) if s["serve"] else 0,
         }
         prep = child("prepare", job, args.log_dir)
         progress.tick()
@@ -434,7 +436,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         + "; ".join(f"{name}: {t} / {d}" for name, (t, d) in sorted(e2e_models.PAIRS.items())),
     )
     p.add_argument("--serve-steps", type=int, help="timed steps per serve row (window)")
-    p.add_argument("--ttft-prompt-len", type=int, help="prompt tokens of the TTFT requests")
+    p.add_argument(
+        "--ttft-prompt-len",
+        type=int,
+        nargs="+",
+        help="prompt tokens of the TTFT requests, one or more lengths (the in-process prefill "
+        "is measured at the shortest; with --kv-block-size, rows with a cached prefix too)",
+    )
     p.add_argument("--ttft-repeats", type=int, help="timed TTFT requests per config")
     p.add_argument("--report", type=Path, help="regenerate .md and .png from a results JSON")
     p.add_argument(
@@ -455,7 +463,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         greedy_tokens=8,
         inprocess_iters=2,
         serve_steps=32,  # a longer window: the busy CPU delivers responses in bursts
-        ttft_prompt_len=64,
+        ttft_prompt_len=[64],
         ttft_repeats=2,
         serve_hit_rates=[1.0],
     )
@@ -468,7 +476,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         greedy_tokens=16,
         inprocess_iters=20,
         serve_steps=64,
-        ttft_prompt_len=512,
+        ttft_prompt_len=[512],
         ttft_repeats=5,
         serve_hit_rates=[0.5, 0.8, 1.0],
     )
@@ -477,6 +485,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, name, value)
     args.log_dir = args.log_dir or args.out / "e2e_logs"
     k = args.num_draft_tokens
+    if min(args.ttft_prompt_len) < 2:
+        p.error(f"--ttft-prompt-len must be >= 2, got {args.ttft_prompt_len}.")
     if not all(1 <= length <= k + 1 for length in args.lengths):
         p.error(f"--lengths must be in [1, {k + 1}] (1 + --num-draft-tokens), got {args.lengths}.")
     if args.serve and args.report is None and not args.by_length:

@@ -5,6 +5,7 @@ Needs no GPU and no torch: `e2e_bench.py --report RESULTS.json` regenerates both
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -134,7 +135,7 @@ def serve_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
                         "value": value, "limit": limit, "met": met})  # fmt: skip
     for t in serve["ttft"]:
         prefill = prefill_ms(result, t["prompt_len"])
-        if prefill is None:
+        if prefill is None or t.get("cached_prefix"):  # a cached prefix prefills less
             continue
         value = t["client_ms_median"] / prefill
         out.append(
@@ -155,6 +156,20 @@ def serve_goals(result: dict[str, Any]) -> list[dict[str, Any]]:
 # time; the services' admission (the target's prefill, the draft's overlapped); and from the
 # admission's answer to the first token (the first step and its delivery).
 TTFT_PARTS = ("queue", "handoff", "prefill", "first_step")
+
+
+def ttft_ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (length, prefix): each speculative config's median client TTFT over the target's
+    alone (the proposer "off" row of the same length and prefix)."""
+    off = {(r["prompt_len"], r["cached_prefix"]): r for r in rows if r["proposer"] == "off"}
+    out = []
+    for r in rows:
+        base = off.get((r["prompt_len"], r["cached_prefix"]))
+        if r["proposer"] != "off" and base is not None:
+            out.append({"config": r["config"], "prompt_len": r["prompt_len"],
+                        "cached_prefix": r["cached_prefix"],
+                        "ratio": r["client_ms_median"] / base["client_ms_median"]})  # fmt: skip
+    return out
 
 
 def _f(x: float) -> str:
@@ -324,12 +339,13 @@ def _serve(result: dict[str, Any]) -> list[str]:
         "back-to-back calls, which overlap each other's launches; then one call after 0.2 s "
         "idle, as a request reaching an idle server finds the host and the device):",
         "",
-        "| config | prompt tokens | client TTFT ms | server TTFT ms | in-process prefill ms "
-        "| client / prefill | server: queue / hand-off / prefill / first step ms |",
-        "|---" * 7 + "|",
+        "| config | prompt tokens | prefix | client TTFT ms | server TTFT ms | in-process "
+        "prefill ms | client / prefill | server: queue / hand-off / prefill / first step ms |",
+        "|---" * 8 + "|",
     ]
     for t in serve["ttft"]:
-        prefill = prefill_ms(result, t["prompt_len"])
+        cached = t.get("cached_prefix", False)  # absent from runs before cached rows
+        prefill = None if cached else prefill_ms(result, t["prompt_len"])
         ratio = f"{t['client_ms_median'] / prefill:.2f}" if prefill else "-"
         parts = t.get("parts_ms_median")  # absent from runs before the split was reported
         split = " / ".join(_f(parts[p]) for p in TTFT_PARTS) if parts else "-"
@@ -338,10 +354,19 @@ def _serve(result: dict[str, Any]) -> list[str]:
         idle = target.get(f"prefill_idle,{t['prompt_len']}")
         shown = (_f(prefill) if prefill else "-") + (f" ({_f(piped)})" if piped else "")
         shown += f"; idle {_f(idle)}" if idle else ""
+        shown = "-" if cached else shown  # the whole prompt's prefill: not this request's
+        prefix = f"cached ({t['prefix_hit_tokens_min']} tokens found)" if cached else "none"
         lines.append(
-            f"| {t['config']} | {t['prompt_len']} | {_f(t['client_ms_median'])} "
+            f"| {t['config']} | {t['prompt_len']} | {prefix} | {_f(t['client_ms_median'])} "
             f"| {_f(t['server_ms_median'])} | {shown} | {ratio} | {split} |"
         )
+    ratios = ttft_ratios(serve["ttft"]) if "proposer" in (serve["ttft"] or [{}])[0] else []
+    if ratios:
+        lines += ["", "Speculation's TTFT over the target's alone (client medians): " + "; ".join(
+            f"{r['config']} {r['prompt_len']} tokens"
+            f"{', cached prefix' if r['cached_prefix'] else ''}: {r['ratio']:.2f}x"
+            for r in ratios
+        ) + "."]  # fmt: skip
     return lines
 
 

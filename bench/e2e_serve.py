@@ -15,9 +15,11 @@ and each figure is the median over requests. The hub's step time is the window's
 `specdec:step_seconds` sum / count delta (the StepReport's step_s); the orchestrator's overhead
 per step is the client step minus the hub's step.
 
-Time to first token: batch 1, a `ttft_prompt_len`-token prompt, idle server, median of
-`ttft_repeats` requests after one warm-up, as the client sees it (call to first token) and as
-the server reports it (Timing.time_to_first_token_s).
+Time to first token: batch 1 on an idle server, for each of `ttft_prompt_lens`, the median of
+`ttft_repeats` rounds after one warm-up round, as the client sees it (call to first token) and
+as the server reports it (Timing.time_to_first_token_s); each config sends prompts of its own,
+and with a paged KV cache each fresh prompt is followed by a turn resending its start (a
+cached prefix; the tokens found cached are read from /metrics).
 
 Imports no torch and no Ray: Ray is imported only inside the `specdec serve` process.
 """
@@ -26,13 +28,13 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
-import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -57,6 +59,8 @@ from specdec.client import Client
 TARGET_ONLY = "target_only"
 MARGIN_STEPS = 8  # max_tokens room beyond warm-up + timed steps at k + 1 tokens per step
 TTFT_NEW_TOKENS = 2
+TTFT_CACHED_SUFFIX = 64  # new tokens after a resent prompt's start (a cached prefix)
+PREFIX_HITS = "specdec:prefix_cache_hits_total"  # prompt tokens the targets found cached
 STOP_TIMEOUT_S = 90.0  # grace, the actors' stop and ray.shutdown()
 # Where the services run: "shared", both on one GPU (`--num-gpus 1`: the local Ray cluster
 # sees one GPU, and both actors take half of it); "split", one GPU each (two or more GPUs).
@@ -512,11 +516,21 @@ def summarise(
     }
 
 
-def measure_ttft(
-    serve: Serve, config: str, proposer: str, k: int, s: dict[str, Any], timeout_s: float
+def ttft_prompts(config: str, n: int, i: int, vocab: int) -> tuple[list[int], list[int]]:
+    """Round `i`'s prompts of `n` tokens for `config`: a fresh one, of this config's own (another
+    config's would be in a paged target's prefix cache), and a turn that resends its first
+    n - TTFT_CACHED_SUFFIX tokens with new ones after them (a cached prefix)."""
+    rng = random.Random(f"ttft/{config}/{n}/{i}")
+    fresh = [rng.randrange(1, vocab) for _ in range(n)]
+    suffix = min(TTFT_CACHED_SUFFIX, n - 1)
+    return fresh, fresh[: n - suffix] + [rng.randrange(1, vocab) for _ in range(suffix)]
+
+
+def ttft_one(
+    serve: Serve, prompt: list[int], proposer: str, k: int, rid: str, timeout_s: float
 ) -> dict[str, Any]:
-    """Batch 1, a long prompt, an idle server: one warm-up, then `ttft_repeats` requests."""
-    n, repeats = s["ttft_prompt_len"], s["ttft_repeats"]
+    """One request on an idle server: the client's call to first token, the server's parts
+    and the prompt tokens the targets' prefix caches held (/metrics)."""
     params: dict[str, Any] = {
         "max_tokens": TTFT_NEW_TOKENS,
         "ignore_eos": True,
@@ -526,37 +540,67 @@ def measure_ttft(
     }
     if proposer != "off":
         params["num_draft_tokens"] = k
-    client_ms, server_ms = [], []
-    parts: dict[str, list[float]] = {part: [] for part in TTFT_PARTS}
+    wait_idle(serve.metrics_url)
+    hits = scrape(serve.metrics_url).get(PREFIX_HITS, 0.0)
+    first, timing = None, None
     with Client(serve.address) as client:
-        # prompts of this config's own: another config's would be in a paged target's prefix
-        # cache (bench/ttft_bench.py measures cached prefixes on purpose)
-        seed = zlib.crc32(f"ttft/{config}".encode())
-        for i, prompt in enumerate(prompts(repeats + 1, n, s["vocab_size"], seed)):
-            wait_idle(serve.metrics_url)
-            start, first, timing = time.perf_counter(), None, None
-            for out in client.generate(prompt, request_id=f"ttft-{config}-{i}", **params):
-                if first is None and out.token_ids:
-                    first = time.perf_counter()
-                if out.timing is not None:
-                    timing = out.timing
-            if first is None or timing is None:
-                raise RuntimeError(f"ttft {config}: no token or no timing in the responses.")
-            if i:  # the first request is the warm-up
-                client_ms.append(1e3 * (first - start))
-                server_ms.append(1e3 * timing.time_to_first_token_s)
-                for part, ms in ttft_parts_ms(timing).items():
-                    parts[part].append(ms)
+        start = time.perf_counter()
+        for out in client.generate(prompt, request_id=rid, **params):
+            if first is None and out.token_ids:
+                first = time.perf_counter()
+            if out.timing is not None:
+                timing = out.timing
+    if first is None or timing is None:
+        raise RuntimeError(f"{rid}: no token or no timing in the responses.")
+    wait_idle(serve.metrics_url)  # the step reports that count the hits have arrived
     return {
-        "config": config,
-        "proposer": proposer,
-        "prompt_len": n,
-        "repeats": repeats,
-        "client_ms_median": statistics.median(client_ms),
-        "client_ms_max": max(client_ms),
-        "server_ms_median": statistics.median(server_ms),
-        "parts_ms_median": {part: statistics.median(v) for part, v in parts.items()},
+        "client_ms": 1e3 * (first - start),
+        "server_ms": 1e3 * timing.time_to_first_token_s,
+        "parts_ms": ttft_parts_ms(timing),
+        "prefix_hit_tokens": int(scrape(serve.metrics_url).get(PREFIX_HITS, 0.0) - hits),
     }
+
+
+def measure_ttft(
+    serve: Serve,
+    configs: Sequence[tuple[str, str]],
+    lengths: Sequence[int],
+    repeats: int,
+    k: int,
+    vocab: int,
+    timeout_s: float,
+    cached: bool,
+    tick: Callable[[int], None] = lambda n: None,
+) -> list[dict[str, Any]]:
+    """Batch 1 on an idle server, per prompt length: one warm-up round, then `repeats` timed
+    rounds, each sending every (config, proposer) in turn a fresh prompt and, with `cached`,
+    then a turn resending its start (`ttft_prompts`). A row per (config, length, prefix): the
+    medians over the timed rounds."""
+    samples: dict[tuple[str, str, int, bool], list[dict[str, Any]]] = {}
+    for n in lengths:
+        for i in range(repeats + 1):  # round 0 is the warm-up
+            for config, proposer in configs:
+                fresh, turn = ttft_prompts(config, n, i, vocab)
+                for hit, prompt in ((False, fresh), (True, turn))[: 2 if cached else 1]:
+                    rid = f"ttft-{config}-{n}-{'cached' if hit else 'fresh'}-{i}"
+                    one = ttft_one(serve, prompt, proposer, k, rid, timeout_s)
+                    if i:
+                        samples.setdefault((config, proposer, n, hit), []).append(one)
+            tick(1)
+    rows = []
+    for (config, proposer, n, hit), got in samples.items():
+        rows.append({
+            "config": config, "proposer": proposer, "prompt_len": n, "cached_prefix": hit,
+            "cached_tokens": n - min(TTFT_CACHED_SUFFIX, n - 1) if hit else 0,
+            "repeats": len(got),
+            "client_ms_median": statistics.median(g["client_ms"] for g in got),
+            "client_ms_max": max(g["client_ms"] for g in got),
+            "server_ms_median": statistics.median(g["server_ms"] for g in got),
+            "prefix_hit_tokens_min": min(g["prefix_hit_tokens"] for g in got),
+            "parts_ms_median": {p: statistics.median(g["parts_ms"][p] for g in got)
+                                for p in TTFT_PARTS},
+        })  # fmt: skip
+    return rows
 
 
 def ttft_parts_ms(timing: Any) -> dict[str, float]:
@@ -579,7 +623,7 @@ def seq_len_needed(s: dict[str, Any]) -> int:
     must hold it, plus a step of k + 1 tokens)."""
     k = s["num_draft_tokens"]
     rows = s["prompt_len"] + max_tokens_for(s)
-    ttft = s["ttft_prompt_len"] + TTFT_NEW_TOKENS
+    ttft = max(s["ttft_prompt_lens"]) + TTFT_NEW_TOKENS
     return max(rows, ttft) + k + 1
 
 
@@ -645,11 +689,12 @@ def section(
                             out["rows"].append(measure_row(serve, spec, s, max_tokens, timeout_s))
                             tick(s["serve_steps"])
                     if first:
-                        for name, proposer in ((TARGET_ONLY, "off"), (lockstep, "draft")):
-                            phase(f"serve TTFT {name}")
-                            ttft = measure_ttft(serve, name, proposer, k, s, timeout_s)
-                            out["ttft"].append(ttft)
-                            tick(1)
+                        phase("serve TTFT")
+                        out["ttft"] += measure_ttft(
+                            serve, [(TARGET_ONLY, "off"), (lockstep, "draft")],
+                            s["ttft_prompt_lens"], s["ttft_repeats"], k, s["vocab_size"],
+                            timeout_s, cached=bool(s.get("kv_block_size")), tick=tick,
+                        )  # fmt: skip
                     first = False
     if s.get("serve_stand_in") or s.get("serve_stand_in_lockstep"):
         phase("measuring the draft's forwards for the stand-in")
@@ -695,4 +740,4 @@ def progress_units(s: dict[str, Any]) -> int:
     stand_in = len(s.get("serve_stand_in", [])) + bool(s.get("serve_stand_in_lockstep"))
     per_length_rows = n * per_length + stand_in
     rows = len(s["batches"]) * (1 + len(s["serve_lengths"]) * per_length_rows)
-    return rows * s["serve_steps"] + 2
+    return rows * s["serve_steps"] + len(s["ttft_prompt_lens"]) * (s["ttft_repeats"] + 1)

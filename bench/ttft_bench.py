@@ -9,8 +9,9 @@ length N and each of --repeats + 1 rounds (the first is a warm-up, not reported)
 in turn (off: the target alone; draft: lock-step speculation with synthetic acceptance,
 BENCHMARKING ONLY) sends:
   uncached: N random tokens no request sent before;
-  cached:   the uncached prompt's first N - --new-suffix tokens, then --new-suffix new ones
-            (a chat turn resending its history), so its start is in the prefix cache.
+  cached:   the uncached prompt's first N - 64 tokens, then 64 new ones (a chat turn
+            resending its history), so its start is in the prefix cache.
+The rounds are the system benchmark's (`e2e_serve.measure_ttft`), on one serve start.
 Reported per (N, proposer, cached): the median over rounds of the client's time from the call
 to the first token, the server's TTFT, and its parts (queue, hand-off = admission less the
 target's prefill, prefill, first step); and per (N, cached), speculation's TTFT over the
@@ -23,8 +24,6 @@ target's alone.
 from __future__ import annotations
 
 import argparse
-import random
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -34,15 +33,14 @@ import torch
 from tqdm import tqdm
 
 from bench import e2e_models, provenance
-from bench.e2e_report import TTFT_PARTS
-from bench.e2e_serve import TTFT_NEW_TOKENS, scrape, serving, ttft_parts_ms, wait_idle
-from specdec.client import Client
+from bench.e2e_report import ttft_ratios
+from bench.e2e_serve import TTFT_CACHED_SUFFIX, TTFT_NEW_TOKENS, measure_ttft, serving
 
 GRAPH_SIZES = (1, 2, 4)
 PROPOSERS = ("off", "draft")
 GOAL_LENGTHS = (512, 4096)  # speculation's TTFT within GOAL_RATIO of the target's alone
 GOAL_RATIO = 1.1
-PREFIX_HITS = "specdec:prefix_cache_hits_total"  # prompt tokens the target found cached
+CONFIGS = (("target_only", "off"), ("lockstep", "draft"))
 
 
 def _settings(args: argparse.Namespace, paths: dict[str, str]) -> dict[str, Any]:
@@ -59,83 +57,21 @@ def _settings(args: argparse.Namespace, paths: dict[str, str]) -> dict[str, Any]
     }
 
 
-def _prompt(rng: random.Random, n: int, vocab: int) -> list[int]:
-    return [rng.randrange(1, vocab) for _ in range(n)]
-
-
-def _one(serve: Any, prompt: list[int], proposer: str, k: int, rid: str, timeout_s: float
-         ) -> dict[str, Any]:  # fmt: skip
-    """One request on an idle server: the client's call-to-first-token, the server's parts and
-    the prompt tokens the target's prefix cache held."""
-    params: dict[str, Any] = {
-        "max_tokens": TTFT_NEW_TOKENS,
-        "ignore_eos": True,
-        "temperature": 0.0,
-        "proposer": proposer,
-        "timeout": timeout_s,
-    }
-    if proposer != "off":
-        params["num_draft_tokens"] = k
-    wait_idle(serve.metrics_url)
-    hits = scrape(serve.metrics_url).get(PREFIX_HITS, 0.0)
-    first, timing = None, None
-    with Client(serve.address) as client:
-        start = time.perf_counter()
-        for out in client.generate(prompt, request_id=rid, **params):
-            if first is None and out.token_ids:
-                first = time.perf_counter()
-            if out.timing is not None:
-                timing = out.timing
-    if first is None or timing is None:
-        raise RuntimeError(f"{rid}: no token or no timing in the responses.")
-    wait_idle(serve.metrics_url)  # the step reports that count the hits have arrived
-    hit = scrape(serve.metrics_url).get(PREFIX_HITS, 0.0) - hits
-    return {"client_ms": 1e3 * (first - start), "server_ms": 1e3 * timing.time_to_first_token_s,
-            "parts_ms": ttft_parts_ms(timing), "prefix_hit_tokens": int(hit)}  # fmt: skip
-
-
 def measure(serve: Any, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
-    """The rows: one per (length, proposer, cached), each the medians over the timed rounds."""
-    samples: dict[tuple[int, str, bool], list[dict[str, Any]]] = {}
-    rounds = [(n, i) for n in args.lengths for i in range(args.repeats + 1)]
-    for n, i in tqdm(rounds, desc="TTFT rounds", unit="round"):
-        for proposer in PROPOSERS:
-            rng = random.Random(f"{n}/{proposer}/{i}")  # a prompt of its own: never cached
-            fresh = _prompt(rng, n, vocab)
-            suffix = min(args.new_suffix, n - 1)
-            turn = fresh[: n - suffix] + _prompt(rng, suffix, vocab)
-            for cached, prompt in ((False, fresh), (True, turn)):
-                rid = f"ttft-{n}-{proposer}-{'cached' if cached else 'fresh'}-{i}"
-                one = _one(serve, prompt, proposer, args.num_draft_tokens, rid, args.timeout_s)
-                if i:  # round 0 is the warm-up
-                    samples.setdefault((n, proposer, cached), []).append(one)
-    rows = []
-    for (n, proposer, cached), got in samples.items():
-        rows.append({
-            "prompt_len": n, "proposer": proposer, "cached_prefix": cached,
-            "cached_tokens": n - min(args.new_suffix, n - 1) if cached else 0,
-            "repeats": len(got),
-            "client_ms_median": statistics.median(g["client_ms"] for g in got),
-            "client_ms_max": max(g["client_ms"] for g in got),
-            "server_ms_median": statistics.median(g["server_ms"] for g in got),
-            "prefix_hit_tokens_min": min(g["prefix_hit_tokens"] for g in got),
-            "parts_ms_median": {p: statistics.median(g["parts_ms"][p] for g in got)
-                                for p in TTFT_PARTS},
-        })  # fmt: skip
-    return rows
+    """The rows: one per (length, proposer, prefix), each the medians over the timed rounds."""
+    bar = tqdm(total=len(args.lengths) * (args.repeats + 1), desc="TTFT rounds", unit="round")
+    with bar:
+        return measure_ttft(serve, CONFIGS, args.lengths, args.repeats, args.num_draft_tokens,
+                            vocab, args.timeout_s, cached=True, tick=bar.update)  # fmt: skip
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per (length, cached): speculation's median client TTFT over the target's alone."""
-    by = {(r["prompt_len"], r["cached_prefix"], r["proposer"]): r for r in rows}
+    """Per (length, prefix): speculation's median client TTFT over the target's alone, and
+    whether it meets the goal where the goal names the length."""
     out = []
-    for (n, cached, proposer), r in by.items():
-        off = by.get((n, cached, "off"))
-        if proposer == "draft" and off is not None:
-            ratio = r["client_ms_median"] / off["client_ms_median"]
-            goal = GOAL_RATIO if n in GOAL_LENGTHS else None
-            out.append({"prompt_len": n, "cached_prefix": cached, "ratio": ratio, "goal": goal,
-                        "met": None if goal is None else ratio <= goal})  # fmt: skip
+    for r in ttft_ratios(rows):
+        goal = GOAL_RATIO if r["prompt_len"] in GOAL_LENGTHS else None
+        out.append(r | {"goal": goal, "met": None if goal is None else r["ratio"] <= goal})
     return out
 
 
@@ -150,7 +86,7 @@ def report(result: dict[str, Any]) -> str:
         f"KV {kv}; "
         f"speculation is lock-step k = {s['num_draft_tokens']} with synthetic acceptance "
         "(BENCHMARKING ONLY). A cached prompt resends an earlier prompt's start with "
-        f"{s['new_suffix']} new tokens at its end.",
+        f"{TTFT_CACHED_SUFFIX} new tokens at its end.",
         "",
         "| prompt tokens | prefix | proposer | client TTFT ms (median) | max | server TTFT ms | "
         "queue | hand-off | prefill | first step | tokens found cached (least) |",
@@ -183,8 +119,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--smoke", action="store_true", help="the tiny pair on the CPU")
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 4096, 16384])
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--new-suffix", type=int, default=64,
-                        help="new tokens at the end of a cached prompt")  # fmt: skip
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--kv-block-size", type=int, default=0)
     parser.add_argument("--placement", choices=["auto", "shared", "split"], default="auto")
@@ -193,8 +127,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.smoke:
         args.lengths = sorted({min(n, 256) for n in args.lengths})
-    if min(args.lengths) < 2 or args.repeats < 1 or args.new_suffix < 1:
-        parser.error("--lengths must be >= 2, --repeats >= 1 and --new-suffix >= 1")
+    if min(args.lengths) < 2 or args.repeats < 1:
+        parser.error("--lengths must be >= 2 and --repeats >= 1")
     if args.kv_block_size < 0 or args.prefill_chunk_tokens < 0:
         parser.error("--kv-block-size and --prefill-chunk-tokens must be >= 0")
     if not args.smoke and not torch.cuda.is_available():

@@ -128,8 +128,9 @@ def test_a_tensor_parallel_target_runs_split_on_n_plus_one_gpus(
 
 def test_sequences_fit_the_serve_rows_and_ttft() -> None:
     s = {"prompt_len": 64, "warmup": 16, "serve_steps": 64, "num_draft_tokens": 4,
-         "ttft_prompt_len": 512}  # fmt: skip
+         "ttft_prompt_lens": [512, 256]}  # fmt: skip
     assert seq_len_needed(s) == max(64 + 88 * 5, 512 + 2) + 5
+    assert seq_len_needed(s | {"ttft_prompt_lens": [512, 4096]}) == 4096 + 2 + 5
 
 
 def test_serve_goals_against_the_pipeline_rows_and_the_prefill() -> None:
@@ -147,7 +148,16 @@ def test_serve_goals_against_the_pipeline_rows_and_the_prefill() -> None:
         ],
         "serve": {
             "rows": [row(1, 5.05, 0.2), row(8, 9.0, 9.0), row(32, 6.3, 0.4)],  # 8: no goal
-            "ttft": [{"config": "target_only", "prompt_len": 512, "client_ms_median": 25.0}],
+            "ttft": [
+                {"config": "target_only", "prompt_len": 512, "client_ms_median": 25.0},
+                # a cached prefix prefills less than the in-process prefill: no goal
+                {
+                    "config": "target_only",
+                    "prompt_len": 512,
+                    "client_ms_median": 5.0,
+                    "cached_prefix": True,
+                },
+            ],
         },
     }
     goals = {(g["goal"], g["batch"]): g for g in e2e_report.serve_goals(result)}
