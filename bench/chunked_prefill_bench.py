@@ -21,7 +21,6 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -124,12 +123,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--cache", type=Path, default=e2e_models.DEFAULT_CACHE)
-    parser.add_argument("--smoke", action="store_true", help="the tiny pair on the CPU")
+    parser = e2e_models.parser(__doc__)
     parser.add_argument("--chunks", type=int, nargs="+", default=[0, 512])
     parser.add_argument("--streams", type=int, default=32)
     parser.add_argument("--long-prompt", type=int, default=8192)

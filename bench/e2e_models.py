@@ -18,6 +18,7 @@ checkpoint ever needs to be in memory whole, since the services read their slice
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import shutil
@@ -92,6 +93,17 @@ def plan(
             zip(("target", "draft"), PAIRS[pair], shapes, strict=True)
         )
     }
+
+
+def parser(doc: str | None) -> argparse.ArgumentParser:
+    """A benchmark's command line on these checkpoints: --out (required), --cache and
+    --smoke (the tiny pair on the CPU); the benchmark adds its own flags."""
+    raw = argparse.RawDescriptionHelpFormatter
+    p = argparse.ArgumentParser(description=doc, formatter_class=raw)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--cache", type=Path, default=DEFAULT_CACHE)
+    p.add_argument("--smoke", action="store_true", help="the tiny pair on the CPU")
+    return p
 
 
 def prompt_vocab(smoke: bool, pair: str = DEFAULT_PAIR) -> int:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -111,12 +110,7 @@ def report(result: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--cache", type=Path, default=e2e_models.DEFAULT_CACHE)
-    parser.add_argument("--smoke", action="store_true", help="the tiny pair on the CPU")
+    parser = e2e_models.parser(__doc__)
     parser.add_argument("--lengths", type=int, nargs="+", default=[512, 4096, 16384])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--num-draft-tokens", type=int, default=4)
