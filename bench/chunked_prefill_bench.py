@@ -28,24 +28,10 @@ from tqdm import tqdm
 
 from bench import e2e_models, provenance
 from bench.e2e_driver import prompts
-from bench.e2e_serve import Stream, serving, streaming, wait_idle, wait_until
+from bench.e2e_serve import Stream, bench_settings, serving, streaming, wait_idle, wait_until
 
 GRAPH_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PROMPT_LEN = 64
-
-
-def _settings(args: argparse.Namespace, paths: dict[str, str]) -> dict[str, Any]:
-    cpu = args.smoke
-    return {
-        "paths": paths,
-        "target_device": "cpu" if cpu else "cuda",
-        "dtype": "float32" if cpu else "bfloat16",
-        "max_slots": args.streams + 1,
-        "max_seq_len": args.long_prompt + args.long_tokens + 64,
-        "num_draft_tokens": args.num_draft_tokens,
-        "graph_sizes": [g for g in GRAPH_SIZES if g <= args.streams + 1],
-        "kv_block_size": args.kv_block_size,
-    }
 
 
 def _quantile(values: list[float], q: float) -> float:
@@ -144,7 +130,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.smoke and not torch.cuda.is_available():
         parser.error("no CUDA device: run with --smoke on the CPU")
     paths = e2e_models.build(args.cache, args.smoke, "cpu" if args.smoke else "cuda")
-    s = _settings(args, paths)
+    slots = args.streams + 1
+    s = bench_settings(args.smoke, paths, slots, args.long_prompt + args.long_tokens + 64,
+                       args.num_draft_tokens, [g for g in GRAPH_SIZES if g <= slots],
+                       args.kv_block_size)  # fmt: skip
     vocab = e2e_models.prompt_vocab(args.smoke)
     log_dir = args.out / "chunked_prefill_logs"
     device = torch.device("cpu" if args.smoke else "cuda")

@@ -173,6 +173,29 @@ def stop_serve(service: Service, timeout_s: float = STOP_TIMEOUT_S) -> str:
     return how
 
 
+def bench_settings(
+    smoke: bool,
+    paths: dict[str, str],
+    max_slots: int,
+    max_seq_len: int,
+    num_draft_tokens: int,
+    graph_sizes: Sequence[int],
+    kv_block_size: int,
+) -> dict[str, Any]:
+    """`serving`'s settings for a benchmark of its own on `e2e_models`' checkpoints: float32
+    on the CPU with `smoke`, else bfloat16 on CUDA with graphs of `graph_sizes`."""
+    return {
+        "paths": paths,
+        "target_device": "cpu" if smoke else "cuda",
+        "dtype": "float32" if smoke else "bfloat16",
+        "max_slots": max_slots,
+        "max_seq_len": max_seq_len,
+        "num_draft_tokens": num_draft_tokens,
+        "graph_sizes": list(graph_sizes),
+        "kv_block_size": kv_block_size,
+    }
+
+
 @contextmanager
 def serving(
     s: dict[str, Any],

@@ -33,27 +33,19 @@ from tqdm import tqdm
 
 from bench import e2e_models, provenance
 from bench.e2e_report import ttft_ratios
-from bench.e2e_serve import TTFT_CACHED_SUFFIX, TTFT_NEW_TOKENS, measure_ttft, serving
+from bench.e2e_serve import (
+    TTFT_CACHED_SUFFIX,
+    TTFT_NEW_TOKENS,
+    bench_settings,
+    measure_ttft,
+    serving,
+)
 
 GRAPH_SIZES = (1, 2, 4)
 PROPOSERS = ("off", "draft")
 GOAL_LENGTHS = (512, 4096)  # speculation's TTFT within GOAL_RATIO of the target's alone
 GOAL_RATIO = 1.1
 CONFIGS = (("target_only", "off"), ("lockstep", "draft"))
-
-
-def _settings(args: argparse.Namespace, paths: dict[str, str]) -> dict[str, Any]:
-    cpu = args.smoke
-    return {
-        "paths": paths,
-        "target_device": "cpu" if cpu else "cuda",
-        "dtype": "float32" if cpu else "bfloat16",
-        "max_slots": 4,
-        "max_seq_len": max(args.lengths) + TTFT_NEW_TOKENS + args.num_draft_tokens + 2,
-        "num_draft_tokens": args.num_draft_tokens,
-        "graph_sizes": list(GRAPH_SIZES),
-        "kv_block_size": args.kv_block_size,
-    }
 
 
 def measure(serve: Any, args: argparse.Namespace, vocab: int) -> list[dict[str, Any]]:
@@ -134,7 +126,9 @@ def main(argv: list[str] | None = None) -> int:
     if placement == "split" and gpus < 2:
         parser.error(f"the split placement needs two GPUs; this machine has {gpus}")
     paths = e2e_models.build(args.cache, args.smoke, "cpu" if args.smoke else "cuda")
-    s = _settings(args, paths)
+    max_seq_len = max(args.lengths) + TTFT_NEW_TOKENS + args.num_draft_tokens + 2
+    s = bench_settings(args.smoke, paths, 4, max_seq_len, args.num_draft_tokens, GRAPH_SIZES,
+                       args.kv_block_size)  # fmt: skip
     vocab = e2e_models.prompt_vocab(args.smoke)
     device = torch.device("cpu" if args.smoke else "cuda")
     result: dict[str, Any] = {
