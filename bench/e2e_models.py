@@ -237,7 +237,7 @@ def build(cache: Path, smoke: bool, device: str, pair: str = DEFAULT_PAIR) -> di
     for role, (name, family, spec, made) in plan(smoke, pair).items():
         # a streamed checkpoint of the default pair's draft is not the default pair's
         path = cache / (name if smoke or pair == DEFAULT_PAIR else f"{pair}-{name}")
-        record = {"spec": spec, "made": made}
+        record: dict[str, Any] = {"spec": spec, "made": made}
         if family != "LlamaConfig":
             record["family"] = family
         if not _ready(path, record):
