@@ -21,11 +21,11 @@ Steps, each phase in its own process where it holds device memory:
    concurrent streams, target-only and speculation per --serve-lengths, the client's time
    per output token and step against the hub's step time from /metrics and the Pipeline
    rows, and time to first token at each --ttft-prompt-len (with --kv-block-size, also with
-   a cached prefix) against the in-process prefill (`bench.e2e_serve`); per placement
-   (--serve-placements: both services on one GPU, "shared", and with two GPUs one each,
-   "split"), lock-step and draft-ahead rows, each
-   with its GPUs' busy fractions and, at batch 1, a timeline of what each GPU did, from the
-   services' device traces (`bench.e2e_timeline`, SPECDEC_GPU_TRACE);
+   a cached prefix), at the shortest against the in-process prefill (`bench.e2e_serve`); per
+   placement (--serve-placements: both services on one GPU, "shared", and with two GPUs one
+   each, "split"), lock-step and draft-ahead rows, each with its GPUs' busy fractions and, at
+   batch 1, a timeline of what each GPU did, from the services' device traces
+   (`bench.e2e_timeline`, SPECDEC_GPU_TRACE);
 5. if the greedy runs diverged (on a GPU), the target's logits at each first divergence,
    computed twice in a child process: replaying target-only's one-token steps and
    speculation's (k + 1)-token verify steps (`e2e_inprocess.diagnose`). The divergence is

@@ -128,19 +128,30 @@ def _hf_config(family: str, spec: dict[str, Any]) -> Any:
     return config
 
 
+def _write(family: str, spec: dict[str, Any], made: dict[str, Any], device: str, out: Path) -> None:
+    """The checkpoint's weights and tokenizer into `out`."""
+    if made.get("stream"):
+        _stream(family, spec, made, device, out)
+    else:
+        model = _random_model(family, spec, made, device)
+        model.save_pretrained(str(out))
+        del model
+    tokenizer(made.get("tokenizer_vocab", spec["vocab_size"])).save_pretrained(str(out))
+
+
 def _install(partial: Path, path: Path, record: dict[str, Any]) -> None:
-    """`partial`, complete, becomes `path`; where another process has meanwhile installed the
-    same checkpoint there, that one is kept and `partial` removed."""
-    if _ready(path, record):
-        shutil.rmtree(partial, ignore_errors=True)
-        return
-    shutil.rmtree(path, ignore_errors=True)
-    try:
+    """`partial`, complete, becomes `path`, under a lock of the cache directory; where another
+    process has meanwhile installed the same checkpoint there, that one is kept and
+    `partial` removed."""
+    import fcntl
+
+    with (path.parent / ".install.lock").open("a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if _ready(path, record):
+            shutil.rmtree(partial, ignore_errors=True)
+            return
+        shutil.rmtree(path, ignore_errors=True)  # an older or unfinished checkpoint
         partial.rename(path)
-    except OSError:  # another process installed it between the check and the rename
-        if not _ready(path, record):
-            raise
-        shutil.rmtree(partial, ignore_errors=True)
 
 
 def _free_cached(device: str) -> None:
@@ -245,15 +256,14 @@ def build(cache: Path, smoke: bool, device: str, pair: str = DEFAULT_PAIR) -> di
             # on two GPUs of one host) each write their own, and the first to finish wins
             cache.mkdir(parents=True, exist_ok=True)
             partial = Path(tempfile.mkdtemp(prefix=f"{path.name}.partial-", dir=cache))
-            if made.get("stream"):
-                _stream(family, spec, made, device, partial)
-            else:
-                model = _random_model(family, spec, made, device)
-                model.save_pretrained(str(partial))
-                del model
-            tokenizer(made.get("tokenizer_vocab", spec["vocab_size"])).save_pretrained(str(partial))
-            (partial / SPEC_FILE).write_text(json.dumps(record))
-            _install(partial, path, record)
+            partial.chmod(0o755)  # as a plain directory: mkdtemp's is its owner's alone
+            try:
+                _write(family, spec, made, device, partial)
+                (partial / SPEC_FILE).write_text(json.dumps(record))
+                _install(partial, path, record)
+            except BaseException:  # a failed or killed build leaves no half-written copy
+                shutil.rmtree(partial, ignore_errors=True)
+                raise
         paths[role] = str(path)
     if device.startswith("cuda"):
         _free_cached(device)

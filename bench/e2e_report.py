@@ -161,13 +161,17 @@ TTFT_PARTS = ("queue", "handoff", "prefill", "first_step")
 def ttft_ratios(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per (length, prefix): each speculative config's median client TTFT over the target's
     alone (the proposer "off" row of the same length and prefix)."""
-    off = {(r["prompt_len"], r["cached_prefix"]): r for r in rows if r["proposer"] == "off"}
+
+    def key(r: dict[str, Any]) -> tuple[int, bool]:  # runs before cached rows have none
+        return r["prompt_len"], r.get("cached_prefix", False)
+
+    off = {key(r): r for r in rows if r["proposer"] == "off"}
     out = []
     for r in rows:
-        base = off.get((r["prompt_len"], r["cached_prefix"]))
+        base = off.get(key(r))
         if r["proposer"] != "off" and base is not None:
             out.append({"config": r["config"], "prompt_len": r["prompt_len"],
-                        "cached_prefix": r["cached_prefix"],
+                        "cached_prefix": key(r)[1],
                         "ratio": r["client_ms_median"] / base["client_ms_median"]})  # fmt: skip
     return out
 

@@ -550,10 +550,17 @@ def ttft_prompts(config: str, n: int, i: int, vocab: int) -> tuple[list[int], li
 
 
 def ttft_one(
-    serve: Serve, prompt: list[int], proposer: str, k: int, rid: str, timeout_s: float
+    serve: Serve,
+    client: Client,
+    prompt: list[int],
+    proposer: str,
+    k: int,
+    rid: str,
+    timeout_s: float,
 ) -> dict[str, Any]:
-    """One request on an idle server: the client's call to first token, the server's parts
-    and the prompt tokens the targets' prefix caches held (/metrics)."""
+    """One request on an idle server through `client` (connected: its channel's connect is
+    not timed): the client's call to first token, the server's parts and the prompt tokens
+    the targets' prefix caches held (/metrics)."""
     params: dict[str, Any] = {
         "max_tokens": TTFT_NEW_TOKENS,
         "ignore_eos": True,
@@ -566,13 +573,12 @@ def ttft_one(
     wait_idle(serve.metrics_url)
     hits = scrape(serve.metrics_url).get(PREFIX_HITS, 0.0)
     first, timing = None, None
-    with Client(serve.address) as client:
-        start = time.perf_counter()
-        for out in client.generate(prompt, request_id=rid, **params):
-            if first is None and out.token_ids:
-                first = time.perf_counter()
-            if out.timing is not None:
-                timing = out.timing
+    start = time.perf_counter()
+    for out in client.generate(prompt, request_id=rid, **params):
+        if first is None and out.token_ids:
+            first = time.perf_counter()
+        if out.timing is not None:
+            timing = out.timing
     if first is None or timing is None:
         raise RuntimeError(f"{rid}: no token or no timing in the responses.")
     wait_idle(serve.metrics_url)  # the step reports that count the hits have arrived
@@ -600,16 +606,17 @@ def measure_ttft(
     then a turn resending its start (`ttft_prompts`). A row per (config, length, prefix): the
     medians over the timed rounds."""
     samples: dict[tuple[str, str, int, bool], list[dict[str, Any]]] = {}
-    for n in lengths:
-        for i in range(repeats + 1):  # round 0 is the warm-up
-            for config, proposer in configs:
-                fresh, turn = ttft_prompts(config, n, i, vocab)
-                for hit, prompt in ((False, fresh), (True, turn))[: 2 if cached else 1]:
-                    rid = f"ttft-{config}-{n}-{'cached' if hit else 'fresh'}-{i}"
-                    one = ttft_one(serve, prompt, proposer, k, rid, timeout_s)
-                    if i:
-                        samples.setdefault((config, proposer, n, hit), []).append(one)
-            tick(1)
+    with Client(serve.address) as client:  # one channel, connected by the first warm-up
+        for n in lengths:
+            for i in range(repeats + 1):  # round 0 is the warm-up
+                for config, proposer in configs:
+                    fresh, turn = ttft_prompts(config, n, i, vocab)
+                    for hit, prompt in ((False, fresh), (True, turn))[: 2 if cached else 1]:
+                        rid = f"ttft-{config}-{n}-{'cached' if hit else 'fresh'}-{i}"
+                        one = ttft_one(serve, client, prompt, proposer, k, rid, timeout_s)
+                        if i:
+                            samples.setdefault((config, proposer, n, hit), []).append(one)
+                tick(1)
     rows = []
     for (config, proposer, n, hit), got in samples.items():
         rows.append({

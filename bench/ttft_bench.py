@@ -9,8 +9,9 @@ length N and each of --repeats + 1 rounds (the first is a warm-up, not reported)
 in turn (off: the target alone; draft: lock-step speculation with synthetic acceptance,
 BENCHMARKING ONLY) sends:
   uncached: N random tokens no request sent before;
-  cached:   the uncached prompt's first N - 64 tokens, then 64 new ones (a chat turn
-            resending its history), so its start is in the prefix cache.
+  cached:   (paged KV only: slots cache no prefix) the uncached prompt's first N - 64
+            tokens, then 64 new ones (a chat turn resending its history), so its start is in
+            the prefix cache.
 The rounds are the system benchmark's (`e2e_serve.measure_ttft`), on one serve start.
 Reported per (N, proposer, cached): the median over rounds of the client's time from the call
 to the first token, the server's TTFT, and its parts (queue, hand-off = admission less the
@@ -53,7 +54,8 @@ def measure(serve: Any, args: argparse.Namespace, vocab: int) -> list[dict[str, 
     bar = tqdm(total=len(args.lengths) * (args.repeats + 1), desc="TTFT rounds", unit="round")
     with bar:
         return measure_ttft(serve, CONFIGS, args.lengths, args.repeats, args.num_draft_tokens,
-                            vocab, args.timeout_s, cached=True, tick=bar.update)  # fmt: skip
+                            vocab, args.timeout_s, cached=bool(args.kv_block_size),
+                            tick=bar.update)  # fmt: skip
 
 
 def ratios(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:

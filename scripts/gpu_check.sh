@@ -14,8 +14,9 @@
 #   bash scripts/gpu_check.sh [--out DIR] [--skip-bench | --skip-tests] [pytest args...]
 #
 # --skip-bench and --skip-tests run one half each, e.g. the two halves at once on disjoint
-# GPUs of one host (CUDA_VISIBLE_DEVICES=0,1 and =2,3, each with its own RAY_TMPDIR); the check
-# is both logs passing.
+# GPUs of one host (CUDA_VISIBLE_DEVICES=0,1 and =2,3, each with its own --out DIR, since both
+# name their log after the GPUs, and its own RAY_TMPDIR); the check is both logs passing.
+# pytest args apply to the tests half only.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=bench/results
@@ -29,6 +30,10 @@ while [[ $# -gt 0 ]]; do
         *) break ;;
     esac
 done
+if [[ $bench -eq 0 && $tests -eq 0 ]]; then
+    echo "gpu_check: --skip-bench and --skip-tests leave nothing to run." >&2
+    exit 2
+fi
 if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
     echo "gpu_check: no NVIDIA GPU here (nvidia-smi -L fails); run it on a GPU machine." >&2
     exit 2
@@ -55,10 +60,6 @@ fi
     echo "date $(date -u +%FT%TZ); $gpus x $(nvidia-smi --query-gpu=name,driver_version --format=csv,noheader -i "${first:-0}")${visible:+ (CUDA_VISIBLE_DEVICES=$visible)}"
     python3 -c 'import torch, triton, grpc; print(f"torch {torch.__version__}, triton {triton.__version__}, grpcio {grpc.__version__}")'
 } >"$log"
-if [[ $bench -eq 0 && $tests -eq 0 ]]; then
-    echo "gpu_check: --skip-bench and --skip-tests leave nothing to run." >&2
-    exit 2
-fi
 status=0
 summary="not run (--skip-tests)"
 if [[ $tests -eq 1 ]]; then

@@ -104,3 +104,25 @@ def test_a_build_that_finishes_while_another_writes_leaves_its_files_alone(
         assert (Path(path) / e2e_models.SPEC_FILE).is_file()
         assert any(Path(path).glob("*.safetensors"))
     assert not list(cache.glob("*.partial*"))
+
+
+def test_a_failed_build_leaves_nothing_half_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A build that fails (or is killed) removes its own directory: a 32B build left behind
+    would fill a device machine's disk."""
+    cache = tmp_path / "cache"
+
+    def broken(vocab: int) -> object:
+        raise OSError("disk full")
+
+    monkeypatch.setattr(e2e_models, "tokenizer", broken)
+    with pytest.raises(OSError, match="disk full"):
+        e2e_models.build(cache, True, "cpu")
+    assert [p.name for p in cache.iterdir() if not p.name.startswith(".")] == []
+
+
+def test_installed_checkpoints_are_readable_by_others(tmp_path: Path) -> None:
+    """The default cache is shared under /tmp: a checkpoint is not its builder's alone."""
+    for path in e2e_models.build(tmp_path / "cache", True, "cpu").values():
+        assert Path(path).stat().st_mode & 0o755 == 0o755

@@ -288,3 +288,16 @@ def test_the_report_gives_each_draft_ahead_window_its_hit_rate_and_backups() -> 
     assert "split ahead_h0.8_L3 batch 8: hit rate 0.75 of 40 asks, 6 backups" in text
     assert "target_only" not in text and "lockstep" not in text
     assert e2e_report._ahead_lines({"serve": {"rows": [row("target_only", idle)]}}) == []
+
+
+def test_committed_results_render_again() -> None:
+    """`e2e_bench --report` on results of earlier runs, whose TTFT rows predate the cached
+    prefix and whose settings predate several TTFT lengths."""
+    results = Path(__file__).resolve().parents[2] / "bench" / "results"
+    rendered = 0
+    for name in ("e2e_NVIDIA_H200.json", "e2e_runs/paged16_150a954_NVIDIA_H100_x2.json",
+                 "e2e_runs/tp32_ba3354d_NVIDIA_H100_x3.json"):  # fmt: skip
+        text = e2e_report.markdown(json.loads((results / name).read_text()))
+        assert "Time to first token" in text and "| none |" in text
+        rendered += 1
+    assert rendered == 3
