@@ -132,11 +132,18 @@ def test_a_q_other_than_the_one_drawn_from_is_rejected(
 
 
 def test_greedy_output_is_target_only_greedy(served: Served) -> None:
-    prompts = [[*CASE.prompt, 3 + i] for i in range(64)]  # 64 different continuations
-    before = _total(served.orchestrator, "specdec:draft_ahead_hits_total")
-    drafted = asyncio.run(_generate(served.address, prompts, 0.0, "draft"))
-    hits = _total(served.orchestrator, "specdec:draft_ahead_hits_total") - before
-    alone = asyncio.run(_generate(served.address, prompts, 0.0, "off"))
-    assert len({tuple(row) for row in alone.tolist()}) > 32, "too few distinct outputs"
+    """Rounds of 64 prompts (64 different continuations each) until at least 50 greedy asks
+    were answered from chains, at most 4: how many a round gets depends on the CPU's load (a
+    request runs at k = 0 until the draft has admitted it; one CI run got 44 from one round).
+    Every round's output equals target-only greedy."""
+    hits, rounds = 0.0, 0
+    while hits < 50 and rounds < 4:
+        prompts = [[*CASE.prompt, 3 + i, 5 + rounds] for i in range(64)]
+        before = _total(served.orchestrator, "specdec:draft_ahead_hits_total")
+        drafted = asyncio.run(_generate(served.address, prompts, 0.0, "draft"))
+        hits += _total(served.orchestrator, "specdec:draft_ahead_hits_total") - before
+        alone = asyncio.run(_generate(served.address, prompts, 0.0, "off"))
+        assert len({tuple(row) for row in alone.tolist()}) > 32, "too few distinct outputs"
+        assert np.array_equal(drafted, alone), f"round {rounds}"
+        rounds += 1
     assert hits >= 50, f"draft-ahead answered only {hits:.0f} greedy asks from chains"
-    assert np.array_equal(drafted, alone)
