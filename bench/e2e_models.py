@@ -154,7 +154,7 @@ def _install(partial: Path, path: Path, record: dict[str, Any]) -> None:
         partial.rename(path)
 
 
-def _free_cached(device: str) -> None:
+def _free_cached() -> None:
     """The blocks the build left in this process's caching allocator given back: a caller
     that goes on to start the services on this GPU (chunked_prefill_bench, ttft_bench) found
     15 GiB of it held by the 8B's build, and the services ran out of memory."""
@@ -266,5 +266,5 @@ def build(cache: Path, smoke: bool, device: str, pair: str = DEFAULT_PAIR) -> di
                 raise
         paths[role] = str(path)
     if device.startswith("cuda"):
-        _free_cached(device)
+        _free_cached()
     return paths

@@ -349,22 +349,18 @@ def _serve(result: dict[str, Any]) -> list[str]:
     ]
     for t in serve["ttft"]:
         cached = t.get("cached_prefix", False)  # absent from runs before cached rows
+        # a cached prefix's request prefills less than the in-process whole prompt: no column
         prefill = None if cached else prefill_ms(result, t["prompt_len"])
         ratio = f"{t['client_ms_median'] / prefill:.2f}" if prefill else "-"
         parts = t.get("parts_ms_median")  # absent from runs before the split was reported
         split = " / ".join(_f(parts[p]) for p in TTFT_PARTS) if parts else "-"
-        target = result["inprocess_ms"]["target"]
-        piped = target.get(f"prefill_pipelined,{t['prompt_len']}")
-        idle = target.get(f"prefill_idle,{t['prompt_len']}")
-        shown = (_f(prefill) if prefill else "-") + (f" ({_f(piped)})" if piped else "")
-        shown += f"; idle {_f(idle)}" if idle else ""
-        shown = "-" if cached else shown  # the whole prompt's prefill: not this request's
+        shown = "-" if cached else _prefill_shown(result, t["prompt_len"], prefill)
         prefix = f"cached ({t['prefix_hit_tokens_min']} tokens found)" if cached else "none"
         lines.append(
             f"| {t['config']} | {t['prompt_len']} | {prefix} | {_f(t['client_ms_median'])} "
             f"| {_f(t['server_ms_median'])} | {shown} | {ratio} | {split} |"
         )
-    ratios = ttft_ratios(serve["ttft"]) if "proposer" in (serve["ttft"] or [{}])[0] else []
+    ratios = ttft_ratios(serve["ttft"])
     if ratios:
         lines += ["", "Speculation's TTFT over the target's alone (client medians): " + "; ".join(
             f"{r['config']} {r['prompt_len']} tokens"
@@ -372,6 +368,16 @@ def _serve(result: dict[str, Any]) -> list[str]:
             for r in ratios
         ) + "."]  # fmt: skip
     return lines
+
+
+def _prefill_shown(result: dict[str, Any], n: int, prefill: float | None) -> str:
+    """The in-process prefill of an n-token prompt as the TTFT table shows it: one call, in
+    brackets back-to-back calls' mean, then one call after idling, where measured."""
+    target = result["inprocess_ms"]["target"]
+    piped = target.get(f"prefill_pipelined,{n}")
+    idle = target.get(f"prefill_idle,{n}")
+    shown = (_f(prefill) if prefill else "-") + (f" ({_f(piped)})" if piped else "")
+    return shown + (f"; idle {_f(idle)}" if idle else "")
 
 
 def _stand_in(serve: dict[str, Any]) -> list[str]:

@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import signal
 import statistics
 import subprocess
 import sys
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -543,10 +543,9 @@ def ttft_prompts(config: str, n: int, i: int, vocab: int) -> tuple[list[int], li
     """Round `i`'s prompts of `n` tokens for `config`: a fresh one, of this config's own (another
     config's would be in a paged target's prefix cache), and a turn that resends its first
     n - TTFT_CACHED_SUFFIX tokens with new ones after them (a cached prefix)."""
-    rng = random.Random(f"ttft/{config}/{n}/{i}")
-    fresh = [rng.randrange(1, vocab) for _ in range(n)]
+    fresh, other = prompts(2, n, vocab, zlib.crc32(f"ttft/{config}/{n}/{i}".encode()))
     suffix = min(TTFT_CACHED_SUFFIX, n - 1)
-    return fresh, fresh[: n - suffix] + [rng.randrange(1, vocab) for _ in range(suffix)]
+    return fresh, fresh[: n - suffix] + other[:suffix]
 
 
 def ttft_one(

@@ -32,7 +32,15 @@ import torch
 from tqdm import tqdm
 
 from bench import provenance
-from bench.e2e_serve import Serve, scrape, serving, streaming, wait_idle, wait_until
+from bench.e2e_serve import (
+    Serve,
+    bench_settings,
+    scrape,
+    serving,
+    streaming,
+    wait_idle,
+    wait_until,
+)
 from orchestrator.demo.budget import DemoBudget, LlamaShape
 from orchestrator.demo.models import build_demo_models, cache_root, is_heldout, source_files
 from orchestrator.demo.training import heldout_prompts
@@ -55,17 +63,12 @@ def budget_for(args: argparse.Namespace) -> DemoBudget:
 
 
 def _settings(args: argparse.Namespace, pair: Any, budget: DemoBudget) -> dict[str, Any]:
-    cpu = args.device == "cpu"
-    return {
-        "paths": {"target": str(pair.target), "draft": str(pair.draft)},
-        "target_device": args.device,
-        "dtype": "float32" if cpu else "bfloat16",
-        "max_slots": max(args.batches),
-        "max_seq_len": budget.seq_len,
-        "num_draft_tokens": args.num_draft_tokens,
-        "graph_sizes": sorted({b for b in (1, 2, 4, 8, 16, 32) if b <= max(args.batches)}),
-        "draft_ahead": args.draft_ahead,
-    }
+    paths = {"target": str(pair.target), "draft": str(pair.draft)}
+    slots = max(args.batches)
+    graphs = [b for b in (1, 2, 4, 8, 16, 32) if b <= slots]
+    s = bench_settings(args.device == "cpu", paths, slots, budget.seq_len,
+                       args.num_draft_tokens, graphs, 0)  # fmt: skip
+    return s | {"draft_ahead": args.draft_ahead}
 
 
 def _delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
