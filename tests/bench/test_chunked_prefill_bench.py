@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from bench import chunked_prefill_bench
+from bench.e2e_serve import Stream
 
 
 def test_smoke_reports_each_chunk_size(tmp_path: Path) -> None:
@@ -20,6 +21,8 @@ def test_smoke_reports_each_chunk_size(tmp_path: Path) -> None:
     for row in r["rows"].values():
         assert row["ttft_ms"] > 0 and row["during"]["p50_ms"] > 0 and row["before"]["p50_ms"] > 0
         assert row["during"]["p99_ms"] >= row["during"]["p50_ms"]
+        ratio = row["during"]["p99_ms"] / row["before"]["p50_ms"]
+        assert row["p99_during_over_p50_before"] == pytest.approx(ratio)
     # chunked, the streams step while the prompt is prefilled: more of their responses then
     assert r["rows"]["64"]["responses_during"] > r["rows"]["0"]["responses_during"]
     assert "--prefill-chunk-tokens" in (out / "chunked_prefill_cpu.md").read_text()
@@ -28,3 +31,15 @@ def test_smoke_reports_each_chunk_size(tmp_path: Path) -> None:
 def test_bad_flags_are_refused(tmp_path: Path) -> None:
     with pytest.raises(SystemExit):
         chunked_prefill_bench.main(["--smoke", "--out", str(tmp_path), "--chunks", "-1"])
+
+
+def test_windows_count_the_stalled_response_and_skip_the_warm_up() -> None:
+    """A whole prefill from t = 10 to 13 stalls a stream: its response at 13.01 (a 3 s wait)
+    arrived after the long prompt's first token (13) and is still "during"; the baseline
+    leaves out the warm-up's slow responses and the one in flight at the arrival."""
+    times = [0.0, 5.0, 9.0, 9.5, 9.6, 9.7, 13.01, 13.02]
+    rec = Stream(times=times, tokens=[1] * len(times))
+    during = chunked_prefill_bench._gaps([rec], 10.0, 13.0)
+    assert during == pytest.approx([3310.0])
+    before = chunked_prefill_bench._gaps([rec], 0.0, 10.0, skip=4, whole=True)  # warm-up: 3
+    assert before == pytest.approx([100.0, 100.0])  # 9.5 -> 9.6 -> 9.7; not 9 -> 9.5 nor 9.7 -> 13

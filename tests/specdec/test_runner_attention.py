@@ -9,7 +9,7 @@ from specdec.runner.decode_attention import (
     decode_attention_reference,
     num_splits,
 )
-from tests.specdec._runner_models import hf_model
+from tests.specdec._runner_models import FAMILIES, hf_model
 from tests.specdec.test_runner_parity import assert_ragged_then_graph_step, make_runner
 
 # ‖out - ref‖ / ‖ref‖ against the float64 reference, per input dtype (fp32: IEEE dots)
@@ -89,3 +89,27 @@ def test_kernel_path_matches_transformers() -> None:
     runner = make_runner(model)
     runner._backend._kernel = True  # type: ignore[union-attr]  # CUDA-only path, interpreted
     assert_ragged_then_graph_step(model, runner)
+
+
+def test_mask_path_never_runs_cudnn_attention(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every SDPA call of a forward (prefill, ragged and equal steps) runs with cuDNN's backend
+    off: cuDNN builds an execution plan per new shape, seconds for a long prompt the first time
+    (attention.SDPA_BACKENDS), and served prompts have every length. The global flag is as it
+    was afterwards."""
+    from specdec.runner import ForwardItem, attention
+
+    seen: list[bool] = []
+    sdpa = attention.F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append(torch.backends.cuda.cudnn_sdp_enabled())
+        return sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(attention.F, "scaled_dot_product_attention", spy)
+    before = torch.backends.cuda.cudnn_sdp_enabled()
+    runner = make_runner(hf_model(next(iter(FAMILIES))))
+    runner.add_request("a")
+    runner.forward([ForwardItem("a", list(range(1, 30)), 1)])
+    runner.graph_step(["a"], torch.tensor([[5, 6]]))
+    assert seen and not any(seen), seen
+    assert torch.backends.cuda.cudnn_sdp_enabled() == before
