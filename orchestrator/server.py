@@ -359,6 +359,7 @@ class Orchestrator:
         if self._stopped.is_set():
             return
         self._stopped.set()
+        self.placement.stopping.set()  # a pair that dies now is not restarted
         self.server.set_serving(False)  # gRPC health; HTTP /health follows `frontend.serving`
         self.frontend.serving = False
         drain = self.config.drain_s if drain_s is None else drain_s

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 import traceback
 from collections.abc import Mapping, Sequence
@@ -227,6 +228,8 @@ class Placement:
         self.pairs: list[PairPlacement] = []
         self._groups: list[PlacementGroup] = []
         self._actors: list[Any] = []
+        # set when the orchestrator begins its stop: a service that died is not waited for
+        self.stopping = threading.Event()
 
     @property
     def services_per_pair(self) -> int:
@@ -313,13 +316,21 @@ class Placement:
         return pair.target_address, pair.target_info
 
     def _wait(self, actor: Any, role: str, index: int) -> tuple[str, ModelInfo]:
-        """Asks `actor` until it answers; RuntimeError after `restart_timeout_s`."""
+        """Asks `actor` until it answers; RuntimeError after `restart_timeout_s`, once the stop
+        has begun, or once Ray is no longer initialised. Without that last check, a call
+        after a SIGTERM to every process of a systemd unit (Ray's GCS and raylet stopped under
+        this process) started a new local Ray cluster from this thread (Ray's auto-init), and
+        Ray's core worker then aborted the process."""
         timeout = self.config.restart_timeout_s
         deadline = time.monotonic() + timeout
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 raise RuntimeError(f"pair {index}'s {role} did not come back within {timeout:g} s.")
+            if self.stopping.is_set():
+                raise RuntimeError(f"pair {index}'s {role} is not waited for: serve is stopping.")
+            if not ray.is_initialized():
+                raise RuntimeError(f"pair {index}'s {role} cannot come back: Ray has stopped.")
             try:
                 address, info = ray.get(actor.info.remote(), timeout=remaining)
             except ServiceStartError as e:
@@ -328,15 +339,19 @@ class Placement:
                 ) from None
             except (RayActorError, GetTimeoutError) as e:
                 log.info("pair %d: %s not back yet (%s)", index, role, type(e).__name__)
-                time.sleep(RETRY_S)
+                self.stopping.wait(RETRY_S)
                 continue
             return address, info
 
     def stop(self, grace_s: float) -> None:
         """Stops every service (grace for in-flight calls), then frees actors and groups."""
+        self.stopping.set()
         actors, self._actors = self._actors, []
         if not actors and not self._groups:
             return  # nothing placed (ray.get would start a cluster just to return)
+        if not ray.is_initialized():  # Ray is gone, and its actors with it: a call would start
+            self._groups, self.pairs = [], []  # a new cluster (Ray's auto-init) to no purpose
+            return
         try:
             ray.get([a.stop.remote(grace_s) for a in actors], timeout=grace_s + 10.0)
         except Exception as e:  # a dead or never started actor has nothing left to stop

@@ -43,7 +43,8 @@ def is_child() -> bool:
 def child_env(log_level: str) -> dict[str, str]:
     """The orchestrator's environment: this package importable as here (a source tree is put
     on PYTHONPATH; an installed one is found as usual), the parent named,
-    grpc core's INFO lines off unless DEBUG (or the user set GRPC_VERBOSITY)."""
+    grpc core's INFO lines off unless DEBUG (or the user set GRPC_VERBOSITY), and Ray's
+    auto-init off (RAY_ENABLE_AUTO_CONNECT=0, unless the user set it)."""
     env = os.environ | {PARENT_ENV: str(os.getpid())}
     root = Path(orchestrator.__file__).resolve().parents[1]  # the tree that holds the package
     installed = {Path(p).resolve() for p in (*site.getsitepackages(), site.getusersitepackages())}
@@ -52,6 +53,9 @@ def child_env(log_level: str) -> dict[str, str]:
         env["PYTHONPATH"] = f"{root}{os.pathsep}{path}" if path else str(root)
     if logging.getLevelName(log_level.upper()) != logging.DEBUG:
         env.setdefault("GRPC_VERBOSITY", "ERROR")
+    # no Ray call starts a cluster of its own: the orchestrator starts or joins one explicitly,
+    # and a call made after its cluster was stopped from outside must fail, not start another
+    env.setdefault("RAY_ENABLE_AUTO_CONNECT", "0")
     return env
 
 

@@ -311,3 +311,52 @@ def test_a_service_that_fails_to_start_is_one_line(
     debug = [r.getMessage() for r in caplog.records if r.levelno == logging.DEBUG]
     assert any("Traceback" in line and "has no config.json" in line for line in debug)
     assert not [r for r in caplog.records if r.levelno > logging.DEBUG and "Traceback" in r.msg]
+
+
+def test_a_dead_service_is_not_waited_for_once_the_stop_begins(
+    cluster: None, tmp_path: Path
+) -> None:
+    """A service that dies during the stop is not restarted: the wait for it ends at once
+    (it would otherwise ask Ray for restart_timeout_s, here 20 s)."""
+    placement = place(tmp_path, 1, PlacementConfig(pairs=1, restart_timeout_s=20.0))
+    try:
+        pair = placement.pairs[0]
+        assert pair.draft is not None
+        ray.kill(pair.draft, no_restart=True)
+        placement.stopping.set()
+        start = time.monotonic()
+        with pytest.raises(RuntimeError, match="is not waited for: serve is stopping"):
+            placement.wait_draft(pair)
+        assert time.monotonic() - start < 2.0
+    finally:
+        placement.stop(0.0)
+
+
+def test_no_wait_calls_ray_once_ray_has_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """After a SIGTERM to every process of a systemd unit, Ray's GCS and raylet are gone and
+    Ray is no longer initialised here: a call then would start a new local cluster (Ray's
+    auto-init), after which Ray's core worker aborted the process. The wait and the stop
+    make none."""
+
+    def no_call(*args: object, **kwargs: object) -> None:
+        raise AssertionError("a Ray call after Ray stopped")
+
+    monkeypatch.setattr(placement_module.ray, "is_initialized", lambda: False)
+    for name in ("get", "kill"):
+        monkeypatch.setattr(placement_module.ray, name, no_call)
+    config = PlacementConfig(pairs=1, restart_timeout_s=30.0)
+    placement = Placement(config, services(tmp_path), StandIn)  # type: ignore[arg-type]
+
+    class Gone:
+        class info:  # an actor method's handle
+            @staticmethod
+            def remote() -> None:
+                raise AssertionError("a Ray call after Ray stopped")
+
+    with pytest.raises(RuntimeError, match="cannot come back: Ray has stopped"):
+        placement._wait(Gone(), "target", 0)
+    placement._actors = [Gone()]
+    placement.stop(1.0)  # returns without a call
+    assert placement.stopping.is_set() and placement._actors == []

@@ -30,3 +30,14 @@ def test_an_abort_during_a_forwarded_stop_is_exit_1_with_the_reason(
     assert stop_code(-signal.SIGABRT, True) == 1
     err = capsys.readouterr().err
     assert "aborted during the stop" in err and "raylet" in err and "Exit code 1" in err
+
+
+def test_the_orchestrator_runs_with_ray_s_auto_init_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Ray call made after the cluster was stopped from outside must fail, not start a new
+    local cluster (which Ray's core worker then aborted); the user's own setting wins."""
+    from orchestrator.launch.supervisor import child_env
+
+    monkeypatch.delenv("RAY_ENABLE_AUTO_CONNECT", raising=False)
+    assert child_env("INFO")["RAY_ENABLE_AUTO_CONNECT"] == "0"
+    monkeypatch.setenv("RAY_ENABLE_AUTO_CONNECT", "1")
+    assert child_env("INFO")["RAY_ENABLE_AUTO_CONNECT"] == "1"
