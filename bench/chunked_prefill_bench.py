@@ -167,15 +167,16 @@ def main(argv: list[str] | None = None) -> int:
         "settings": vars(args) | {"out": str(args.out), "cache": str(args.cache)},
         "rows": {},
     }
+    args.out.mkdir(parents=True, exist_ok=True)
     for chunk in tqdm(args.chunks, desc="chunk sizes", unit="size"):
         length = 3.0 if args.proposer == "draft" else None  # BENCHMARKING ONLY
         extra = ["--prefill-chunk-tokens", str(chunk)]
         with serving(s, length, log_dir, args.timeout_s, extra=extra,
                      name=f"serve_chunk{chunk}") as serve:  # fmt: skip
             result["rows"][str(chunk)] = measure(serve, args, vocab)
-    args.out.mkdir(parents=True, exist_ok=True)
-    provenance.save(args.out / f"chunked_prefill_{provenance.device_name(device)}", result,
-                    report(result))  # fmt: skip
+        # after each chunk size: a run cut by a time limit keeps the rows it measured
+        provenance.save(args.out / f"chunked_prefill_{provenance.device_name(device)}", result,
+                        report(result))  # fmt: skip
     return 0
 
 

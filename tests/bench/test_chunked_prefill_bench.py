@@ -2,6 +2,7 @@
 per chunk size, with the running streams' time per token before and during the long prompt's
 prefill and its time to first token; bad flags refused."""
 
+import contextlib
 import json
 from pathlib import Path
 
@@ -43,3 +44,28 @@ def test_windows_count_the_stalled_response_and_skip_the_warm_up() -> None:
     assert during == pytest.approx([3310.0])
     before = chunked_prefill_bench._gaps([rec], 0.0, 10.0, skip=4, whole=True)  # warm-up: 3
     assert before == pytest.approx([100.0, 100.0])  # 9.5 -> 9.6 -> 9.7; not 9 -> 9.5 nor 9.7 -> 13
+
+
+def test_a_cut_run_keeps_the_rows_it_measured(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each chunk size's row is written as soon as it is measured: a run stopped during the
+    second (a time limit's SIGTERM) leaves the first in the JSON and the report."""
+    calls = []
+
+    def measure(serve, args, vocab):
+        calls.append(serve)
+        if len(calls) == 2:
+            raise KeyboardInterrupt("signal 15")
+        return {"ttft_ms": 12.5, "responses_during": 3}
+
+    monkeypatch.setattr(chunked_prefill_bench, "serving",
+                        lambda *a, **k: contextlib.nullcontext("serve"))  # fmt: skip
+    monkeypatch.setattr(chunked_prefill_bench, "measure", measure)
+    out = tmp_path / "out"
+    argv = ["--smoke", "--out", str(out), "--cache", str(tmp_path / "c"), "--chunks", "0", "64"]
+    with pytest.raises(KeyboardInterrupt):
+        chunked_prefill_bench.main(argv)
+    r = json.loads((out / "chunked_prefill_cpu.json").read_text())
+    assert r["rows"] == {"0": {"ttft_ms": 12.5, "responses_during": 3}}
+    assert "| 0 | 12.5 |" in (out / "chunked_prefill_cpu.md").read_text()
