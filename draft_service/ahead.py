@@ -136,11 +136,29 @@ def synthetic_hit(
     `rate` (a hash of request and step, so reruns agree), else the verdict itself. The drafts
     then do not follow the committed tokens; only a synthetic acceptance test, which ignores
     them, may be served so."""
-    digest = hashlib.blake2b(f"{request_id}:{step}".encode(), digest_size=8).digest()
-    if int.from_bytes(digest, "little") / 2**64 >= rate:
+    if not synthetic_any(request_id, step, rate):
         return verdict
     same_count = [key for key in chains if len(key) == len(verdict)]
     return same_count[0] if same_count else verdict
+
+
+def synthetic_any(request_id: str, step: int, rate: float) -> bool:
+    """BENCHMARKING ONLY: whether `synthetic_hit` serves this ask a chain of its verdict's
+    accepted count whatever the verdict's tokens (a hash of request and step below `rate`)."""
+    digest = hashlib.blake2b(f"{request_id}:{step}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64 < rate
+
+
+def synthetic_any_keys(chains: dict[tuple[int, ...], Chain], request_id: str, step: int,
+                       rate: float) -> set[tuple[int, ...]]:  # fmt: skip
+    """BENCHMARKING ONLY: the keys of the chains that `synthetic_hit` serves to an ask of this
+    step whatever its verdict's tokens: the first of each length, if the hash says so."""
+    if not synthetic_any(request_id, step, rate):
+        return set()
+    first: dict[int, tuple[int, ...]] = {}
+    for key in chains:
+        first.setdefault(len(key), key)
+    return set(first.values())
 
 
 EWMA_WEIGHT = 0.1  # of each new measurement in BackupChoice's averages

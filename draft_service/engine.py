@@ -65,6 +65,21 @@ class Proposal:
     ahead_backups: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class Push:
+    """Chains drafted ahead, sent before the asks they answer: `block` has one entry per
+    chain; `keys[i]` is the verdict (new_token_ids) entry i assumed; `any_verdict[i]`
+    (BENCHMARKING ONLY, a synthetic hit rate) says it answers every verdict of that length."""
+
+    block: DraftBlock
+    keys: list[tuple[int, ...]]
+    any_verdict: list[bool]
+
+
+def _split_q(q: DraftQ) -> tuple[DenseQ | None, SparseQ | None]:
+    return (q if isinstance(q, DenseQ) else None), (q if isinstance(q, SparseQ) else None)
+
+
 class DraftEngine:
     """Per-request state plus the proposer; one lock serialises blocks and passes ahead."""
 
@@ -357,6 +372,43 @@ class DraftEngine:
             forms, list(chain.from_iterable(ids)),
             q if isinstance(q, DenseQ) else None, q if isinstance(q, SparseQ) else None,
         )  # fmt: skip
+
+    def pushed(self, request_ids: Sequence[str]) -> Push | None:
+        """Every chain drafted ahead for these requests, as one block for the step after the
+        one just proposed, with the verdict each assumed (None if there is none): what the
+        next ask with that verdict is answered with (`AheadPass.take_chain`), sent before it
+        so that the target can verify it without asking (ProposeBlock.push_chains)."""
+        with self._lock:
+            rids: list[str] = []
+            steps, committed, ids, forms, rows = [], [], [], [], []
+            keys: list[tuple[int, ...]] = []
+            anyone: list[bool] = []
+            form = Q_SPARSE if self.config.q_form == "sparse" else Q_DENSE
+            rate = self.config.synthetic_hit_rate
+            for rid in dict.fromkeys(request_ids):
+                req = self._requests.get(rid)
+                if req is None or not req.chains:
+                    continue
+                synthetic: set[tuple[int, ...]] = set()
+                if rate is not None:  # BENCHMARKING ONLY
+                    synthetic = ahead.synthetic_any_keys(req.chains, rid, req.chains_step, rate)
+                for key, c in req.chains.items():
+                    rids.append(rid)
+                    steps.append(req.chains_step)
+                    committed.append(len(req.tokens) + len(key))
+                    ids.append(c.tokens)
+                    forms.append(Q_NONE if c.q is None else form)
+                    if c.q is not None:
+                        rows.append(c.q)
+                    keys.append(key)
+                    anyone.append(key in synthetic)
+            if not rids:
+                return None
+            block = DraftBlock.build(
+                rids, steps, committed, [len(t) for t in ids], forms,
+                list(chain.from_iterable(ids)), *_split_q(q_from_rows(rows)),
+            )  # fmt: skip
+            return Push(block, keys, anyone)
 
     def draft_ahead(self, request_ids: Sequence[str]) -> int:
         """Called between a proposal and the next ask, while the target verifies: catches up

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import struct
 import time
 from collections.abc import Iterator
 
 import grpc
 
-from draft_service.engine import DraftEngine
+from draft_service.engine import DraftEngine, Push
 from specdec.pb import draft_pb2, draft_pb2_grpc
 from specdec.serving.lifecycle import LifecycleServicer, step_timing
 from specdec.serving.messages import ErrorReason, ProposeEntry, RequestError
@@ -50,3 +51,16 @@ class DraftServicer(LifecycleServicer, draft_pb2_grpc.DraftServiceServicer):
             yield response
             # the target verifies this block meanwhile: draft its likely successors
             self.engine.draft_ahead(proposal.block.request_ids)
+            if block.push_chains:  # and send them before they are asked for
+                push = self.engine.pushed(proposal.block.request_ids)
+                if push is not None:
+                    yield _push_pb(push)
+
+
+def _push_pb(push: Push) -> draft_pb2.ProposeResponse:
+    keys = [t for key in push.keys for t in key]
+    return draft_pb2.ProposeResponse(
+        block=push.block.to_pb(), pushed=True, verdict_lengths=[len(k) for k in push.keys],
+        verdict_token_ids=struct.pack(f"<{len(keys)}i", *keys),
+        any_verdict_of_length=push.any_verdict,
+    )  # fmt: skip

@@ -116,6 +116,9 @@ class ServiceConfig:
     # the hub's deadline for each Propose: past it the step goes on at k = 0 and the draft is
     # resynchronised once it answers again (TargetConfig.draft_deadline_s)
     draft_deadline_s: float = 0.3
+    # with draft-ahead: the hub takes the chains the draft pushes before its asks
+    # (TargetConfig.draft_push_chains)
+    draft_push_chains: bool = True
     # with draft-ahead: Saguaro sampling's scale of the draft's top tokens (DraftConfig), 1 = off
     saguaro_scale: float = 1.0
     # BENCHMARKING ONLY: the target's acceptance test replaced by a synthetic mean acceptance

@@ -122,6 +122,7 @@ def target_config(args: argparse.Namespace) -> TargetConfig:
         draft_address=args.draft_address,
         draft_wait_s=args.draft_wait_s,
         draft_deadline_s=args.draft_deadline_ms / 1e3,
+        draft_push_chains=args.draft_push_chains,
         draft_tls_root_cert=args.draft_tls_root_cert,
         draft_tls_server_name=args.draft_tls_server_name,
         draft_tls_client_cert=args.draft_tls_client_cert,

@@ -35,6 +35,10 @@ class TargetConfig:
     # recent round trip, where longer) is given up: the step goes on at k = 0 and the draft is
     # resynchronised once it answers again (target_service.hub_draft).
     draft_deadline_s: float = 0.3
+    # Take the chains a draft drafting ahead pushes before they are asked for: where every
+    # verdict of a step has one, the next verify starts without waiting for the draft's answer
+    # (target_service.hub_draft.DraftSide.from_push).
+    draft_push_chains: bool = True
     # TLS of the hub's channel to its draft: the CA (PEM) it trusts and, since the draft
     # listens on a node IP, the name it checks in the draft's certificate. Plaintext if None.
     draft_tls_root_cert: Path | None = None

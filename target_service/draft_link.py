@@ -14,9 +14,11 @@ answers late is ever read; `probe` then tells when the service answers again.
 from __future__ import annotations
 
 import contextlib
+import queue
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import grpc
 
@@ -123,9 +125,66 @@ class PendingAdmits:
         return out
 
 
+_END = object()  # the Propose stream's requests end
+
+
+class _PushStream:
+    """The Propose stream of a hub that takes pushed chains (ProposeBlock.push_chains): a
+    thread of its own reads every message the draft sends into a queue, so that a push that
+    has arrived can be looked at without waiting (`poll`), and an answer is waited for with a
+    deadline (`next`). The read side's failure (an RpcError, or the stream's end) is queued
+    as the last item."""
+
+    def __init__(self, method: Callable[[Iterator[Any]], Iterator[Any]]):
+        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._call: Any = method(iter(self._requests.get, _END))  # a grpc Call too
+        self._messages: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        threading.Thread(target=self._read, name="draft-propose-reader", daemon=True).start()
+
+    def _read(self) -> None:
+        try:
+            for message in self._call:
+                self._messages.put(message)
+            self._messages.put(StopIteration())
+        except grpc.RpcError as e:
+            self._messages.put(e)
+
+    def send(self, block: draft_pb2.ProposeBlock) -> None:
+        self._requests.put(block)
+
+    def next(self, timeout_s: float) -> draft_pb2.ProposeResponse:
+        """The next message; queue.Empty after `timeout_s`; the read side's failure raised."""
+        return self._raise(self._messages.get(timeout=max(0.0, timeout_s)))
+
+    def poll(self) -> draft_pb2.ProposeResponse | None:
+        """The next message if one has arrived, else None."""
+        try:
+            return self._raise(self._messages.get_nowait())
+        except queue.Empty:
+            return None
+
+    def _raise(self, item: Any) -> draft_pb2.ProposeResponse:
+        if isinstance(item, BaseException):
+            self._messages.put(item)  # stays the last: every later read fails alike
+            raise item
+        return item  # type: ignore[no-any-return]
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def close(self) -> None:
+        self._requests.put(_END)
+
+
 class DraftLink:
     """A connected draft service; `info` is its ModelInfo. Not thread-safe (the hub's loop
-    thread alone uses it)."""
+    thread alone uses it).
+
+    With `push` the hub takes chains the draft pushes ahead of its asks: every ProposeBlock asks
+    for them, `take_push` gives the latest one that has arrived, `send` sends a block whose
+    answer `collect` reads later (the hub verified the pushed chains meanwhile), and `propose`
+    sends one and waits for its answer as without pushes. A push read while an answer is
+    awaited is for a step already asked for: it is dropped."""
 
     def __init__(
         self,
@@ -134,8 +193,9 @@ class DraftLink:
         timeout_s: float,
         tls_root_cert: bytes | None = None,
         tls_server_name: str | None = None,
+        push: bool = False,
     ):
-        self.address, self.timeout_s = address, timeout_s
+        self.address, self.timeout_s, self.push = address, timeout_s, push
         self._channel = make_channel(address, max_message_bytes, tls_root_cert, tls_server_name)
         try:
             grpc.channel_ready_future(self._channel).result(timeout=timeout_s)
@@ -152,7 +212,11 @@ class DraftLink:
                 f"GetModelInfo on the draft service at {address}: {_describe(e)}"
             ) from e
         self.info = ModelInfo.from_pb(pb)
-        self._propose = LockstepStream(self._stub.Propose)
+        # one Propose stream: lock-step, or read by a thread of its own (push)
+        self._pushes = _PushStream(self._stub.Propose) if push else None
+        self._propose = None if push else LockstepStream(self._stub.Propose)
+        self._sent: list[float] = []  # send times of blocks whose answer is not read yet
+        self._push: draft_pb2.ProposeResponse | None = None  # the latest push read
         self._broken = False
         self._watchdog = _Watchdog()
 
@@ -165,6 +229,14 @@ class DraftLink:
         """The drafts for `entries` and the round trip's wall time in seconds; DraftStalled
         after `deadline_s` without an answer (the stream is then cancelled: `reopen` starts
         another). `target_step_s`: ProposeBlock.target_step_s."""
+        if self._pushes is not None:
+            if self._sent:
+                raise RuntimeError("propose() with an answer not collected")
+            self.send(entries, target_step_s)
+            answer = self.collect(deadline_s)
+            assert answer is not None
+            return answer
+        assert self._propose is not None
         start = time.perf_counter()
         self._watchdog.arm(self._propose, deadline_s)
         block = draft_pb2.ProposeBlock(entries=entries, target_step_s=target_step_s)
@@ -188,9 +260,81 @@ class DraftLink:
             self.reopen()
         return response, time.perf_counter() - start
 
+    def send(self, entries: Sequence[draft_pb2.ProposeEntry], target_step_s: float = 0.0) -> None:
+        """Sends a block (push mode) whose answer `collect` reads."""
+        assert self._pushes is not None
+        self._push = None  # whatever came before is for an earlier step
+        block = draft_pb2.ProposeBlock(
+            entries=entries, target_step_s=target_step_s, push_chains=True
+        )
+        self._pushes.send(block)
+        self._sent.append(time.perf_counter())
+
+    @property
+    def awaiting(self) -> bool:
+        """Whether a block sent (`send`) waits for its answer to be collected."""
+        return bool(self._sent)
+
+    def collect(self, deadline_s: float) -> tuple[draft_pb2.ProposeResponse, float] | None:
+        """The answer to the oldest block sent and its round trip (None if none waits), the
+        pushes before it dropped; DraftStalled if it has not come within `deadline_s` (the
+        stream is then cancelled: `reopen`), DraftDown if the stream failed."""
+        if not self._sent or self._pushes is None:
+            return None
+        end = time.monotonic() + deadline_s
+        try:
+            while True:
+                message = self._pushes.next(end - time.monotonic())
+                if not message.pushed:
+                    break
+        except queue.Empty as e:
+            self._pushes.cancel()
+            self._broken = True
+            raise DraftStalled(
+                f"The draft service at {self.address} did not answer a Propose within "
+                f"{deadline_s * 1e3:.0f} ms."
+            ) from e
+        except grpc.RpcError as e:
+            self._broken = True
+            raise DraftDown(
+                f"Propose on the draft service at {self.address}: {_describe(e)}"
+            ) from e
+        except StopIteration as e:
+            self._broken = True
+            raise DraftDown(f"The draft service at {self.address} ended the Propose stream.") from e
+        return message, time.perf_counter() - self._sent.pop(0)
+
+    def take_push(self) -> draft_pb2.ProposeResponse | None:
+        """The latest push that has arrived (none waits for an answer: `collect` first), taken:
+        a later call gives a newer one or None. DraftDown if the stream failed, or sent an
+        answer no block asked for."""
+        assert self._pushes is not None and not self._sent
+        try:
+            while (message := self._pushes.poll()) is not None:
+                if not message.pushed:
+                    self._broken = True
+                    raise DraftDown(f"The draft service at {self.address} sent an answer to "
+                                    "no block on its Propose stream.")  # fmt: skip
+                self._push = message
+        except grpc.RpcError as e:
+            self._broken = True
+            raise DraftDown(
+                f"Propose on the draft service at {self.address}: {_describe(e)}"
+            ) from e
+        except StopIteration as e:
+            self._broken = True
+            raise DraftDown(f"The draft service at {self.address} ended the Propose stream.") from e
+        push, self._push = self._push, None
+        return push
+
     def reopen(self) -> None:
         """A new Propose stream in place of one that was cancelled."""
-        self._propose = LockstepStream(self._stub.Propose)
+        if self._pushes is not None:
+            self._pushes = _PushStream(self._stub.Propose)
+            self._sent.clear()
+            self._push = None
+        else:
+            self._propose = LockstepStream(self._stub.Propose)
         self._broken = False
 
     def probe(self, timeout_s: float = PROBE_TIMEOUT_S) -> grpc.Future:
@@ -231,5 +375,12 @@ class DraftLink:
         if graceful and not self._broken:
             # it may have failed meanwhile: closing the channel below is then all that is left
             with contextlib.suppress(grpc.RpcError):
-                self._propose.close()
+                if self._pushes is not None:
+                    self._pushes.close()
+                    # the draft answers blocks still unread, then ends the stream
+                    with contextlib.suppress(DraftDown, DraftStalled):
+                        while self._sent:
+                            self.collect(self.timeout_s)
+                elif self._propose is not None:
+                    self._propose.close()
         self._channel.close()

@@ -78,7 +78,9 @@ class _Group:
 
     requests: list[HubRequest]
     block: common_pb2.DraftBlock = field(default_factory=common_pb2.DraftBlock)
-    poll_s: float = 0.0  # waiting for draft admissions (and a resynchronisation) first
+    # waiting for draft admissions (and a resynchronisation), and for the answer to the last
+    # step's block sent without waiting (`DraftSide.collect`), first
+    poll_s: float = 0.0
     asked: bool = False  # the draft service was asked for this group
     drafted: bool = False  # and answered
     draft_s: float = 0.0
@@ -88,6 +90,7 @@ class _Group:
     ahead_misses: int = 0
     ahead_s: float = 0.0  # the draft's passes ahead since it last answered
     ahead_backups: int = 0  # asks that missed and got no drafts, so the step did not wait
+    pushed: int = 0  # asks answered from chains pushed before the verdict (no wait at all)
     fallback: int = target_pb2.DRAFT_FALLBACK_NONE  # why draft requests ran at k = 0, and how many
     num_fallback: int = 0
 
@@ -404,6 +407,7 @@ class Hub:
             draft_up=self._draft.up, graphed=graphed,
             draft_ahead_hits=group.ahead_hits, draft_ahead_misses=group.ahead_misses,
             draft_ahead_s=group.ahead_s, draft_ahead_backups=group.ahead_backups,
+            draft_ahead_pushed=group.pushed,
             proposers=_proposers(group, verdicts),  # type: ignore[arg-type]
             draft_fallback=group.fallback,  # type: ignore[arg-type]
             num_fallback_requests=group.num_fallback,
@@ -461,7 +465,7 @@ class Hub:
         self._propose(retry)
         group.block, group.draft_s, group.transport_s = retry.block, 0.0, 0.0
         group.draft_graphed, group.drafted = True, False  # no drafts: it answered in vain
-        group.ahead_hits = group.ahead_misses = group.ahead_backups = 0  # not used
+        group.ahead_hits = group.ahead_misses = group.ahead_backups = group.pushed = 0  # not used
         group.fallback, group.num_fallback = retry.fallback, retry.num_fallback
         return DraftBlock.from_pb(group.block, max_support_size=limit)
 
@@ -469,14 +473,24 @@ class Hub:
         """Fills group.block: the draft's proposals, then the local entries (ngram, k = 0)."""
         start = time.perf_counter()
         self._draft.poll(self._target_step_s)
+        collected = self._draft.collect()  # the answer to a block sent without waiting
+        if collected is not None:  # its passes ahead ran while the last step verified
+            group.ahead_s = collected.draft_ahead_s
         group.poll_s = time.perf_counter() - start
         asks = [r for r in group.requests if r.on_draft]
         group.asked = bool(asks)
         answer = None
+        pushed = None
         if asks:
             entries = [self._ask(r) for r in asks]
-            answer = self._draft.propose(asks, entries, self._target_step_s)
+            pushed = self._draft.from_push(asks, entries, self._target_step_s)
+            if pushed is None:
+                answer = self._draft.propose(asks, entries, self._target_step_s)
         served: set[str] = set()
+        if pushed is not None:  # every ask's verdict had a chain: no wait for the draft
+            group.block, group.drafted, group.draft_graphed = pushed, True, True
+            served = set(pushed.request_ids)
+            group.ahead_hits = group.pushed = sum(n > 0 for n in pushed.num_draft_tokens)
         if answer is not None:  # else the draft failed: this step goes on at k = 0
             response, round_trip = answer
             group.block, group.drafted = response.block, True
@@ -486,9 +500,9 @@ class Hub:
             group.draft_graphed = response.timing.graphed or response.timing.forward_s == 0
             group.ahead_hits = response.draft_ahead_hits
             group.ahead_misses = response.draft_ahead_misses
-            group.ahead_s = response.draft_ahead_s
+            group.ahead_s += response.draft_ahead_s
             group.ahead_backups = response.draft_ahead_backups
-        if answer is None:  # seeded requests sit out this step too if the draft stalled
+        if answer is None and pushed is None:  # seeded requests sit out a stall's step too
             group.requests = [r for r in group.requests if not self._draft.waits_for_draft(r)]
         local = [r for r in group.requests if r.request_id not in served]
         self._append_local(group.block, local)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import statistics
+import struct
 import time
 from collections import deque
 from collections.abc import Callable, Mapping
@@ -35,8 +36,9 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from specdec.pb import draft_pb2, target_pb2
+from specdec.pb import common_pb2, draft_pb2, target_pb2
 from specdec.sampling_params import SamplingParams
+from specdec.serving.blocks import DenseQ, DraftBlock, DraftProposal, SparseQ, block_to_pb
 from specdec.serving.messages import AdmitRequest, ModelInfo, check_compatible
 from target_service.config import TargetConfig
 from target_service.draft_link import DraftDown, DraftLink, DraftStalled, PendingAdmits
@@ -111,6 +113,10 @@ class DraftSide:
         self._left: tuple[str, set[str]] | None = None
         self._round_trips: deque[float] = deque(maxlen=ROUND_TRIPS)
         self._deadline_s = config.draft_deadline_s
+        # a block sent without waiting (its pushed chains verified): its asks, and the drafts
+        # verified for each request, until `collect` reads the draft's answer
+        self._sent: tuple[list[HubRequest], dict[str, list[int]]] | None = None
+        self.push_mismatches = 0  # answers to such blocks that differed from the push
 
     @property
     def up(self) -> bool:
@@ -188,8 +194,9 @@ class DraftSide:
                 f"Reading the draft's TLS root certificate {c.draft_tls_root_cert}: {e}"
             ) from e
         return DraftLink(
-            address, c.server.max_message_bytes, c.draft_wait_s, root, c.draft_tls_server_name
-        )
+            address, c.server.max_message_bytes, c.draft_wait_s, root, c.draft_tls_server_name,
+            push=c.draft_push_chains,
+        )  # fmt: skip
 
     def connect(self, address: str) -> str | None:
         """Connects to the draft service at `address` and checks its tokenizer; else why not."""
@@ -238,6 +245,7 @@ class DraftSide:
     def _stalled(self, message: str, held: list[str]) -> None:
         """The draft missed a deadline: every request runs at k = 0 until it answers."""
         assert self.link is not None
+        self._sent = None  # its answer is never read: the stream is cancelled
         if self._stall is None:
             log.warning("draft service stalled, requests run at k = 0 until it answers: %s",
                         message)  # fmt: skip
@@ -259,6 +267,7 @@ class DraftSide:
         while graceful and self.link is not None and self._stall is None and self._admitting:
             item = self._admitting.pop(0)
             self.settle(item.pending, item.reqs)
+        self._sent = None  # a graceful close reads its answer (`DraftLink.close`)
         if self.link is not None:
             self.link.close(graceful and self._stall is None)
             self.link = None
@@ -271,6 +280,80 @@ class DraftSide:
         for r in self._requests.values():
             r.on_draft = False
 
+    def from_push(
+        self,
+        asks: list[HubRequest],
+        entries: list[draft_pb2.ProposeEntry],
+        target_step_s: float = 0.0,
+    ) -> common_pb2.DraftBlock | None:
+        """The step's drafts from the chains the draft pushed ahead, if every ask's verdict has
+        one (None otherwise: ask with `propose`). Then the block of asks is sent, and the
+        draft's answer, which takes the same chains, is read at the next step (`collect`): the
+        verify starts without a round trip. Exact as a hit is (`draft_service.ahead`): a chain
+        is taken only for the very verdict it assumed, with the q it was drawn from."""
+        link = self.link
+        if link is None or not link.push or self._stall is not None or self._sent is not None:
+            return None
+        try:
+            push = link.take_push()
+        except DraftDown as e:
+            self.down(str(e))
+            return None
+        if push is None:
+            return None
+        try:
+            chosen = _from_push(push, entries, self._config.max_support_size)
+        except ValueError as e:
+            log.warning("ignoring a malformed push from the draft service: %s", e)
+            return None
+        if chosen is None:
+            return None
+        link.send(entries, target_step_s)
+        self._sent = (asks, {p.request_id: list(p.draft_token_ids) for p in chosen})
+        for r, entry in zip(asks, entries, strict=True):
+            r.told = entry.committed_length
+        return block_to_pb(chosen)
+
+    def collect(self) -> draft_pb2.ProposeResponse | None:
+        """The draft's answer to the block the last step sent without waiting (`from_push`),
+        read now (None if there is none, or the draft failed or stalled meanwhile); a request
+        it refused runs at k = 0 as after `propose`. Its drafts are the pushed ones the target
+        verified; where they are not (a chain dropped in between), its KV holds its own, and
+        the next verdict rolls back what the target did not commit."""
+        if self._sent is None or self.link is None:
+            self._sent = None
+            return None
+        asks, used = self._sent
+        self._sent = None
+        seeded = any(r.fixed_k for r in asks)
+        try:
+            answer = self.link.collect(self.seeded_deadline_s if seeded else self._deadline_s)
+        except DraftDown as e:
+            self.down(str(e))
+            return None
+        except DraftStalled as e:
+            self._stalled(str(e), [])
+            return None
+        if answer is None:
+            return None
+        response, _ = answer
+        block = response.block
+        ids = struct.unpack(f"<{len(block.draft_token_ids) // 4}i", block.draft_token_ids)
+        start = 0
+        for rid, k in zip(block.request_ids, block.num_draft_tokens, strict=False):
+            if used.get(rid) != list(ids[start : start + k]):
+                self.push_mismatches += 1
+                log.warning("the draft answered %r with other drafts than it pushed", rid)
+            start += k
+        self._refused(response)
+        return response
+
+    def _refused(self, response: draft_pb2.ProposeResponse) -> None:
+        for err in response.errors:
+            log.warning("draft refused %r, it runs at k = 0: %s", err.request_id, err.error.message)
+        self.release([self._requests[err.request_id] for err in response.errors
+                      if err.request_id in self._requests])  # fmt: skip
+
     def propose(
         self,
         asks: list[HubRequest],
@@ -280,6 +363,9 @@ class DraftSide:
         """The draft's answer to `entries` (the asks of `asks`) and its round trip; None if the
         draft service failed (it is down now). `target_step_s`: ProposeBlock.target_step_s."""
         assert self.link is not None
+        self.collect()  # a block sent without waiting is answered first
+        if self.link is None or self._stall is not None:
+            return None
         seeded = any(r.fixed_k for r in asks)
         deadline_s = self.seeded_deadline_s if seeded else self._deadline_s
         try:
@@ -298,10 +384,7 @@ class DraftSide:
         for r, entry in zip(asks, entries, strict=True):
             if r.request_id in served:
                 r.told = entry.committed_length
-        for err in response.errors:
-            log.warning("draft refused %r, it runs at k = 0: %s", err.request_id, err.error.message)
-        self.release([self._requests[err.request_id] for err in response.errors
-                      if err.request_id in self._requests])  # fmt: skip
+        self._refused(response)
         return response, round_trip
 
     @property
@@ -413,3 +496,49 @@ def _fits(req: HubRequest, record: target_pb2.DraftRecord) -> bool:
         return True
     log.warning("record of %r does not fit its tokens; using the target's", req.request_id)
     return False
+
+
+def _from_push(
+    push: draft_pb2.ProposeResponse, entries: list[draft_pb2.ProposeEntry], max_support: int
+) -> list[DraftProposal] | None:
+    """Each ask's drafts from the push: the chain for its step that assumed its verdict (its
+    new_token_ids), cut to the k it asks for; None if an ask that wants drafts has none.
+    ValueError if the push is malformed."""
+    block = DraftBlock.from_pb(push.block, max_support_size=max_support)
+    lengths = list(push.verdict_lengths)
+    flat = struct.unpack(f"<{len(push.verdict_token_ids) // 4}i", push.verdict_token_ids)
+    if len(lengths) != len(block) or sum(lengths) != len(flat) or block.errors:
+        raise ValueError("its verdicts do not fit its block")
+    anyone = list(push.any_verdict_of_length) or [False] * len(block)
+    if len(anyone) != len(block):
+        raise ValueError("any_verdict_of_length does not fit its block")
+    keys, start = [], 0
+    for n in lengths:
+        keys.append(tuple(flat[start : start + n]))
+        start += n
+    by_request: dict[str, list[int]] = {}
+    for i, rid in enumerate(block.request_ids):
+        by_request.setdefault(rid, []).append(i)
+    chosen = []
+    for e in entries:
+        k, verdict = e.num_draft_tokens, tuple(e.new_token_ids)
+        if k == 0:  # the draft answers no drafts, chains or not
+            chosen.append(DraftProposal(e.request_id, e.step, e.committed_length, ()))
+            continue
+        mine = [i for i in by_request.get(e.request_id, ()) if block.steps[i] == e.step]
+        # BENCHMARKING ONLY first: a synthetic hit serves its chain to any verdict of its length
+        pick = next((i for i in mine if anyone[i] and len(keys[i]) == len(verdict)), None)
+        if pick is None:
+            pick = next((i for i in mine if keys[i] == verdict), None)
+        if pick is None or block.num_draft_tokens[pick] < k:
+            return None
+        if block.committed_lengths[pick] != e.committed_length:
+            return None
+        q = block.q_rows(block.q_forms[pick], [pick])
+        if isinstance(q, DenseQ):
+            q = DenseQ(q.probs[:k])
+        elif isinstance(q, SparseQ):
+            q = SparseQ(q.token_ids[:k], q.probs[:k])
+        tokens = tuple(block.tokens(pick)[:k])
+        chosen.append(DraftProposal(e.request_id, e.step, e.committed_length, tokens, q))
+    return chosen

@@ -218,6 +218,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             kv_block_size=args.kv_block_size, kv_blocks=args.kv_blocks,
             prefix_caching=args.prefix_caching,
             draft_ahead=args.draft_ahead, draft_deadline_s=args.draft_deadline_ms / 1e3,
+            draft_push_chains=args.draft_push_chains,
             draft_ahead_backup=args.draft_ahead_backup,
             dynamic_speculation=args.dynamic_speculation,
             prefill_chunk_tokens=args.prefill_chunk_tokens,

@@ -37,7 +37,9 @@ no captured CUDA graph fitted; every step on a CPU); gauge specdec:draft_up. Dra
 counters specdec:draft_ahead_hits_total (draft asks answered from drafts made ahead for their
 verdict, no forward) and specdec:draft_ahead_misses_total (asks that had drafts made ahead but
 none for their verdict); hit rate = hits / (hits + misses); specdec:draft_ahead_backups_total
-(misses answered with no drafts, so that their step did not wait for a draft pass). Counter
+(misses answered with no drafts, so that their step did not wait for a draft pass);
+specdec:draft_ahead_pushed_total (hits taken from chains the draft pushed before the verdict:
+the step did not wait for the draft's answer). Counter
 specdec:draft_busy_seconds_total: the draft services' busy device time, their proposal
 forwards plus their passes ahead (admissions not counted), and gauge specdec:pairs, the pairs
 the orchestrator runs: `rate()` of the first over the second is the busy fraction of a pair's
@@ -195,6 +197,11 @@ class Metrics:
             "Draft asks that missed and got a backup proposal of no drafts (the step did not "
             "wait for their drafts).",
         ).labels(self.model_pair)
+        self._ahead_pushed = self._counter(
+            "draft_ahead_pushed",
+            "Draft asks answered from chains the draft pushed before the verdict (the step did "
+            "not wait for the draft's answer); among the hits.",
+        ).labels(self.model_pair)
         self._draft_busy = self._counter(
             "draft_busy_seconds",
             "Seconds the draft services were busy: their proposal forwards plus their passes "
@@ -270,6 +277,7 @@ class Metrics:
         self._ahead_hits.inc(report.draft_ahead_hits)
         self._ahead_misses.inc(report.draft_ahead_misses)
         self._ahead_backups.inc(report.draft_ahead_backups)
+        self._ahead_pushed.inc(report.draft_ahead_pushed)
         self._prefix_queries.inc(report.prefix_cache_queried_tokens)
         self._prefix_hits.inc(report.prefix_cache_hit_tokens)
         self._step_verify.observe(report.verify_s)

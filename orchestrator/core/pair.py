@@ -131,6 +131,7 @@ class StepReport:
     # the target's prefix cache since the last step: prompt tokens looked up, and found
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
+    draft_ahead_pushed: int = 0  # hits from chains pushed before the verdict: no wait
 
     @classmethod
     def from_pb(cls, pb: target_pb2.ServeStep) -> StepReport:
@@ -139,7 +140,7 @@ class StepReport:
                    pb.draft_ahead_misses, FALLBACKS.get(pb.draft_fallback, ""),
                    pb.num_fallback_requests, pb.draft_ahead_s,
                    pb.draft_ahead_backups, pb.prefix_cache_queried_tokens,
-                   pb.prefix_cache_hit_tokens)  # fmt: skip
+                   pb.prefix_cache_hit_tokens, pb.draft_ahead_pushed)  # fmt: skip
 
 
 def step_events(

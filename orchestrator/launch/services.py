@@ -146,6 +146,7 @@ def start_service(role: str, config: ServiceConfig, host: str) -> tuple[Any, Mod
             max_num_draft_tokens=config.max_num_draft_tokens,
             sampler_impl=config.sampler_impl,
             draft_deadline_s=config.draft_deadline_s,
+            draft_push_chains=config.draft_push_chains,
             synthetic=synthetic_acceptance(config),
             dynamic_speculation=config.dynamic_speculation,
             prefill_chunk_tokens=config.prefill_chunk_tokens,

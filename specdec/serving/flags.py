@@ -118,6 +118,11 @@ def add_target_flags(group: Group, defaults: Defaults) -> None:
                             "(or 10 times its median round trip, if longer) is given up for "
                             "that step: its requests decode at k = 0 until it answers "
                             "again")  # fmt: skip
+    group.add_argument("--draft-push-chains", action=argparse.BooleanOptionalAction,
+                       default=defaults("draft_push_chains"),
+                       help="with draft-ahead, take the chains the draft pushes before they are "
+                            "asked for: a step whose every verdict has one starts its verify "
+                            "without waiting for the draft's answer")  # fmt: skip
 
 
 def add_draft_flags(group: Group, defaults: Defaults) -> None:

@@ -331,3 +331,62 @@ def test_backup_choice_weighs_tokens_per_second() -> None:
     assert runs.index(False) == ahead.REMEASURE_EVERY - 2  # two backed up above
     choice.drafted(0.005)
     assert choice.pays(8, 2, 0.007)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_pushed_chains_are_the_answers_their_verdicts_get(
+    checkpoints: tuple[Path, Path], temperature: float
+) -> None:
+    """`DraftEngine.pushed` sends, before the next ask, every chain of the pass ahead with the
+    verdict it assumed: an ask carrying that verdict is answered with exactly that entry's
+    drafts and q (or its first k, asked for fewer), whichever of the chains it is."""
+    from specdec.serving.blocks import DraftBlock
+    from specdec.serving.messages import AdmitRequest, ProposeEntry
+
+    target_dir, draft_dir = checkpoints
+    sampling = SamplingParams(temperature=temperature, **({"seed": 5} if temperature else {}))
+    prompt = _prompts(1)[0]
+    checked = 0
+    with services(target_dir, with_ahead(model_draft(draft_dir), 2)) as svc:
+        engine = svc.draft_engine
+        for pick in range(6):
+            rid = f"r{pick}"
+            engine.admit(AdmitRequest(rid, tuple(prompt), sampling))
+            _, errors = engine.propose([ProposeEntry(rid, 0, (), len(prompt), 3)])
+            assert not errors
+            assert engine.draft_ahead([rid]) > 0
+            push = engine.pushed([rid])
+            assert push is not None and len(push.keys) == len(push.block) > 1
+            assert set(push.block.request_ids) == {rid} and set(push.block.steps) == {1}
+            i = pick % len(push.keys)  # a verdict the draft guessed
+            key, k = push.keys[i], 3 - pick % 2  # k = 2: asked for fewer than drafted
+            assert push.block.committed_lengths[i] == len(prompt) + len(key)
+            ask = ProposeEntry(rid, 1, key, len(prompt) + len(key), k)
+            hits = engine.ahead_hits
+            answer, errors = engine.propose([ask])
+            assert not errors and engine.ahead_hits == hits + 1
+            assert answer.tokens(0) == push.block.tokens(i)[:k]
+            assert answer.q_forms == [push.block.q_forms[i]]
+            form = push.block.q_forms[i]
+            want, got = push.block.q_rows(form, [i]), answer.q_rows(form, [0])
+            if want is None:
+                assert temperature == 0.0 and got is None
+            else:
+                assert got is not None
+                torch.testing.assert_close(got.probs, want.probs[:k], rtol=0, atol=0)
+            assert isinstance(push.block, DraftBlock)
+            engine.release([rid])
+            checked += 1
+    assert checked == 6
+
+
+def test_push_marks_the_chains_a_synthetic_hit_serves_for_any_verdict() -> None:
+    """BENCHMARKING ONLY: with a synthetic hit rate, the chain `synthetic_hit` would serve to
+    every verdict of its length is the first of that length, on the steps whose hash says so."""
+    chains = {(3,): None, (7, 4): None, (7, 1): None, (7, 9, 5): None}
+    assert ahead.synthetic_any_keys(chains, "r", 1, 1.0) == {(3,), (7, 4), (7, 9, 5)}  # type: ignore[arg-type]
+    assert ahead.synthetic_any_keys(chains, "r", 1, 0.0) == set()  # type: ignore[arg-type]
+    for s in range(100):
+        marked = ahead.synthetic_any_keys(chains, "r", s, 0.5)  # type: ignore[arg-type]
+        served = ahead.synthetic_hit(chains, (7, 8), 0.5, "r", s)  # type: ignore[arg-type]
+        assert (served in marked) == (served != (7, 8))

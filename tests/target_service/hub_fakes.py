@@ -182,6 +182,20 @@ class FakeLink:
     entered: threading.Event = field(default_factory=threading.Event)
     closed: bool = False
     on_stall: Callable[[], None] = lambda: None  # called as a scripted stall begins
+    # pushes (ProposeBlock.push_chains): after each answer, the chain for the verdict the
+    # greedy target will give (`next_token`), keyed by it, unless `push_keys` changes the key
+    # (e.g. to a verdict that will not come); `answer_other` answers a block sent without
+    # waiting with other drafts than it pushed; `collect_script[n]` ("stall" or "down") is
+    # what the n-th collect does
+    push: bool = False
+    push_keys: Callable[[tuple[int, ...]], tuple[int, ...]] = lambda key: key
+    answer_other: bool = False
+    collect_script: dict[int, str] = field(default_factory=dict)
+    pushes: list[draft_pb2.ProposeResponse] = field(default_factory=list)  # every one made
+    sent: list[list[draft_pb2.ProposeEntry]] = field(default_factory=list)  # blocks sent
+    _push: draft_pb2.ProposeResponse | None = None
+    _answer: draft_pb2.ProposeResponse | None = None
+    _collects: int = 0
 
     def __post_init__(self) -> None:
         if self.admitting:
@@ -204,28 +218,97 @@ class FakeLink:
             raise DraftStalled("the fake draft did not answer")
         if action == "down":
             raise DraftDown("the fake draft is gone")
+        return self._answer_block(entries), 0.002
+
+    def _drafts(self, tokens: list[int], k: int) -> list[int]:
+        mine: list[int] = []
+        for _ in range(k):
+            t = next_token(tokens + mine)
+            mine.append((t + 1) % VOCAB if len(tokens) + len(mine) in self.wrong_at else t)
+        return mine
+
+    def _answer_block(
+        self, entries: Sequence[draft_pb2.ProposeEntry], other: bool = False
+    ) -> draft_pb2.ProposeResponse:
+        """The answer to a block: greedy drafts (wrong at `wrong_at`); with `push`, the push
+        that follows it is made too."""
         block = common_pb2.DraftBlock()
         drafts: list[int] = []
+        chains = []  # the push: (request, step, committed length, drafts, verdict)
         for e in entries:
             tokens = self.held[e.request_id]
             _check(len(tokens) + len(e.new_token_ids) == e.committed_length, (e, tokens))
             tokens.extend(e.new_token_ids)
-            mine: list[int] = []
-            for _ in range(e.num_draft_tokens):
-                t = next_token(tokens + mine)
-                mine.append((t + 1) % VOCAB if len(tokens) + len(mine) in self.wrong_at else t)
-            drafts += mine
+            mine = self._drafts(tokens, e.num_draft_tokens)
+            if other and mine:  # the answer only: the push assumes the drafts verified
+                drafts += [*mine[:-1], (mine[-1] + 3) % VOCAB]
+            else:
+                drafts += mine
             block.request_ids.append(e.request_id)
             block.steps.append(e.step)
             block.committed_lengths.append(e.committed_length)
             block.num_draft_tokens.append(len(mine))
             block.q_forms.append(Q_NONE)  # type: ignore[arg-type]
+            if self.push and mine:  # the verdict the greedy target will give, and its chain
+                new: list[int] = []
+                for d in mine:
+                    if d != next_token(tokens + new):
+                        break
+                    new.append(d)
+                new.append(next_token(tokens + new))
+                after = tokens + new
+                chains.append((e.request_id, e.step + 1, len(after),
+                               self._drafts(after, e.num_draft_tokens), tuple(new)))  # fmt: skip
         block.draft_token_ids = struct.pack(f"<{len(drafts)}i", *drafts)
         timing = common_pb2.StepTiming(service_s=0.001, forward_s=0.001)
         response = draft_pb2.ProposeResponse(
             block=block, timing=timing, draft_ahead_hits=self.ahead_hits
         )
-        return response, 0.002
+        self._push = self._make_push(chains) if chains else None
+        return response
+
+    def _make_push(self, chains: list[tuple[str, int, int, list[int], tuple[int, ...]]]) -> Any:
+        block = common_pb2.DraftBlock()
+        ids: list[int] = []
+        keys: list[int] = []
+        push = draft_pb2.ProposeResponse(pushed=True)
+        for rid, step, length, mine, key in chains:
+            block.request_ids.append(rid)
+            block.steps.append(step)
+            block.committed_lengths.append(length)
+            block.num_draft_tokens.append(len(mine))
+            block.q_forms.append(Q_NONE)  # type: ignore[arg-type]
+            ids += mine
+            key = self.push_keys(key)
+            keys += key
+            push.verdict_lengths.append(len(key))
+        block.draft_token_ids = struct.pack(f"<{len(ids)}i", *ids)
+        push.block.CopyFrom(block)
+        push.verdict_token_ids = struct.pack(f"<{len(keys)}i", *keys)
+        self.pushes.append(push)
+        return push
+
+    def take_push(self) -> draft_pb2.ProposeResponse | None:
+        _check(self._answer is None, "take_push with an answer not collected")
+        push, self._push = self._push, None
+        return push
+
+    def send(self, entries: Sequence[draft_pb2.ProposeEntry], target_step_s: float = 0.0) -> None:
+        self.sent.append(list(entries))
+        self._answer = self._answer_block(entries, self.answer_other)
+
+    def collect(self, deadline_s: float) -> tuple[draft_pb2.ProposeResponse, float] | None:
+        if self._answer is None:
+            return None
+        self._collects += 1
+        answer, self._answer = self._answer, None
+        action = self.collect_script.get(self._collects, "ok")
+        if action == "stall":
+            self._push = None
+            raise DraftStalled("the fake draft did not answer a block sent")
+        if action == "down":
+            raise DraftDown("the fake draft is gone")
+        return answer, 0.002
 
     def start_admit(
         self, admissions: Sequence[AdmitRequest], timeout_s: float | None = None

@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from specdec.pb import target_pb2
+from specdec.serving.blocks import DraftBlock
 from specdec.serving.verdicts import VerifyResponse
 from target_service.speculation import KChooser
 from tests.target_service.hub_fakes import FAILED, FakeLink, HubRun, greedy
@@ -254,3 +255,82 @@ def test_a_request_moved_off_the_draft_while_admitted_there_stays_off(
     assert "a" in link.released and "a" not in link.held
     asked = {e.request_id for entries in link.proposes for e in entries}
     assert "a" not in asked, "the draft was asked for it"
+
+
+def test_pushed_chains_are_verified_without_asking_and_keep_the_greedy_output(
+    runs: list[HubRun],
+) -> None:
+    """A draft that pushes the chain for each coming verdict: the hub verifies it at once and
+    sends the block without waiting (`DraftSide.from_push`), reads the answer at the next step,
+    and the output is the target's greedy output, wrong drafts included."""
+    link = FakeLink("draft:1", wrong_at={9, 12, 13, 20}, push=True)
+    run = _start(runs, link)
+    n = 30
+    run.admit("a", PROMPT, "draft", k=4, max_length=len(PROMPT) + n)
+    run.admit("b", PROMPT[:3], "draft", k=3, max_length=3 + n)
+    run.until_length("a", n)
+    run.until_length("b", n)
+    assert run.tokens["a"] == greedy(PROMPT, n)
+    assert run.tokens["b"] == greedy(PROMPT[:3], n)
+    pushed = [s for s in run.steps if s.draft_ahead_pushed]
+    assert len(pushed) >= 4 and len(link.sent) == len(pushed), (len(pushed), len(link.sent))
+    assert all(s.draft_ahead_pushed == s.draft_ahead_hits > 0 for s in pushed)
+    # every block verified from a push is the chain pushed for that step's verdict
+    verified = {(b.request_ids[i], b.steps[i]): b.tokens(i) for b in run.engine.blocks
+                for i in range(len(b))}  # fmt: skip
+    chains = {}
+    for p in link.pushes:
+        block = DraftBlock.from_pb(p.block)
+        for i in range(len(block)):
+            chains[(block.request_ids[i], block.steps[i])] = block.tokens(i)
+    sent = {(e.request_id, e.step): e.num_draft_tokens for entries in link.sent for e in entries}
+    assert sent and all(verified[key] == chains[key][:k] for key, k in sent.items())
+    assert any(k < 4 for k in sent.values()), "near max_length a push was cut to a lower k"
+    assert run.hub._draft.push_mismatches == 0
+
+
+def test_a_push_for_another_verdict_is_not_taken(runs: list[HubRun]) -> None:
+    """Chains keyed by verdicts that do not come (one token longer, or another token): the hub
+    asks and waits as without pushes; the output is the same."""
+    link = FakeLink("draft:1", wrong_at={9, 12}, push=True,
+                    push_keys=lambda key: (*key[:-1], (key[-1] + 1) % 97))  # fmt: skip
+    run = _start(runs, link)
+    n = 16
+    run.admit("a", PROMPT, "draft", k=4, max_length=len(PROMPT) + n)
+    run.until_length("a", n)
+    assert run.tokens["a"] == greedy(PROMPT, n)
+    assert link.pushes and not link.sent and not any(s.draft_ahead_pushed for s in run.steps)
+
+
+def test_an_answer_other_than_the_push_is_counted_and_the_output_kept(runs: list[HubRun]) -> None:
+    """The draft answers a block sent without waiting with other drafts than those it pushed
+    and the target verified (a chain dropped in between): counted and logged; its KV then
+    holds its own drafts, and the next ask's verdict says what was committed."""
+    link = FakeLink("draft:1", push=True, answer_other=True)
+    run = _start(runs, link)
+    n = 16
+    run.admit("a", PROMPT, "draft", k=4, max_length=len(PROMPT) + n)
+    run.until_length("a", n)
+    assert run.tokens["a"] == greedy(PROMPT, n)
+    assert run.hub._draft.push_mismatches > 0
+
+
+def test_a_draft_that_stalls_after_a_block_sent_without_waiting_costs_only_k(
+    runs: list[HubRun],
+) -> None:
+    """The answer to a pushed step's block does not come: the draft is taken as stalled, the
+    requests run at k = 0 until it answers its probe, then speculate (and push) again."""
+    link = FakeLink("draft:1", push=True, collect_script={2: "stall"})
+    run = _start(runs, link)
+    n = 60
+    run.engine.allow(4)  # the steps up to the stall's first: the loop holds there
+    run.admit("a", PROMPT, "draft", k=4, max_length=len(PROMPT) + n)
+    run.next(lambda e: e.HasField("step") and e.step.draft_fallback != 0)
+    pushed_before = sum(s.draft_ahead_pushed for s in run.steps)
+    link.probes[0].finish()
+    run.engine.unpace()
+    run.until_length("a", n)
+    assert run.tokens["a"] == greedy(PROMPT, n)
+    fell_back = [s for s in run.steps if s.draft_fallback == target_pb2.DRAFT_FALLBACK_DEADLINE]
+    assert fell_back, "the steps during the stall ran at k = 0"
+    assert sum(s.draft_ahead_pushed for s in run.steps) > pushed_before > 0

@@ -24,15 +24,17 @@ class ProposeEntry(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., step: _Optional[int] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., committed_length: _Optional[int] = ..., num_draft_tokens: _Optional[int] = ..., fixed_num_draft_tokens: _Optional[bool] = ...) -> None: ...
 
 class ProposeBlock(_message.Message):
-    __slots__ = ("entries", "target_step_s")
+    __slots__ = ("entries", "target_step_s", "push_chains")
     ENTRIES_FIELD_NUMBER: _ClassVar[int]
     TARGET_STEP_S_FIELD_NUMBER: _ClassVar[int]
+    PUSH_CHAINS_FIELD_NUMBER: _ClassVar[int]
     entries: _containers.RepeatedCompositeFieldContainer[ProposeEntry]
     target_step_s: float
-    def __init__(self, entries: _Optional[_Iterable[_Union[ProposeEntry, _Mapping]]] = ..., target_step_s: _Optional[float] = ...) -> None: ...
+    push_chains: bool
+    def __init__(self, entries: _Optional[_Iterable[_Union[ProposeEntry, _Mapping]]] = ..., target_step_s: _Optional[float] = ..., push_chains: _Optional[bool] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
-    __slots__ = ("block", "errors", "timing", "draft_ahead_hits", "draft_ahead_misses", "draft_ahead_s", "draft_ahead_backups")
+    __slots__ = ("block", "errors", "timing", "draft_ahead_hits", "draft_ahead_misses", "draft_ahead_s", "draft_ahead_backups", "pushed", "verdict_lengths", "verdict_token_ids", "any_verdict_of_length")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     ERRORS_FIELD_NUMBER: _ClassVar[int]
     TIMING_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +42,10 @@ class ProposeResponse(_message.Message):
     DRAFT_AHEAD_MISSES_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AHEAD_S_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AHEAD_BACKUPS_FIELD_NUMBER: _ClassVar[int]
+    PUSHED_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_LENGTHS_FIELD_NUMBER: _ClassVar[int]
+    VERDICT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    ANY_VERDICT_OF_LENGTH_FIELD_NUMBER: _ClassVar[int]
     block: _common_pb2.DraftBlock
     errors: _containers.RepeatedCompositeFieldContainer[ProposeError]
     timing: _common_pb2.StepTiming
@@ -47,7 +53,11 @@ class ProposeResponse(_message.Message):
     draft_ahead_misses: int
     draft_ahead_s: float
     draft_ahead_backups: int
-    def __init__(self, block: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[ProposeError, _Mapping]]] = ..., timing: _Optional[_Union[_common_pb2.StepTiming, _Mapping]] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., draft_ahead_s: _Optional[float] = ..., draft_ahead_backups: _Optional[int] = ...) -> None: ...
+    pushed: bool
+    verdict_lengths: _containers.RepeatedScalarFieldContainer[int]
+    verdict_token_ids: bytes
+    any_verdict_of_length: _containers.RepeatedScalarFieldContainer[bool]
+    def __init__(self, block: _Optional[_Union[_common_pb2.DraftBlock, _Mapping]] = ..., errors: _Optional[_Iterable[_Union[ProposeError, _Mapping]]] = ..., timing: _Optional[_Union[_common_pb2.StepTiming, _Mapping]] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., draft_ahead_s: _Optional[float] = ..., draft_ahead_backups: _Optional[int] = ..., pushed: _Optional[bool] = ..., verdict_lengths: _Optional[_Iterable[int]] = ..., verdict_token_ids: _Optional[bytes] = ..., any_verdict_of_length: _Optional[_Iterable[bool]] = ...) -> None: ...
 
 class ProposeError(_message.Message):
     __slots__ = ("request_id", "error")
