@@ -140,6 +140,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
             "serve_hit_rates": args.serve_hit_rates,
             "serve_placements": args.serve_placements,
             "serve_dynamic": args.serve_dynamic,
+            "serve_no_push": args.serve_no_push,
             "serve_stand_in": args.serve_stand_in,
             "serve_stand_in_lockstep": args.serve_stand_in_lockstep,
             "draft_ahead": args.draft_ahead,
@@ -388,6 +389,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="also a lock-step start with --dynamic-speculation per serve length (the target "
         "chooses each step's k from what it measures)",
+    )
+    p.add_argument(
+        "--serve-no-push",
+        action="store_true",
+        help="beside each draft-ahead row, the same with --no-draft-push-chains (the hub asks "
+        "and waits for every chain): what pushed chains buy, in one run",
     )
     p.add_argument(
         "--serve-stand-in",

@@ -501,13 +501,15 @@ def _ahead_lines(result: dict[str, Any]) -> list[str]:
         a = r["draft_ahead"]
         asks = a["hits"] + a["misses"]
         if asks > 0:
+            pushed = f", {a['pushed']:.0f} from pushed chains" if "pushed" in a else ""
             parts.append(f"{r.get('placement', '-')} {r['config']} batch {r['batch']}: hit rate "
-                         f"{a['hits'] / asks:.2f} of {asks:.0f} asks, {a['backups']:.0f} "
-                         "backups")  # fmt: skip
+                         f"{a['hits'] / asks:.2f} of {asks:.0f} asks{pushed}, "
+                         f"{a['backups']:.0f} backups")  # fmt: skip
     if not parts:
         return []
-    return ["", "Draft-ahead in the timed windows (hits / (hits + misses); misses answered with "
-            "a backup proposal of no drafts): " + "; ".join(parts) + "."]  # fmt: skip
+    return ["", "Draft-ahead in the timed windows (hits / (hits + misses); hits from chains "
+            "pushed before the verdict, where the run counted them; misses answered with a "
+            "backup proposal of no drafts): " + "; ".join(parts) + "."]  # fmt: skip
 
 
 def _fallback_lines(result: dict[str, Any]) -> list[str]:

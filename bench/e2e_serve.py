@@ -254,7 +254,7 @@ def scrape(url: str) -> dict[str, float]:
 
 
 HUB_PARTS = ("step", "draft", "transport", "verify", "sampler")
-AHEAD_COUNTS = ("hits", "misses", "backups")
+AHEAD_COUNTS = ("hits", "misses", "backups", "pushed")
 
 
 def hub_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
@@ -696,16 +696,21 @@ def section(
     for placement in out["placements"]:
         for length in s["serve_lengths"]:
             lockstep = f"lockstep_L{length:g}"
-            starts = [
-                (lockstep, None, False),
-                *((f"ahead_h{h:g}_L{length:g}", h, False) for h in s.get("serve_hit_rates", [])),
-            ]
+            no_push = ["--no-draft-push-chains"]
+            starts: list[tuple[str, float | None, bool, list[str]]] = [(lockstep, None, False, [])]
+            for h in s.get("serve_hit_rates", []):
+                starts.append((f"ahead_h{h:g}_L{length:g}", h, False, []))
+                if s.get("serve_no_push"):  # the same without pushed chains: the A/B
+                    starts.append((f"ahead_nopush_h{h:g}_L{length:g}", h, False, no_push))
             if s.get("serve_dynamic"):
-                starts.append((f"dynamic_L{length:g}", None, True))
-            for config, hit_rate, dynamic in starts:
+                starts.append((f"dynamic_L{length:g}", None, True, []))
+            for config, hit_rate, dynamic, extra in starts:
                 phase(f"starting specdec serve ({placement} {config})")
+                name = None
+                if extra:
+                    name = f"serve_{placement}_L{length:g}_ahead_h{hit_rate:g}_nopush"
                 with serving(s, length, log_dir, timeout_s, out["stops"].append, hit_rate,
-                             placement, dynamic) as serve:  # fmt: skip
+                             placement, dynamic, extra=extra, name=name) as serve:  # fmt: skip
                     with Client(serve.address) as client:
                         served = client.model_info()[0]
                     max_tokens = min(max_tokens, served.max_seq_len - s["prompt_len"])
@@ -764,7 +769,8 @@ def measure_stand_in(s: dict[str, Any], log_dir: Path, timeout_s: float) -> Path
 
 def progress_units(s: dict[str, Any]) -> int:
     """Progress ticks of `section` (placements as asked, else two: an estimate)."""
-    per_length = 1 + len(s.get("serve_hit_rates", [])) + bool(s.get("serve_dynamic"))
+    hit_rates = len(s.get("serve_hit_rates", [])) * (1 + bool(s.get("serve_no_push")))
+    per_length = 1 + hit_rates + bool(s.get("serve_dynamic"))
     n = len(s.get("serve_placements") or PLACEMENTS)
     stand_in = len(s.get("serve_stand_in", [])) + bool(s.get("serve_stand_in_lockstep"))
     per_length_rows = n * per_length + stand_in

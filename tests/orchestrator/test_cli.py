@@ -50,6 +50,24 @@ def test_flags_override_the_config_file(checkpoints: tuple[Path, Path], tmp_path
     assert config.scheduler.proposer == "off" and config.metrics_port is None
 
 
+def test_pushed_chains_are_on_unless_turned_off(
+    checkpoints: tuple[Path, Path], tmp_path: Path
+) -> None:
+    target, draft = checkpoints
+    base = ["serve", "--target", str(target), "--draft", str(draft)]
+    assert serve_config(parse_args(base)).services.draft_push_chains is True
+    assert (
+        serve_config(parse_args([*base, "--no-draft-push-chains"])).services.draft_push_chains
+        is False
+    )
+    toml = tmp_path / "serve.toml"
+    toml.write_text(f'target = "{target}"\ndraft = "{draft}"\ndraft-push-chains = false\n')
+    assert (
+        serve_config(parse_args(["serve", "--config", str(toml)])).services.draft_push_chains
+        is False
+    )
+
+
 def test_http_port_is_off_unless_given(checkpoints: tuple[Path, Path]) -> None:
     serve = ["serve", "--target", str(checkpoints[0])]
     assert serve_config(parse_args(serve)).http_port is None
@@ -187,8 +205,9 @@ def test_the_flags_a_service_takes_too_are_declared_once() -> None:
     own = {
         "draft": ["--draft-ahead", "--draft-ahead-backup", "--q-form", "--saguaro-scale",
                   "--support-size", "--synthetic-hit-rate"],
-        "target": ["--draft-deadline-ms", "--dynamic-speculation", "--no-dynamic-speculation",
-                   "--sampler-impl", "--synthetic-acceptance-length"],
+        "target": ["--draft-deadline-ms", "--draft-push-chains", "--dynamic-speculation",
+                   "--no-draft-push-chains", "--no-dynamic-speculation", "--sampler-impl",
+                   "--synthetic-acceptance-length"],
     }  # fmt: skip
     # spelled alike, meant otherwise: the draft main's --max-requests caps its n-gram requests
     # (serve's: the KV slots of a pair), its --proposer picks model or n-gram (serve's: a
