@@ -51,10 +51,10 @@ class DraftServicer(LifecycleServicer, draft_pb2_grpc.DraftServiceServicer):
             yield response
             # the target verifies this block meanwhile: draft its likely successors
             self.engine.draft_ahead(proposal.block.request_ids)
-            if block.push_chains:  # and send them before they are asked for
+            if block.push_chains:  # and send them before they are asked for (an empty push
+                # if there are none: the hub waits for one after each answer)
                 push = self.engine.pushed(proposal.block.request_ids)
-                if push is not None:
-                    yield _push_pb(push)
+                yield _push_pb(push) if push is not None else draft_pb2.ProposeResponse(pushed=True)
 
 
 def _push_pb(push: Push) -> draft_pb2.ProposeResponse:

@@ -18,7 +18,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, overload
 
 import grpc
 
@@ -217,6 +217,7 @@ class DraftLink:
         self._propose = None if push else LockstepStream(self._stub.Propose)
         self._sent: list[float] = []  # send times of blocks whose answer is not read yet
         self._push: draft_pb2.ProposeResponse | None = None  # the latest push read
+        self._pushes_due = 0  # answers read whose push (one follows each) is not read yet
         self._broken = False
         self._watchdog = _Watchdog()
 
@@ -277,16 +278,59 @@ class DraftLink:
 
     def collect(self, deadline_s: float) -> tuple[draft_pb2.ProposeResponse, float] | None:
         """The answer to the oldest block sent and its round trip (None if none waits), the
-        pushes before it dropped; DraftStalled if it has not come within `deadline_s` (the
-        stream is then cancelled: `reopen`), DraftDown if the stream failed."""
+        pushes before it dropped (they are for steps already asked for); DraftStalled if it
+        has not come within `deadline_s` (the stream is then cancelled: `reopen`), DraftDown if
+        the stream failed."""
         if not self._sent or self._pushes is None:
             return None
         end = time.monotonic() + deadline_s
-        try:
-            while True:
-                message = self._pushes.next(end - time.monotonic())
-                if not message.pushed:
+        while True:
+            message = self._next(end - time.monotonic(), deadline_s)
+            if not message.pushed:
+                break
+            self._pushes_due -= 1
+        self._pushes_due += 1  # the draft pushes after each answer
+        return message, time.perf_counter() - self._sent.pop(0)
+
+    def take_push(self, deadline_s: float) -> draft_pb2.ProposeResponse | None:
+        """The latest push (none waits for an answer: `collect` first), taken: a later call
+        gives a newer one or None. The draft pushes once after each answer, at the end of its
+        pass ahead, and reads no ask before it: so where one is due this waits for it, up to
+        `deadline_s` (DraftStalled past it), as an ask would have waited. DraftDown if the
+        stream failed, or sent an answer no block asked for."""
+        assert self._pushes is not None and not self._sent
+        end = time.monotonic() + deadline_s
+        while True:
+            if self._pushes_due > 0:
+                message = self._next(end - time.monotonic(), deadline_s)
+            else:
+                polled = self._next(None, deadline_s)
+                if polled is None:
                     break
+                message = polled
+            if not message.pushed:
+                self._broken = True
+                raise DraftDown(f"The draft service at {self.address} sent an answer to "
+                                "no block on its Propose stream.")  # fmt: skip
+            self._pushes_due = max(0, self._pushes_due - 1)
+            self._push = message
+        push, self._push = self._push, None
+        return push
+
+    @overload
+    def _next(self, timeout_s: float, deadline_s: float) -> draft_pb2.ProposeResponse: ...
+    @overload
+    def _next(self, timeout_s: None, deadline_s: float) -> draft_pb2.ProposeResponse | None: ...
+
+    def _next(self, timeout_s: float | None, deadline_s: float) -> draft_pb2.ProposeResponse | None:
+        """The next message of the push stream (`timeout_s` None: one that has arrived, else
+        None), its failures raised as DraftDown, and its silence past `timeout_s` as
+        DraftStalled (the stream cancelled)."""
+        assert self._pushes is not None
+        try:
+            if timeout_s is None:
+                return self._pushes.poll()
+            return self._pushes.next(timeout_s)
         except queue.Empty as e:
             self._pushes.cancel()
             self._broken = True
@@ -302,30 +346,6 @@ class DraftLink:
         except StopIteration as e:
             self._broken = True
             raise DraftDown(f"The draft service at {self.address} ended the Propose stream.") from e
-        return message, time.perf_counter() - self._sent.pop(0)
-
-    def take_push(self) -> draft_pb2.ProposeResponse | None:
-        """The latest push that has arrived (none waits for an answer: `collect` first), taken:
-        a later call gives a newer one or None. DraftDown if the stream failed, or sent an
-        answer no block asked for."""
-        assert self._pushes is not None and not self._sent
-        try:
-            while (message := self._pushes.poll()) is not None:
-                if not message.pushed:
-                    self._broken = True
-                    raise DraftDown(f"The draft service at {self.address} sent an answer to "
-                                    "no block on its Propose stream.")  # fmt: skip
-                self._push = message
-        except grpc.RpcError as e:
-            self._broken = True
-            raise DraftDown(
-                f"Propose on the draft service at {self.address}: {_describe(e)}"
-            ) from e
-        except StopIteration as e:
-            self._broken = True
-            raise DraftDown(f"The draft service at {self.address} ended the Propose stream.") from e
-        push, self._push = self._push, None
-        return push
 
     def reopen(self) -> None:
         """A new Propose stream in place of one that was cancelled."""
@@ -333,6 +353,7 @@ class DraftLink:
             self._pushes = _PushStream(self._stub.Propose)
             self._sent.clear()
             self._push = None
+            self._pushes_due = 0
         else:
             self._propose = LockstepStream(self._stub.Propose)
         self._broken = False

@@ -294,10 +294,14 @@ class DraftSide:
         link = self.link
         if link is None or not link.push or self._stall is not None or self._sent is not None:
             return None
+        seeded = any(r.fixed_k for r in asks)
         try:
-            push = link.take_push()
+            push = link.take_push(self.seeded_deadline_s if seeded else self._deadline_s)
         except DraftDown as e:
             self.down(str(e))
+            return None
+        except DraftStalled as e:
+            self._stalled(str(e), [])
             return None
         if push is None:
             return None

@@ -107,6 +107,7 @@ class Run:
     recovered: int  # steps that drafted and rejected one: the recovery draw made a token
     hits: float  # the draft's asks answered from drafts made ahead
     misses: float
+    pushed: float = 0.0  # of the hits, those taken from chains pushed before the verdict
 
 
 async def _generate(stack: Stack, case: Case) -> Run:
@@ -134,18 +135,19 @@ async def _generate(stack: Stack, case: Case) -> Run:
 
 def _run(stack: Stack, case: Case) -> Run:
     names = ("specdec:draft_ahead_hits_total", "specdec:draft_ahead_misses_total",
-             "specdec:draft_busy_seconds_total", "specdec:step_draft_seconds_sum")  # fmt: skip
+             "specdec:draft_busy_seconds_total", "specdec:step_draft_seconds_sum",
+             "specdec:draft_ahead_pushed_total")  # fmt: skip
     before = [_total(stack.orchestrator, n) for n in names]
     t0 = time.monotonic()
     run = asyncio.run(_generate(stack, case))
-    hits, misses, busy, forwards = (_total(stack.orchestrator, n) - b
-                                    for n, b in zip(names, before, strict=True))  # fmt: skip
-    run.hits, run.misses = hits, misses
+    after = [_total(stack.orchestrator, n) for n in names]
+    hits, misses, busy, forwards, pushed = (a - b for a, b in zip(after, before, strict=True))
+    run.hits, run.misses, run.pushed = hits, misses, pushed
     # the draft's busy time is its proposal forwards plus its passes ahead, which ran
     assert busy > forwards > 0, (busy, forwards)
     print(f"\n{stack.name} {case}: {NUM_REQUESTS} requests in {time.monotonic() - t0:.1f} s; "
           f"{run.accepted} drafts accepted, {run.recovered} recovery draws, draft-ahead "
-          f"{run.hits:.0f} hits / {run.misses:.0f} misses")  # fmt: skip
+          f"{run.hits:.0f} hits ({run.pushed:.0f} pushed) / {run.misses:.0f} misses")  # fmt: skip
     return run
 
 

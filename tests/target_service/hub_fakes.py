@@ -288,7 +288,7 @@ class FakeLink:
         self.pushes.append(push)
         return push
 
-    def take_push(self) -> draft_pb2.ProposeResponse | None:
+    def take_push(self, deadline_s: float) -> draft_pb2.ProposeResponse | None:
         _check(self._answer is None, "take_push with an answer not collected")
         push, self._push = self._push, None
         return push

@@ -1,0 +1,124 @@
+"""Exactness through the client API with chains pushed before the verdict
+(`TargetConfig.draft_push_chains`, on by default): after its answer and its pass ahead, the
+draft pushes every chain it drafted with the verdict each assumed, and a step whose every ask
+finds its verdict's chain is verified from them without asking (`hub_draft.DraftSide.from_push`).
+The client API runs in this process in front of a local pair (`tests.orchestrator.inprocess`).
+
+One request in flight at a time, so that every hit is a step served from a push: sampled
+unseeded requests (their seeds drawn here from a seeded generator) at a sharp temperature, where
+the draft's guesses often hold the verdict. Every committed token after the first is mapped
+through its own conditional CDF given its prefix (randomized PIT) and tested by chi-square, in a
+run that answered at least 50 asks from pushes; mutant, rejected by the same statistic: the
+tokens against the target at another temperature. Greedy output with pushes equals target-only
+greedy, and seeded sampled output is the same with pushes on and off.
+
+Code mutants tried on the pushed path (`hub_draft._from_push`): q's rows reversed is refused by
+the target's check of q (a draft token of probability 0); q cubed and renormalised is caught by
+the seeded test (other tokens than with pushes off), not by the PIT alone (p = 0.069: the
+distortion reaches only the 141 pushed asks among 2,700 tokens).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from specdec.client import AsyncClient
+from tests.orchestrator.local_exactness import (
+    Served,
+    draw_seeds_from,
+    pit_against_target,
+    serving_ahead,
+)
+from tests.orchestrator.test_serve_exactness import REJECT_BELOW, Case, K
+from tests.orchestrator.test_serve_exactness_ahead import _total
+
+NEW_TOKENS = 10  # tokens 2 to 10 of each request are tested
+CASE = Case("draft", temperature=0.3)
+COUNTERS = ("specdec:draft_ahead_hits_total", "specdec:draft_ahead_misses_total",
+            "specdec:draft_ahead_pushed_total")  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    with serving_ahead(tmp_path_factory.mktemp("push"), 4) as served:
+        yield served
+
+
+async def _generate(
+    address: str, prompts: list[list[int]], in_flight: int, **params: object
+) -> np.ndarray:
+    """[len(prompts), NEW_TOKENS]: a request a prompt, `in_flight` at a time."""
+    limit = asyncio.Semaphore(in_flight)
+    async with AsyncClient(address, timeout=300.0) as client:
+
+        async def one(i: int) -> tuple[int, ...]:
+            async with limit:
+                out = await client.complete(
+                    prompts[i], max_tokens=NEW_TOKENS, ignore_eos=True, num_draft_tokens=K,
+                    **{k: v(i) if callable(v) else v for k, v in params.items()},
+                )  # fmt: skip
+            assert out.finish_reason == "length" and len(out.token_ids) == NEW_TOKENS, out
+            return out.token_ids
+
+        return np.array(await asyncio.gather(*(one(i) for i in range(len(prompts)))))
+
+
+def _run(served: Served, prompts: list[list[int]], in_flight: int, **params: object
+         ) -> tuple[np.ndarray, list[float]]:  # fmt: skip
+    """The requests' tokens, and the draft-ahead hits, misses and pushed hits they made."""
+    before = [_total(served.orchestrator, name) for name in COUNTERS]
+    tokens = asyncio.run(_generate(served.address, prompts, in_flight, **params))
+    counts = [_total(served.orchestrator, n) - b for n, b in zip(COUNTERS, before, strict=True)]
+    print(f"\n{len(prompts)} requests, {in_flight} in flight: draft-ahead {counts[0]:.0f} hits "
+          f"({counts[2]:.0f} pushed) / {counts[1]:.0f} misses")  # fmt: skip
+    return tokens, counts
+
+
+@pytest.fixture(autouse=True)
+def drawn_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
+    # (with 7 here the PIT of seed 19 gave p = 0.00097, and 0.47 and 0.38 with seeds 23 and
+    # 29, for tokens identical with pushes on and off: the randomized PIT's own chance)
+    draw_seeds_from(monkeypatch, 8)
+
+
+def test_every_token_follows_target_with_pushed_chains(served: Served) -> None:
+    prompts = [list(CASE.prompt)] * 300
+    tokens, (hits, _, pushed) = _run(served, prompts, 1, temperature=CASE.temperature,
+                                     proposer="draft")  # fmt: skip
+    assert pushed >= 50, f"only {pushed:.0f} asks were answered from pushed chains"
+    assert pushed == hits, "one request in flight: every hit is a step served from a push"
+    exact = pit_against_target(served, CASE, tokens, CASE.temperature, seed=19)
+    print(f"PIT of {tokens[:, 1:].size} tokens: p-value {exact:.3g}")
+    assert exact > REJECT_BELOW, exact
+    wrong = pit_against_target(served, CASE, tokens, CASE.temperature * 2, seed=19)
+    print(f"against the target at temperature {CASE.temperature * 2:g}: p-value {wrong:.3g}")
+    assert wrong < REJECT_BELOW, wrong
+
+
+def test_greedy_output_with_pushed_chains_is_target_only_greedy(served: Served) -> None:
+    prompts = [[*CASE.prompt, 3 + i] for i in range(96)]
+    drafted, (_, _, pushed) = _run(served, prompts, 2, temperature=0.0, proposer="draft")
+    alone, _ = _run(served, prompts, 2, temperature=0.0, proposer="off")
+    assert len({tuple(row) for row in alone.tolist()}) > 48, "too few distinct outputs"
+    assert pushed >= 50, f"only {pushed:.0f} asks were answered from pushed chains"
+    assert np.array_equal(drafted, alone)
+
+
+def test_seeded_output_is_the_same_with_pushes_on_and_off(
+    served: Served, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The same seeded sampled requests through this pair and through one that never takes a
+    push: token for token the same (a pushed chain is the answer the draft would have sent)."""
+    prompts = [list(CASE.prompt)] * 96
+    params = {"temperature": CASE.temperature, "proposer": "draft", "seed": lambda i: 900 + i}
+    pushed_on, (_, _, pushed) = _run(served, prompts, 1, **params)
+    assert pushed >= 10, f"only {pushed:.0f} asks were answered from pushed chains"
+    with serving_ahead(tmp_path_factory.mktemp("nopush"), 4,
+                       target={"draft_push_chains": False}) as off:  # fmt: skip
+        pushed_off, (_, _, none) = _run(off, prompts, 1, **params)
+    assert none == 0
+    assert np.array_equal(pushed_on, pushed_off)
