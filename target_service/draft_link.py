@@ -219,7 +219,8 @@ class DraftLink:
         self._push: draft_pb2.ProposeResponse | None = None  # the latest push read
         self._pushes_due = 0  # answers read whose push (one follows each) is not read yet
         self._broken = False
-        self._watchdog = _Watchdog()
+        # the lock-step stream's deadline (a push stream's reads have their own timeouts)
+        self._watchdog = _Watchdog() if self._propose is not None else None
 
     def propose(
         self,
@@ -237,7 +238,7 @@ class DraftLink:
             answer = self.collect(deadline_s)
             assert answer is not None
             return answer
-        assert self._propose is not None
+        assert self._propose is not None and self._watchdog is not None
         start = time.perf_counter()
         self._watchdog.arm(self._propose, deadline_s)
         block = draft_pb2.ProposeBlock(entries=entries, target_step_s=target_step_s)
@@ -392,7 +393,8 @@ class DraftLink:
 
     def close(self, graceful: bool = True) -> None:
         """Ends the Propose stream (cleanly if `graceful` and it still works) and the channel."""
-        self._watchdog.close()
+        if self._watchdog is not None:
+            self._watchdog.close()
         if graceful and not self._broken:
             # it may have failed meanwhile: closing the channel below is then all that is left
             with contextlib.suppress(grpc.RpcError):
