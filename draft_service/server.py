@@ -24,7 +24,7 @@ NGRAM_MAX_SEQ_LEN = 1 << 20
 
 def model_info(config: DraftConfig, runner: ModelRunner | None) -> ModelInfo:
     """The draft model's info, or the shared tokenizer's for prompt lookup."""
-    limits = dict(
+    limits: dict[str, int] = dict(
         max_num_draft_tokens=config.max_num_draft_tokens,
         max_message_bytes=config.server.max_message_bytes,
     )
@@ -35,7 +35,7 @@ def model_info(config: DraftConfig, runner: ModelRunner | None) -> ModelInfo:
             tokenizer_vocab_size=i.tokenizer_vocab_size or runner.vocab_size,
             tokenizer_hash=i.tokenizer_hash, max_seq_len=runner.config.max_seq_len,
             max_requests=runner.config.max_slots - config.draft_ahead_slots, dtype=i.dtype,
-            **limits,
+            drafts_ahead=bool(config.draft_ahead) and runner.can_fork, **limits,
         )  # fmt: skip
     from transformers import AutoTokenizer
 
@@ -45,7 +45,9 @@ def model_info(config: DraftConfig, runner: ModelRunner | None) -> ModelInfo:
     return ModelInfo(
         architecture="ngram", vocab_size=len(tok), tokenizer_vocab_size=len(tok),
         tokenizer_hash=tokenizer_hash(tok), max_seq_len=NGRAM_MAX_SEQ_LEN,
-        max_requests=config.max_requests, dtype="none", **limits,
+        max_requests=config.max_requests, dtype="none",
+        max_num_draft_tokens=limits["max_num_draft_tokens"],
+        max_message_bytes=limits["max_message_bytes"],
     )  # fmt: skip
 
 

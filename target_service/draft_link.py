@@ -212,6 +212,9 @@ class DraftLink:
                 f"GetModelInfo on the draft service at {address}: {_describe(e)}"
             ) from e
         self.info = ModelInfo.from_pb(pb)
+        # pushes only from a draft that drafts ahead: a lock-step one would push nothing
+        self.push = push and self.info.drafts_ahead
+        push = self.push
         # one Propose stream: lock-step, or read by a thread of its own (push)
         self._pushes = _PushStream(self._stub.Propose) if push else None
         self._propose = None if push else LockstepStream(self._stub.Propose)

@@ -179,6 +179,7 @@ class ModelInfo:
     max_num_draft_tokens: int
     max_message_bytes: int
     dtype: str
+    drafts_ahead: bool = False  # a draft service with draft-ahead on: it can push chains
 
     def __post_init__(self) -> None:
         if not 0 < self.tokenizer_vocab_size <= self.vocab_size:
@@ -192,7 +193,7 @@ class ModelInfo:
         return cls(
             pb.architecture, pb.vocab_size, pb.tokenizer_vocab_size, pb.tokenizer_hash,
             pb.max_seq_len, pb.max_requests, pb.max_num_draft_tokens, pb.max_message_bytes,
-            pb.dtype,
+            pb.dtype, pb.drafts_ahead,
         )  # fmt: skip
 
     def to_pb(self) -> common_pb2.ModelInfo:
@@ -206,6 +207,7 @@ class ModelInfo:
             max_num_draft_tokens=self.max_num_draft_tokens,
             max_message_bytes=self.max_message_bytes,
             dtype=self.dtype,
+            drafts_ahead=self.drafts_ahead,
         )
 
 

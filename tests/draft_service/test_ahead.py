@@ -390,3 +390,32 @@ def test_push_marks_the_chains_a_synthetic_hit_serves_for_any_verdict() -> None:
         marked = ahead.synthetic_any_keys(chains, "r", s, 0.5)  # type: ignore[arg-type]
         served = ahead.synthetic_hit(chains, (7, 8), 0.5, "r", s)  # type: ignore[arg-type]
         assert (served in marked) == (served != (7, 8))
+
+
+@pytest.mark.parametrize("fanout", [0, 2])
+def test_only_a_draft_that_drafts_ahead_gets_a_push_stream(
+    checkpoints: tuple[Path, Path], fanout: int
+) -> None:
+    """The draft's ModelInfo says whether it drafts ahead, and the hub's link takes pushes only
+    from one that does (a lock-step draft would push nothing; a push stream would only add a
+    thread's hop to each answer); asked not to, it never does."""
+    from dataclasses import replace as copy
+
+    from draft_service.server import start
+    from specdec.serving.server import ServerConfig
+    from target_service.draft_link import DraftLink
+
+    _, draft_dir = checkpoints
+    config = with_ahead(model_draft(draft_dir), fanout)
+    server, engine = start(copy(config, server=ServerConfig(host="127.0.0.1", port=0)))
+    try:
+        assert engine.info.drafts_ahead is (fanout > 0)
+        for wanted in (True, False):
+            link = DraftLink(f"127.0.0.1:{server.port}", 1 << 24, 10.0, push=wanted)
+            try:
+                assert link.info.drafts_ahead is (fanout > 0)
+                assert link.push is (wanted and fanout > 0)
+            finally:
+                link.close()
+    finally:
+        server.stop(0)

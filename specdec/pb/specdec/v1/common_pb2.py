@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"u\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_p\"~\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x12\n\nfirst_step\x18\x04 \x01(\x04\"<\n\rAdmitResponse\x12\x18\n\x10\x63ommitted_length\x18\x01 \x01(\r\x12\x11\n\tnext_step\x18\x02 \x01(\x04\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\'\n\x0fReleaseResponse\x12\x14\n\x0cnum_released\x18\x01 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xde\x01\n\tModelInfo\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1c\n\x14tokenizer_vocab_size\x18\x03 \x01(\r\x12\x16\n\x0etokenizer_hash\x18\x04 \x01(\t\x12\x13\n\x0bmax_seq_len\x18\x05 \x01(\r\x12\x14\n\x0cmax_requests\x18\x06 \x01(\r\x12\x1c\n\x14max_num_draft_tokens\x18\x07 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x08 \x01(\x04\x12\r\n\x05\x64type\x18\t \x01(\t\"/\n\nDenseProbs\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\r\n\x05probs\x18\x02 \x01(\x0c\"E\n\x0bSparseProbs\x12\x14\n\x0csupport_size\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\r\n\x05probs\x18\x03 \x01(\x0c\"\x81\x02\n\nDraftBlock\x12\x13\n\x0brequest_ids\x18\x05 \x03(\t\x12\r\n\x05steps\x18\x06 \x03(\x04\x12\x19\n\x11\x63ommitted_lengths\x18\x07 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x08 \x03(\r\x12\"\n\x07q_forms\x18\t \x03(\x0e\x32\x11.specdec.v1.QForm\x12\x17\n\x0f\x64raft_token_ids\x18\x04 \x01(\x0c\x12%\n\x05\x64\x65nse\x18\x02 \x01(\x0b\x32\x16.specdec.v1.DenseProbs\x12\'\n\x06sparse\x18\x03 \x01(\x0b\x32\x17.specdec.v1.SparseProbsJ\x04\x08\x01\x10\x02R\x07\x65ntries\"[\n\x0cRequestError\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.specdec.v1.ErrorReason\x12\x11\n\tgrpc_code\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"V\n\nStepTiming\x12\x11\n\tservice_s\x18\x01 \x01(\x01\x12\x11\n\tforward_s\x18\x02 \x01(\x01\x12\x11\n\tsampler_s\x18\x03 \x01(\x01\x12\x0f\n\x07graphed\x18\x04 \x01(\x08*=\n\x05QForm\x12\x0f\n\x0bQ_FORM_NONE\x10\x00\x12\x10\n\x0cQ_FORM_DENSE\x10\x01\x12\x11\n\rQ_FORM_SPARSE\x10\x02*\x9b\x04\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12 \n\x1c\x45RROR_REASON_UNKNOWN_REQUEST\x10\x01\x12\x1b\n\x17\x45RROR_REASON_STALE_STEP\x10\x02\x12\x1f\n\x1b\x45RROR_REASON_DUPLICATE_STEP\x10\x03\x12\x1c\n\x18\x45RROR_REASON_FUTURE_STEP\x10\x04\x12*\n&ERROR_REASON_COMMITTED_LENGTH_MISMATCH\x10\x05\x12 \n\x1c\x45RROR_REASON_DUPLICATE_ENTRY\x10\x06\x12!\n\x1d\x45RROR_REASON_INVALID_ARGUMENT\x10\x07\x12$\n ERROR_REASON_INVALID_DRAFT_PROBS\x10\x08\x12+\n\'ERROR_REASON_DRAFT_PROBS_NOT_NORMALIZED\x10\t\x12+\n\'ERROR_REASON_DRAFT_TOKEN_OUT_OF_SUPPORT\x10\n\x12#\n\x1f\x45RROR_REASON_TOKEN_OUT_OF_VOCAB\x10\x0b\x12!\n\x1d\x45RROR_REASON_NONFINITE_LOGITS\x10\x0c\x12\x19\n\x15\x45RROR_REASON_CAPACITY\x10\r\x12\x1c\n\x18\x45RROR_REASON_STEP_FAILED\x10\x0e\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x17specdec/v1/common.proto\x12\nspecdec.v1\"u\n\x0eSamplingParams\x12\x18\n\x0btemperature\x18\x01 \x01(\x01H\x00\x88\x01\x01\x12\r\n\x05top_k\x18\x02 \x01(\r\x12\x12\n\x05top_p\x18\x03 \x01(\x01H\x01\x88\x01\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\x42\x0e\n\x0c_temperatureB\x08\n\x06_top_p\"~\n\x0c\x41\x64mitRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12,\n\x08sampling\x18\x03 \x01(\x0b\x32\x1a.specdec.v1.SamplingParams\x12\x12\n\nfirst_step\x18\x04 \x01(\x04\"<\n\rAdmitResponse\x12\x18\n\x10\x63ommitted_length\x18\x01 \x01(\r\x12\x11\n\tnext_step\x18\x02 \x01(\x04\"%\n\x0eReleaseRequest\x12\x13\n\x0brequest_ids\x18\x01 \x03(\t\"\'\n\x0fReleaseResponse\x12\x14\n\x0cnum_released\x18\x01 \x01(\r\"\x15\n\x13GetModelInfoRequest\"\xf4\x01\n\tModelInfo\x12\x14\n\x0c\x61rchitecture\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x1c\n\x14tokenizer_vocab_size\x18\x03 \x01(\r\x12\x16\n\x0etokenizer_hash\x18\x04 \x01(\t\x12\x13\n\x0bmax_seq_len\x18\x05 \x01(\r\x12\x14\n\x0cmax_requests\x18\x06 \x01(\r\x12\x1c\n\x14max_num_draft_tokens\x18\x07 \x01(\r\x12\x19\n\x11max_message_bytes\x18\x08 \x01(\x04\x12\r\n\x05\x64type\x18\t \x01(\t\x12\x14\n\x0c\x64rafts_ahead\x18\n \x01(\x08\"/\n\nDenseProbs\x12\x12\n\nvocab_size\x18\x01 \x01(\r\x12\r\n\x05probs\x18\x02 \x01(\x0c\"E\n\x0bSparseProbs\x12\x14\n\x0csupport_size\x18\x01 \x01(\r\x12\x11\n\ttoken_ids\x18\x02 \x01(\x0c\x12\r\n\x05probs\x18\x03 \x01(\x0c\"\x81\x02\n\nDraftBlock\x12\x13\n\x0brequest_ids\x18\x05 \x03(\t\x12\r\n\x05steps\x18\x06 \x03(\x04\x12\x19\n\x11\x63ommitted_lengths\x18\x07 \x03(\r\x12\x18\n\x10num_draft_tokens\x18\x08 \x03(\r\x12\"\n\x07q_forms\x18\t \x03(\x0e\x32\x11.specdec.v1.QForm\x12\x17\n\x0f\x64raft_token_ids\x18\x04 \x01(\x0c\x12%\n\x05\x64\x65nse\x18\x02 \x01(\x0b\x32\x16.specdec.v1.DenseProbs\x12\'\n\x06sparse\x18\x03 \x01(\x0b\x32\x17.specdec.v1.SparseProbsJ\x04\x08\x01\x10\x02R\x07\x65ntries\"[\n\x0cRequestError\x12\'\n\x06reason\x18\x01 \x01(\x0e\x32\x17.specdec.v1.ErrorReason\x12\x11\n\tgrpc_code\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"V\n\nStepTiming\x12\x11\n\tservice_s\x18\x01 \x01(\x01\x12\x11\n\tforward_s\x18\x02 \x01(\x01\x12\x11\n\tsampler_s\x18\x03 \x01(\x01\x12\x0f\n\x07graphed\x18\x04 \x01(\x08*=\n\x05QForm\x12\x0f\n\x0bQ_FORM_NONE\x10\x00\x12\x10\n\x0cQ_FORM_DENSE\x10\x01\x12\x11\n\rQ_FORM_SPARSE\x10\x02*\x9b\x04\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12 \n\x1c\x45RROR_REASON_UNKNOWN_REQUEST\x10\x01\x12\x1b\n\x17\x45RROR_REASON_STALE_STEP\x10\x02\x12\x1f\n\x1b\x45RROR_REASON_DUPLICATE_STEP\x10\x03\x12\x1c\n\x18\x45RROR_REASON_FUTURE_STEP\x10\x04\x12*\n&ERROR_REASON_COMMITTED_LENGTH_MISMATCH\x10\x05\x12 \n\x1c\x45RROR_REASON_DUPLICATE_ENTRY\x10\x06\x12!\n\x1d\x45RROR_REASON_INVALID_ARGUMENT\x10\x07\x12$\n ERROR_REASON_INVALID_DRAFT_PROBS\x10\x08\x12+\n\'ERROR_REASON_DRAFT_PROBS_NOT_NORMALIZED\x10\t\x12+\n\'ERROR_REASON_DRAFT_TOKEN_OUT_OF_SUPPORT\x10\n\x12#\n\x1f\x45RROR_REASON_TOKEN_OUT_OF_VOCAB\x10\x0b\x12!\n\x1d\x45RROR_REASON_NONFINITE_LOGITS\x10\x0c\x12\x19\n\x15\x45RROR_REASON_CAPACITY\x10\r\x12\x1c\n\x18\x45RROR_REASON_STEP_FAILED\x10\x0e\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_QFORM']._serialized_start=1237
-  _globals['_QFORM']._serialized_end=1298
-  _globals['_ERRORREASON']._serialized_start=1301
-  _globals['_ERRORREASON']._serialized_end=1840
+  _globals['_QFORM']._serialized_start=1259
+  _globals['_QFORM']._serialized_end=1320
+  _globals['_ERRORREASON']._serialized_start=1323
+  _globals['_ERRORREASON']._serialized_end=1862
   _globals['_SAMPLINGPARAMS']._serialized_start=39
   _globals['_SAMPLINGPARAMS']._serialized_end=156
   _globals['_ADMITREQUEST']._serialized_start=158
@@ -48,15 +48,15 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_GETMODELINFOREQUEST']._serialized_start=428
   _globals['_GETMODELINFOREQUEST']._serialized_end=449
   _globals['_MODELINFO']._serialized_start=452
-  _globals['_MODELINFO']._serialized_end=674
-  _globals['_DENSEPROBS']._serialized_start=676
-  _globals['_DENSEPROBS']._serialized_end=723
-  _globals['_SPARSEPROBS']._serialized_start=725
-  _globals['_SPARSEPROBS']._serialized_end=794
-  _globals['_DRAFTBLOCK']._serialized_start=797
-  _globals['_DRAFTBLOCK']._serialized_end=1054
-  _globals['_REQUESTERROR']._serialized_start=1056
-  _globals['_REQUESTERROR']._serialized_end=1147
-  _globals['_STEPTIMING']._serialized_start=1149
-  _globals['_STEPTIMING']._serialized_end=1235
+  _globals['_MODELINFO']._serialized_end=696
+  _globals['_DENSEPROBS']._serialized_start=698
+  _globals['_DENSEPROBS']._serialized_end=745
+  _globals['_SPARSEPROBS']._serialized_start=747
+  _globals['_SPARSEPROBS']._serialized_end=816
+  _globals['_DRAFTBLOCK']._serialized_start=819
+  _globals['_DRAFTBLOCK']._serialized_end=1076
+  _globals['_REQUESTERROR']._serialized_start=1078
+  _globals['_REQUESTERROR']._serialized_end=1169
+  _globals['_STEPTIMING']._serialized_start=1171
+  _globals['_STEPTIMING']._serialized_end=1257
 # @@protoc_insertion_point(module_scope)

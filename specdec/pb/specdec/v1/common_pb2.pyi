@@ -98,7 +98,7 @@ class GetModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("architecture", "vocab_size", "tokenizer_vocab_size", "tokenizer_hash", "max_seq_len", "max_requests", "max_num_draft_tokens", "max_message_bytes", "dtype")
+    __slots__ = ("architecture", "vocab_size", "tokenizer_vocab_size", "tokenizer_hash", "max_seq_len", "max_requests", "max_num_draft_tokens", "max_message_bytes", "dtype", "drafts_ahead")
     ARCHITECTURE_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     TOKENIZER_VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,7 @@ class ModelInfo(_message.Message):
     MAX_NUM_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MAX_MESSAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DRAFTS_AHEAD_FIELD_NUMBER: _ClassVar[int]
     architecture: str
     vocab_size: int
     tokenizer_vocab_size: int
@@ -117,7 +118,8 @@ class ModelInfo(_message.Message):
     max_num_draft_tokens: int
     max_message_bytes: int
     dtype: str
-    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_vocab_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., max_requests: _Optional[int] = ..., max_num_draft_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., dtype: _Optional[str] = ...) -> None: ...
+    drafts_ahead: bool
+    def __init__(self, architecture: _Optional[str] = ..., vocab_size: _Optional[int] = ..., tokenizer_vocab_size: _Optional[int] = ..., tokenizer_hash: _Optional[str] = ..., max_seq_len: _Optional[int] = ..., max_requests: _Optional[int] = ..., max_num_draft_tokens: _Optional[int] = ..., max_message_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., drafts_ahead: _Optional[bool] = ...) -> None: ...
 
 class DenseProbs(_message.Message):
     __slots__ = ("vocab_size", "probs")
