@@ -696,15 +696,7 @@ def section(
     for placement in out["placements"]:
         for length in s["serve_lengths"]:
             lockstep = f"lockstep_L{length:g}"
-            no_push = ["--no-draft-push-chains"]
-            starts: list[tuple[str, float | None, bool, list[str]]] = [(lockstep, None, False, [])]
-            for h in s.get("serve_hit_rates", []):
-                starts.append((f"ahead_h{h:g}_L{length:g}", h, False, []))
-                if s.get("serve_no_push"):  # the same without pushed chains: the A/B
-                    starts.append((f"ahead_nopush_h{h:g}_L{length:g}", h, False, no_push))
-            if s.get("serve_dynamic"):
-                starts.append((f"dynamic_L{length:g}", None, True, []))
-            for config, hit_rate, dynamic, extra in starts:
+            for config, hit_rate, dynamic, extra in serve_starts(s, length):
                 phase(f"starting specdec serve ({placement} {config})")
                 name = None
                 if extra:
@@ -767,10 +759,28 @@ def measure_stand_in(s: dict[str, Any], log_dir: Path, timeout_s: float) -> Path
     return out
 
 
+def serve_starts(
+    s: dict[str, Any], length: float
+) -> list[tuple[str, float | None, bool, list[str]]]:
+    """The `specdec serve` starts of one synthetic length, in order: (config name, draft-ahead
+    hit rate, dynamic speculation, more flags). Lock-step; then per hit rate draft-ahead, and
+    with serve_no_push the same without pushed chains (the A/B in one run); then dynamic."""
+    starts: list[tuple[str, float | None, bool, list[str]]] = [
+        (f"lockstep_L{length:g}", None, False, [])
+    ]
+    for h in s.get("serve_hit_rates", []):
+        starts.append((f"ahead_h{h:g}_L{length:g}", h, False, []))
+        if s.get("serve_no_push"):
+            starts.append((f"ahead_nopush_h{h:g}_L{length:g}", h, False,
+                           ["--no-draft-push-chains"]))  # fmt: skip
+    if s.get("serve_dynamic"):
+        starts.append((f"dynamic_L{length:g}", None, True, []))
+    return starts
+
+
 def progress_units(s: dict[str, Any]) -> int:
     """Progress ticks of `section` (placements as asked, else two: an estimate)."""
-    hit_rates = len(s.get("serve_hit_rates", [])) * (1 + bool(s.get("serve_no_push")))
-    per_length = 1 + hit_rates + bool(s.get("serve_dynamic"))
+    per_length = len(serve_starts(s, 1.0))
     n = len(s.get("serve_placements") or PLACEMENTS)
     stand_in = len(s.get("serve_stand_in", [])) + bool(s.get("serve_stand_in_lockstep"))
     per_length_rows = n * per_length + stand_in

@@ -15,8 +15,10 @@ from bench.e2e_serve import (
     Stream,
     hub_ms,
     placements,
+    progress_units,
     seq_len_needed,
     serve_args,
+    serve_starts,
     window_figures,
 )
 from orchestrator.cli.main import parse_args
@@ -106,6 +108,32 @@ def test_serve_args_match_the_pipeline_services(checkpoints: tuple[Path, Path]) 
     assert services.kv_block_size == 0
     paged = serve_config(parse_args(serve_args(s | {"kv_block_size": 16}, 3.0, 1, 2)))
     assert paged.services.kv_block_size == 16 and paged.services.prefix_caching
+
+
+def test_no_push_rows_pair_each_draft_ahead_row_with_pushes_off(
+    checkpoints: tuple[Path, Path],
+) -> None:
+    """--serve-no-push: beside each draft-ahead start, the same start whose serve flags turn
+    pushed chains off; the progress bar counts them."""
+    target, draft = checkpoints
+    s: dict[str, Any] = {
+        "paths": {"target": str(target), "draft": str(draft)}, "target_device": "cpu",
+        "dtype": "float32", "max_slots": 4, "max_seq_len": 128, "num_draft_tokens": 4,
+        "graph_sizes": [], "draft_ahead": 2, "serve_hit_rates": [1.0, 0.8], "batches": [1],
+        "serve_lengths": [3.0], "serve_steps": 8, "ttft_prompt_lens": [64], "ttft_repeats": 1,
+        "serve_placements": ["split"],
+    }  # fmt: skip
+    plain = serve_starts(s, 3.0)
+    assert [c for c, *_ in plain] == ["lockstep_L3", "ahead_h1_L3", "ahead_h0.8_L3"]
+    paired = serve_starts(s | {"serve_no_push": True}, 3.0)
+    assert [c for c, *_ in paired] == ["lockstep_L3", "ahead_h1_L3", "ahead_nopush_h1_L3",
+                                       "ahead_h0.8_L3", "ahead_nopush_h0.8_L3"]  # fmt: skip
+    for config, hit_rate, dynamic, extra in paired:
+        flags = serve_args(s, 3.0, 1, 2, hit_rate, "split", dynamic, None, extra)
+        services = serve_config(parse_args(flags)).services
+        assert services.draft_push_chains is ("nopush" not in config), config
+    more = progress_units(s | {"serve_no_push": True}) - progress_units(s)
+    assert more == 2 * len(s["batches"]) * s["serve_steps"]
 
 
 def test_a_tensor_parallel_target_runs_split_on_n_plus_one_gpus(
