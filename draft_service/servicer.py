@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import struct
 import time
 from collections.abc import Iterator
@@ -12,6 +13,8 @@ from draft_service.engine import DraftEngine, Push
 from specdec.pb import draft_pb2, draft_pb2_grpc
 from specdec.serving.lifecycle import LifecycleServicer, step_timing
 from specdec.serving.messages import ErrorReason, ProposeEntry, RequestError
+
+log = logging.getLogger(__name__)
 
 
 def _propose_error(request_id: str, error: RequestError) -> draft_pb2.ProposeError:
@@ -53,8 +56,19 @@ class DraftServicer(LifecycleServicer, draft_pb2_grpc.DraftServiceServicer):
             self.engine.draft_ahead(proposal.block.request_ids)
             if block.push_chains:  # and send them before they are asked for (an empty push
                 # if there are none: the hub waits for one after each answer)
-                push = self.engine.pushed(proposal.block.request_ids)
-                yield _push_pb(push) if push is not None else draft_pb2.ProposeResponse(pushed=True)
+                yield self._push(proposal.block.request_ids)
+
+    def _push(self, request_ids: list[str]) -> draft_pb2.ProposeResponse:
+        """The push of these requests' chains; empty if there are none, or if it would not fit
+        a message (dense q over many chains): the hub then asks as without pushes."""
+        push = self.engine.pushed(request_ids)
+        pb = _push_pb(push) if push is not None else draft_pb2.ProposeResponse(pushed=True)
+        limit = self.engine.info.max_message_bytes
+        if pb.ByteSize() > limit:
+            log.warning("a push of %d bytes exceeds the %d-byte message limit; sent empty",
+                        pb.ByteSize(), limit)  # fmt: skip
+            pb = draft_pb2.ProposeResponse(pushed=True)
+        return pb
 
 
 def _push_pb(push: Push) -> draft_pb2.ProposeResponse:

@@ -354,11 +354,14 @@ class DraftLink:
     def reopen(self) -> None:
         """A new Propose stream in place of one that was cancelled."""
         if self._pushes is not None:
+            self._pushes.cancel()  # its reader thread ends; the draft's side of it too
             self._pushes = _PushStream(self._stub.Propose)
             self._sent.clear()
             self._push = None
             self._pushes_due = 0
         else:
+            if self._propose is not None:
+                self._propose.cancel()
             self._propose = LockstepStream(self._stub.Propose)
         self._broken = False
 

@@ -78,9 +78,7 @@ class _Group:
 
     requests: list[HubRequest]
     block: common_pb2.DraftBlock = field(default_factory=common_pb2.DraftBlock)
-    # waiting for draft admissions (and a resynchronisation), and for the answer to the last
-    # step's block sent without waiting (`DraftSide.collect`), first
-    poll_s: float = 0.0
+    poll_s: float = 0.0  # waiting for draft admissions (and a resynchronisation) first
     asked: bool = False  # the draft service was asked for this group
     drafted: bool = False  # and answered
     draft_s: float = 0.0
@@ -390,6 +388,9 @@ class Hub:
             if not group.requests:  # its seeded requests sit out a stall that began now
                 return
             verdicts, times = self.engine.verify_timed(block)
+            # a block sent without waiting is answered by now: read it before any control
+            # (a release, a re-admission) reaches the draft ahead of that block
+            self._collect(group)
             verify_s, sampler_s = times.forward_s, times.sampler_s
             graphed = times.graphed and group.draft_graphed
         except Exception as e:
@@ -473,9 +474,7 @@ class Hub:
         """Fills group.block: the draft's proposals, then the local entries (ngram, k = 0)."""
         start = time.perf_counter()
         self._draft.poll(self._target_step_s)
-        collected = self._draft.collect()  # the answer to a block sent without waiting
-        if collected is not None:  # its passes ahead ran while the last step verified
-            group.ahead_s = collected.draft_ahead_s
+        self._collect(group)  # if the last step failed before it read it
         group.poll_s = time.perf_counter() - start
         asks = [r for r in group.requests if r.on_draft]
         group.asked = bool(asks)
@@ -514,6 +513,13 @@ class Hub:
                 target_pb2.DRAFT_FALLBACK_DEADLINE if self._draft.stalled
                 else target_pb2.DRAFT_FALLBACK_UNAVAILABLE
             )  # fmt: skip
+
+    def _collect(self, group: _Group) -> None:
+        """Reads the draft's answer to a block sent without waiting (`DraftSide.collect`); the
+        passes ahead it reports ran during this group's verify."""
+        collected = self._draft.collect()
+        if collected is not None:
+            group.ahead_s += collected.draft_ahead_s
 
     def _ask(self, r: HubRequest) -> draft_pb2.ProposeEntry:
         return draft_pb2.ProposeEntry(

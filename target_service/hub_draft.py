@@ -341,14 +341,17 @@ class DraftSide:
         if answer is None:
             return None
         response, _ = answer
-        block = response.block
-        ids = struct.unpack(f"<{len(block.draft_token_ids) // 4}i", block.draft_token_ids)
-        start = 0
-        for rid, k in zip(block.request_ids, block.num_draft_tokens, strict=False):
-            if used.get(rid) != list(ids[start : start + k]):
+        try:
+            block = DraftBlock.from_pb(
+                response.block, max_support_size=self._config.max_support_size
+            )
+        except ValueError as e:
+            self.down(f"The draft service sent a malformed DraftBlock: {e}")
+            return None
+        for i, rid in enumerate(block.request_ids):
+            if used.get(rid) != block.tokens(i):
                 self.push_mismatches += 1
                 log.warning("the draft answered %r with other drafts than it pushed", rid)
-            start += k
         self._refused(response)
         return response
 
@@ -366,9 +369,8 @@ class DraftSide:
     ) -> tuple[draft_pb2.ProposeResponse, float] | None:
         """The draft's answer to `entries` (the asks of `asks`) and its round trip; None if the
         draft service failed (it is down now). `target_step_s`: ProposeBlock.target_step_s."""
-        assert self.link is not None
         self.collect()  # a block sent without waiting is answered first
-        if self.link is None or self._stall is not None:
+        if self.link is None or self._stall is not None:  # down or stalled (maybe just now)
             return None
         seeded = any(r.fixed_k for r in asks)
         deadline_s = self.seeded_deadline_s if seeded else self._deadline_s
@@ -510,6 +512,8 @@ def _from_push(
     ValueError if the push is malformed."""
     block = DraftBlock.from_pb(push.block, max_support_size=max_support)
     lengths = list(push.verdict_lengths)
+    if len(push.verdict_token_ids) % 4:
+        raise ValueError("verdict_token_ids is not a whole number of int32s")
     flat = struct.unpack(f"<{len(push.verdict_token_ids) // 4}i", push.verdict_token_ids)
     if len(lengths) != len(block) or sum(lengths) != len(flat) or block.errors:
         raise ValueError("its verdicts do not fit its block")

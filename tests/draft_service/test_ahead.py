@@ -340,7 +340,7 @@ def test_pushed_chains_are_the_answers_their_verdicts_get(
     """`DraftEngine.pushed` sends, before the next ask, every chain of the pass ahead with the
     verdict it assumed: an ask carrying that verdict is answered with exactly that entry's
     drafts and q (or its first k, asked for fewer), whichever of the chains it is."""
-    from specdec.serving.blocks import DraftBlock
+    from specdec.serving.blocks import SparseQ
     from specdec.serving.messages import AdmitRequest, ProposeEntry
 
     target_dir, draft_dir = checkpoints
@@ -372,9 +372,11 @@ def test_pushed_chains_are_the_answers_their_verdicts_get(
             if want is None:
                 assert temperature == 0.0 and got is None
             else:
-                assert got is not None
+                assert got is not None and type(got) is type(want)
                 torch.testing.assert_close(got.probs, want.probs[:k], rtol=0, atol=0)
-            assert isinstance(push.block, DraftBlock)
+                if isinstance(want, SparseQ):  # the support's ids too, in the same order
+                    assert isinstance(got, SparseQ)
+                    assert torch.equal(got.token_ids, want.token_ids[:k])
             engine.release([rid])
             checked += 1
     assert checked == 6

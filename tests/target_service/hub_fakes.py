@@ -191,11 +191,13 @@ class FakeLink:
     push_keys: Callable[[tuple[int, ...]], tuple[int, ...]] = lambda key: key
     answer_other: bool = False
     collect_script: dict[int, str] = field(default_factory=dict)
+    take_push_script: dict[int, str] = field(default_factory=dict)  # likewise, n-th take_push
     pushes: list[draft_pb2.ProposeResponse] = field(default_factory=list)  # every one made
     sent: list[list[draft_pb2.ProposeEntry]] = field(default_factory=list)  # blocks sent
     _push: draft_pb2.ProposeResponse | None = None
     _answer: draft_pb2.ProposeResponse | None = None
     _collects: int = 0
+    _takes: int = 0
 
     def __post_init__(self) -> None:
         if self.admitting:
@@ -290,7 +292,13 @@ class FakeLink:
 
     def take_push(self, deadline_s: float) -> draft_pb2.ProposeResponse | None:
         _check(self._answer is None, "take_push with an answer not collected")
+        self._takes += 1
+        action = self.take_push_script.get(self._takes, "ok")
         push, self._push = self._push, None
+        if action == "stall":
+            raise DraftStalled("the fake draft did not push")
+        if action == "down":
+            raise DraftDown("the fake draft is gone")
         return push
 
     def send(self, entries: Sequence[draft_pb2.ProposeEntry], target_step_s: float = 0.0) -> None:

@@ -290,8 +290,8 @@ def test_pushed_chains_are_verified_without_asking_and_keep_the_greedy_output(
 
 
 def test_a_push_for_another_verdict_is_not_taken(runs: list[HubRun]) -> None:
-    """Chains keyed by verdicts that do not come (one token longer, or another token): the hub
-    asks and waits as without pushes; the output is the same."""
+    """Chains keyed by verdicts that do not come (their last token another): the hub asks and
+    waits as without pushes; the output is the same."""
     link = FakeLink("draft:1", wrong_at={9, 12}, push=True,
                     push_keys=lambda key: (*key[:-1], (key[-1] + 1) % 97))  # fmt: skip
     run = _start(runs, link)
@@ -334,3 +334,47 @@ def test_a_draft_that_stalls_after_a_block_sent_without_waiting_costs_only_k(
     fell_back = [s for s in run.steps if s.draft_fallback == target_pb2.DRAFT_FALLBACK_DEADLINE]
     assert fell_back, "the steps during the stall ran at k = 0"
     assert sum(s.draft_ahead_pushed for s in run.steps) > pushed_before > 0
+
+
+@pytest.mark.parametrize("failure", ["down", "stall"])
+def test_a_draft_that_fails_while_its_push_is_awaited_costs_only_k(
+    runs: list[HubRun], failure: str
+) -> None:
+    """The draft dies (or stalls) during its pass ahead, while the hub waits for its push: no
+    step fails; the requests decode at k = 0 (until a stalled draft answers again)."""
+    link = FakeLink("draft:1", push=True, take_push_script={3: failure})
+    run = _start(runs, link)
+    n = 30
+    run.engine.allow(5)
+    run.admit("a", PROMPT, "draft", k=4, max_length=len(PROMPT) + n)
+    run.next(lambda e: e.HasField("step") and e.step.draft_fallback != 0)
+    if failure == "stall":
+        link.probes[0].finish()
+    run.engine.unpace()
+    run.until_length("a", n)
+    assert run.tokens["a"] == greedy(PROMPT, n)
+    errors = [VerifyResponse.from_pb(s.verdicts).errors for s in run.steps]
+    assert not any(errors), errors
+
+
+def test_a_malformed_push_is_refused_as_such() -> None:
+    """A push whose verdicts do not fit its block (a buffer of 3 bytes, lengths that do not add
+    up) raises ValueError, which the hub logs and ignores (it asks instead)."""
+    from specdec.pb import draft_pb2
+    from target_service.hub_draft import _from_push
+
+    block = DraftBlock.build(["a"], [1], [6], [1], [0], [5])
+    entry = draft_pb2.ProposeEntry(request_id="a", step=1, new_token_ids=[9], committed_length=6,
+                                   num_draft_tokens=1)  # fmt: skip
+    good = draft_pb2.ProposeResponse(block=block.to_pb(), pushed=True, verdict_lengths=[1],
+                                     verdict_token_ids=(9).to_bytes(4, "little"))  # fmt: skip
+    chosen = _from_push(good, [entry], 64)
+    assert chosen is not None and chosen[0].draft_token_ids == (5,)
+    for bad in (
+        draft_pb2.ProposeResponse(block=block.to_pb(), pushed=True, verdict_lengths=[1],
+                                  verdict_token_ids=b"\x09\x00\x00"),
+        draft_pb2.ProposeResponse(block=block.to_pb(), pushed=True, verdict_lengths=[2],
+                                  verdict_token_ids=(9).to_bytes(4, "little")),
+    ):  # fmt: skip
+        with pytest.raises(ValueError):
+            _from_push(bad, [entry], 64)
