@@ -33,6 +33,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import grpc
 
@@ -44,6 +45,7 @@ from target_service.config import TargetConfig
 from target_service.draft_link import DraftDown, DraftLink, DraftStalled, PendingAdmits
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 DEADLINE_FACTOR = 10.0  # the deadline is at least this many times the median round trip
 ROUND_TRIPS = 64  # the recent Propose round trips that median is taken over
 
@@ -294,15 +296,7 @@ class DraftSide:
         link = self.link
         if link is None or not link.push or self._stall is not None or self._sent is not None:
             return None
-        seeded = any(r.fixed_k for r in asks)
-        try:
-            push = link.take_push(self.seeded_deadline_s if seeded else self._deadline_s)
-        except DraftDown as e:
-            self.down(str(e))
-            return None
-        except DraftStalled as e:
-            self._stalled(str(e), [])
-            return None
+        push = self._in_time(asks, link.take_push)
         if push is None:
             return None
         try:
@@ -329,15 +323,7 @@ class DraftSide:
             return None
         asks, used = self._sent
         self._sent = None
-        seeded = any(r.fixed_k for r in asks)
-        try:
-            answer = self.link.collect(self.seeded_deadline_s if seeded else self._deadline_s)
-        except DraftDown as e:
-            self.down(str(e))
-            return None
-        except DraftStalled as e:
-            self._stalled(str(e), [])
-            return None
+        answer = self._in_time(asks, self.link.collect)
         if answer is None:
             return None
         response, _ = answer
@@ -354,6 +340,18 @@ class DraftSide:
                 log.warning("the draft answered %r with other drafts than it pushed", rid)
         self._refused(response)
         return response
+
+    def _in_time(self, asks: list[HubRequest], call: Callable[[float], _T]) -> _T | None:
+        """`call(deadline_s)` with the asks' deadline (a seeded request's, longer, if one is
+        among them); None, the draft taken as down or stalled, if it fails or misses it."""
+        seeded = any(r.fixed_k for r in asks)
+        try:
+            return call(self.seeded_deadline_s if seeded else self._deadline_s)
+        except DraftDown as e:
+            self.down(str(e))
+        except DraftStalled as e:
+            self._stalled(str(e), [])
+        return None
 
     def _refused(self, response: draft_pb2.ProposeResponse) -> None:
         for err in response.errors:
