@@ -56,6 +56,17 @@ class StepGraphs:
     def captured(self) -> int:
         return len(self._graphs)
 
+    def release(self) -> None:
+        """Destroys every captured graph once the device's queued work is done (later steps
+        capture again). A graph that captured a collective holds its NCCL communicator: the
+        group's end, orderly or aborted, waits until that graph is destroyed."""
+        if not self._graphs:
+            return
+        torch.cuda.synchronize(self._device)
+        for g in self._graphs.values():
+            g.graph.reset()
+        self._graphs.clear()
+
     def padded_size(self, batch: int) -> int | None:
         return next((s for s in self._sizes if s >= batch), None)
 

@@ -141,6 +141,7 @@ def _worker(
         except EOFError:  # rank 0 is gone
             _end_rank(None, 0)
         if name == "stop":  # rank 0 ends the group with every rank: see `_leave_group`
+            runner.release_graphs()  # their collectives hold the communicators
             _end_rank(runner.device, 0, leave=True)
         if name in ("graph_step", "ragged_step"):
             key = kwargs.pop("head_key")
@@ -203,7 +204,10 @@ def _leave_group(orderly: bool = True) -> None:
     hung both on two H100s). Not `orderly` (ranks killed or gone), or an orderly end that
     does not return within LEAVE_TIMEOUT_S: the communicators are aborted, which frees this
     rank's part alone. An abort that fails or does not return is logged as an error: the
-    process still belongs to the group, so a new `launch` in it is refused, saying so."""
+    process still belongs to the group, so a new `launch` in it is refused, saying so.
+    Destroy the CUDA graphs first (`ModelRunner.release_graphs`): NCCL's end, orderly or
+    aborted, waits for every graph that captured one of its collectives (on 2 x H200 both ends
+    timed out, and the end left waiting aborted the process once the graphs were freed)."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
@@ -373,6 +377,8 @@ class ParallelRunner(ModelRunner):
                         r.commands.send(("stop", (), {}))
                     except OSError:  # it is gone already: no orderly end with it
                         stopped = False
+            if finished:  # a graph that captured a collective holds its communicator:
+                self.release_graphs()  # NCCL's end, orderly or aborted, waits for it
             if stopped:  # the ranks leave the group now too, each on its stop
                 _leave_group(orderly=True)
             for r in self._ranks:

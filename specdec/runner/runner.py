@@ -658,6 +658,12 @@ class ModelRunner:
     def device(self) -> torch.device:
         return self._device
 
+    def release_graphs(self) -> None:
+        """Destroys the captured CUDA graphs (`StepGraphs.release`): before a tensor-parallel
+        group ends, whose communicators the graphs' collectives hold."""
+        if self._graphs is not None:
+            self._graphs.release()
+
     def close(self) -> None:
         """Frees what the runner holds outside this process (the other ranks of a
         tensor-parallel model); nothing on one rank."""

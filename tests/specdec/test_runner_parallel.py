@@ -117,6 +117,29 @@ def test_four_ranks(checkpoints: dict[str, tuple[Any, Path]], lost: list[str]) -
         four.close()
 
 
+def test_close_destroys_the_graphs_before_the_group_ends(
+    checkpoints: dict[str, tuple[Any, Path]], lost: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CUDA graph that captured a collective holds its NCCL communicator, and NCCL's end
+    waits for it: rank 0 destroys its graphs before it leaves the group (each other rank does
+    on its stop; the GPU test sees both, as an orderly end that returns)."""
+    import specdec.runner.parallel as parallel
+
+    _, path = checkpoints["qwen3"]
+    order: list[str] = []
+    leave = parallel._leave_group
+    monkeypatch.setattr(
+        parallel,
+        "_leave_group",
+        lambda orderly=True: (order.append(f"leave {orderly}"), leave(orderly)),
+    )
+    two = _launch(path, 2, lost)
+    monkeypatch.setattr(two, "release_graphs", lambda: order.append("release"))
+    two.close()
+    assert order == ["release", "leave True"], order
+    assert not lost
+
+
 def test_a_head_count_the_ranks_do_not_divide_is_refused_before_any_process_starts(
     checkpoints: dict[str, tuple[Any, Path]],
 ) -> None:

@@ -204,6 +204,7 @@ def test_the_target_warms_up_every_k_it_may_run() -> None:
 
     engine = Engine()
     warm_up(engine, range(1, 5))  # type: ignore[arg-type]
-    # per k a block of k alone, then one mixing k with k = 0 (the sampler's gather)
-    assert engine.verified == [[1], [1, 0], [2], [2, 0], [3], [3, 0], [4], [4, 0]]
+    # per k a block of k alone, then one mixing k with k = 0 (the sampler's gather); last a
+    # lone request without drafts (a backup at batch 1: a one-token graph of its own)
+    assert engine.verified == [[1], [1, 0], [2], [2, 0], [3], [3, 0], [4], [4, 0], [0]]
     assert not engine.held
