@@ -37,8 +37,11 @@ class TargetConfig:
     draft_deadline_s: float = 0.3
     # Take the chains a draft drafting ahead pushes before they are asked for: where every
     # verdict of a step has one, the next verify starts without waiting for the draft's answer
-    # (target_service.hub_draft.DraftSide.from_push).
+    # (target_service.hub_draft.DraftSide.from_push). Pushes are asked for where they make the
+    # hub wait less than asks, as measured (hub_draft.PushChoice); `draft_push_always` asks
+    # for them with every block (tests of the pushed path; comparisons).
     draft_push_chains: bool = True
+    draft_push_always: bool = False
     # TLS of the hub's channel to its draft: the CA (PEM) it trusts and, since the draft
     # listens on a node IP, the name it checks in the draft's certificate. Plaintext if None.
     draft_tls_root_cert: Path | None = None

@@ -218,7 +218,8 @@ class DraftLink:
         # one Propose stream: lock-step, or read by a thread of its own (push)
         self._pushes = _PushStream(self._stub.Propose) if push else None
         self._propose = None if push else LockstepStream(self._stub.Propose)
-        self._sent: list[float] = []  # send times of blocks whose answer is not read yet
+        # send times of blocks whose answer is not read yet, and whether each asked for a push
+        self._sent: list[tuple[float, bool]] = []
         self._push: draft_pb2.ProposeResponse | None = None  # the latest push read
         self._pushes_due = 0  # answers read whose push (one follows each) is not read yet
         self._broken = False
@@ -230,14 +231,16 @@ class DraftLink:
         entries: Sequence[draft_pb2.ProposeEntry],
         deadline_s: float,
         target_step_s: float = 0.0,
+        push: bool = True,
     ) -> tuple[draft_pb2.ProposeResponse, float]:
         """The drafts for `entries` and the round trip's wall time in seconds; DraftStalled
         after `deadline_s` without an answer (the stream is then cancelled: `reopen` starts
-        another). `target_step_s`: ProposeBlock.target_step_s."""
+        another). `target_step_s`: ProposeBlock.target_step_s; `push` (push mode): the draft
+        pushes its chains after the answer."""
         if self._pushes is not None:
             if self._sent:
                 raise RuntimeError("propose() with an answer not collected")
-            self.send(entries, target_step_s)
+            self.send(entries, target_step_s, push)
             answer = self.collect(deadline_s)
             assert answer is not None
             return answer
@@ -265,15 +268,21 @@ class DraftLink:
             self.reopen()
         return response, time.perf_counter() - start
 
-    def send(self, entries: Sequence[draft_pb2.ProposeEntry], target_step_s: float = 0.0) -> None:
-        """Sends a block (push mode) whose answer `collect` reads."""
+    def send(
+        self,
+        entries: Sequence[draft_pb2.ProposeEntry],
+        target_step_s: float = 0.0,
+        push: bool = True,
+    ) -> None:
+        """Sends a block (push mode) whose answer `collect` reads; with `push` the draft
+        pushes its chains after it (ProposeBlock.push_chains)."""
         assert self._pushes is not None
         self._push = None  # whatever came before is for an earlier step
         block = draft_pb2.ProposeBlock(
-            entries=entries, target_step_s=target_step_s, push_chains=True
+            entries=entries, target_step_s=target_step_s, push_chains=push
         )
         self._pushes.send(block)
-        self._sent.append(time.perf_counter())
+        self._sent.append((time.perf_counter(), push))
 
     @property
     def awaiting(self) -> bool:
@@ -293,8 +302,14 @@ class DraftLink:
             if not message.pushed:
                 break
             self._pushes_due -= 1
-        self._pushes_due += 1  # the draft pushes after each answer
-        return message, time.perf_counter() - self._sent.pop(0)
+        sent, push = self._sent.pop(0)
+        self._pushes_due += push  # the draft pushes after each answer to a block that asked
+        return message, time.perf_counter() - sent
+
+    @property
+    def push_due(self) -> bool:
+        """Whether a push follows an answer read (or has come): the last block asked for one."""
+        return self._pushes_due > 0 or self._push is not None
 
     def take_push(self, deadline_s: float) -> draft_pb2.ProposeResponse | None:
         """The latest push (none waits for an answer: `collect` first), taken: a later call

@@ -193,10 +193,14 @@ class FakeLink:
     collect_script: dict[int, str] = field(default_factory=dict)
     take_push_script: dict[int, str] = field(default_factory=dict)  # likewise, n-th take_push
     pushes: list[draft_pb2.ProposeResponse] = field(default_factory=list)  # every one made
+    push_flags: list[bool] = field(default_factory=list)  # each block's push_chains
+    push_wait_s: float = 0.0  # how long a due push takes to come
+    ask_wait_s: float = 0.0  # how long an asked block's answer takes
     sent: list[list[draft_pb2.ProposeEntry]] = field(default_factory=list)  # blocks sent
     _push: draft_pb2.ProposeResponse | None = None
     _answer: draft_pb2.ProposeResponse | None = None
     _collects: int = 0
+    _due: bool = False
     _takes: int = 0
 
     def __post_init__(self) -> None:
@@ -209,7 +213,10 @@ class FakeLink:
         entries: Sequence[draft_pb2.ProposeEntry],
         deadline_s: float,
         target_step_s: float = 0.0,
+        push: bool = True,
     ) -> tuple[draft_pb2.ProposeResponse, float]:
+        self.push_flags.append(push)
+        time.sleep(self.ask_wait_s)
         self.deadlines.append(deadline_s)
         self.entered.set()
         assert self.hold.wait(10.0), "the test never let the Propose go on"
@@ -220,7 +227,7 @@ class FakeLink:
             raise DraftStalled("the fake draft did not answer")
         if action == "down":
             raise DraftDown("the fake draft is gone")
-        return self._answer_block(entries), 0.002
+        return self._answer_block(entries, push=push), 0.002
 
     def _drafts(self, tokens: list[int], k: int) -> list[int]:
         mine: list[int] = []
@@ -230,10 +237,10 @@ class FakeLink:
         return mine
 
     def _answer_block(
-        self, entries: Sequence[draft_pb2.ProposeEntry], other: bool = False
+        self, entries: Sequence[draft_pb2.ProposeEntry], other: bool = False, push: bool = True
     ) -> draft_pb2.ProposeResponse:
-        """The answer to a block: greedy drafts (wrong at `wrong_at`); with `push`, the push
-        that follows it is made too."""
+        """The answer to a block: greedy drafts (wrong at `wrong_at`); with `self.push` and
+        `push` (the block's push_chains), the push that follows it is made too."""
         block = common_pb2.DraftBlock()
         drafts: list[int] = []
         chains = []  # the push: (request, step, committed length, drafts, verdict)
@@ -266,7 +273,8 @@ class FakeLink:
         response = draft_pb2.ProposeResponse(
             block=block, timing=timing, draft_ahead_hits=self.ahead_hits
         )
-        self._push = self._make_push(chains) if chains else None
+        self._push = self._make_push(chains) if chains and push else None
+        self._due = push
         return response
 
     def _make_push(self, chains: list[tuple[str, int, int, list[int], tuple[int, ...]]]) -> Any:
@@ -290,8 +298,15 @@ class FakeLink:
         self.pushes.append(push)
         return push
 
+    @property
+    def push_due(self) -> bool:
+        return self.push and self._due
+
     def take_push(self, deadline_s: float) -> draft_pb2.ProposeResponse | None:
         _check(self._answer is None, "take_push with an answer not collected")
+        if self._due:
+            time.sleep(self.push_wait_s)
+        self._due = False
         self._takes += 1
         action = self.take_push_script.get(self._takes, "ok")
         push, self._push = self._push, None
@@ -301,9 +316,15 @@ class FakeLink:
             raise DraftDown("the fake draft is gone")
         return push
 
-    def send(self, entries: Sequence[draft_pb2.ProposeEntry], target_step_s: float = 0.0) -> None:
+    def send(
+        self,
+        entries: Sequence[draft_pb2.ProposeEntry],
+        target_step_s: float = 0.0,
+        push: bool = True,
+    ) -> None:
+        self.push_flags.append(push)
         self.sent.append(list(entries))
-        self._answer = self._answer_block(entries, self.answer_other)
+        self._answer = self._answer_block(entries, self.answer_other, push)
 
     def collect(self, deadline_s: float) -> tuple[draft_pb2.ProposeResponse, float] | None:
         if self._answer is None:

@@ -12,6 +12,7 @@ import pytest
 from specdec.pb import target_pb2
 from specdec.serving.blocks import DraftBlock
 from specdec.serving.verdicts import VerifyResponse
+from target_service.hub_draft import PUSH_EXPLORE_EVERY, PUSH_EXPLORE_STEPS, PushChoice
 from target_service.speculation import KChooser
 from tests.target_service.hub_fakes import FAILED, FakeLink, HubRun, greedy
 
@@ -378,3 +379,42 @@ def test_a_malformed_push_is_refused_as_such() -> None:
     ):  # fmt: skip
         with pytest.raises(ValueError):
             _from_push(bad, [entry], 64)
+
+
+def test_push_choice_measures_each_way_then_takes_the_shorter_wait() -> None:
+    """PUSH_EXPLORE_STEPS steps with pushes, as many with asks, then the way whose average
+    wait was shorter, the other again for PUSH_EXPLORE_STEPS in every PUSH_EXPLORE_EVERY."""
+    choice = PushChoice()
+    ways = []
+    for _ in range(2 * PUSH_EXPLORE_EVERY):
+        way = choice.next()
+        ways.append(way)
+        choice.waited(way, 0.004 if way else 0.001)  # asks wait less
+    n = PUSH_EXPLORE_STEPS
+    assert ways[:n] == [True] * n and ways[n : 2 * n] == [False] * n, ways[: 2 * n]
+    pushed = [i for i, way in enumerate(ways) if way and i >= 2 * n]
+    # steps count from 1: the runs of the other way are the steps i + 1 = 256 .. 263, ...
+    explore = [i for i in range(len(ways)) if (i + 1) % PUSH_EXPLORE_EVERY < n and i >= 2 * n]
+    assert pushed == explore, pushed
+    always = PushChoice(always=True)
+    assert all(always.next() for _ in range(3 * n))
+
+
+@pytest.mark.parametrize("slower", ["push", "ask"])
+def test_the_hub_takes_the_way_it_waits_less_for_drafts(runs: list[HubRun], slower: str) -> None:
+    """A draft whose pushes come late (its pass ahead longer than the verify) and one whose
+    answers do: after measuring both ways the hub asks for pushes only where they make it wait
+    less; the output is the target's greedy output either way."""
+    waits = {"push_wait_s": 0.03} if slower == "push" else {"ask_wait_s": 0.03}
+    link = FakeLink("draft:1", wrong_at={9, 30}, push=True, **waits)
+    run = _start(runs, link)
+    n = 90
+    run.admit("a", PROMPT, "draft", k=1, max_length=len(PROMPT) + n)
+    run.until_length("a", n)
+    assert run.tokens["a"] == greedy(PROMPT, n)
+    measured = 2 * PUSH_EXPLORE_STEPS
+    tail = link.push_flags[measured + 1 :]
+    assert len(tail) >= 10, link.push_flags
+    assert all(f == (slower == "ask") for f in tail), link.push_flags
+    choice = run.hub._draft.push_choice
+    assert choice.counts[True] >= PUSH_EXPLORE_STEPS <= choice.counts[False], choice
