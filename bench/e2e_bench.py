@@ -141,6 +141,8 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
             "serve_placements": args.serve_placements,
             "serve_dynamic": args.serve_dynamic,
             "serve_no_push": args.serve_no_push,
+            "serve_acceptance_spread": args.serve_acceptance_spread,
+            "serve_hit_rate_spread": args.serve_hit_rate_spread,
             "serve_stand_in": args.serve_stand_in,
             "serve_stand_in_lockstep": args.serve_stand_in_lockstep,
             "draft_ahead": args.draft_ahead,
@@ -395,6 +397,22 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="beside each draft-ahead row, the same with --no-draft-push-chains (the hub asks "
         "and waits for every chain): what pushed chains buy, in one run",
+    )
+    p.add_argument(
+        "--serve-acceptance-spread",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="mixed traffic (BENCHMARKING ONLY): each request's own mean acceptance length, "
+        "uniform in [L - S, L + S] (narrowed to [1, k + 1]) by a hash of its id",
+    )
+    p.add_argument(
+        "--serve-hit-rate-spread",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="mixed traffic (BENCHMARKING ONLY): each request's own draft-ahead hit rate, "
+        "uniform in [h - S, h + S] (narrowed to [0, 1]) by a hash of its id",
     )
     p.add_argument(
         "--serve-stand-in",

@@ -279,6 +279,16 @@ def _greedy(result: dict[str, Any]) -> str:
     )
 
 
+def _mixed_text(s: dict[str, Any]) -> str:
+    """The mixed traffic of the serve rows, if any (BENCHMARKING ONLY)."""
+    length, hit = s.get("serve_acceptance_spread", 0.0), s.get("serve_hit_rate_spread", 0.0)
+    parts = [f"L ± {length:g}"] * bool(length) + [f"h ± {hit:g}"] * bool(hit)
+    if not parts:
+        return ""
+    return (f", mixed traffic: each request its own {' and '.join(parts)} (uniform by a hash "
+            "of its id, narrowed to the valid range)")  # fmt: skip
+
+
 def _serve(result: dict[str, Any]) -> list[str]:
     serve, s = result["serve"], result["settings"]
     lines = [
@@ -289,7 +299,8 @@ def _serve(result: dict[str, Any]) -> list[str]:
         f"`specdec.client`: B concurrent greedy streams (one thread each) of "
         f"{s['prompt_len']}-token prompts, ignore_eos, k = {s['num_draft_tokens']} for "
         f"speculation; synthetic acceptance (BENCHMARKING ONLY) per serve start, L = "
-        f"{', '.join(f'{x:g}' for x in s['serve_lengths'])}; target-only rows (proposer off, "
+        f"{', '.join(f'{x:g}' for x in s['serve_lengths'])}{_mixed_text(s)}; target-only rows "
+        "(proposer off, "
         f"no acceptance test at k = 0) ran on the first. Window: from {s['warmup']} to "
         f"{s['warmup'] + s['serve_steps']} step responses per request. Client figures are "
         "medians over requests of each request's responses in the window: TPOT = "

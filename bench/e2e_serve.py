@@ -84,6 +84,12 @@ class Serve:
         return self.service.address
 
 
+def mixed_spread(spread: float, mean: float, low: float, high: float) -> float:
+    """The spread of a mixed-traffic row around `mean`: `spread`, narrowed to stay within
+    [low, high] (h = 1 or L = 1 leave no room: every request then at the mean)."""
+    return max(0.0, min(spread, mean - low, high - mean))
+
+
 def serve_args(
     s: dict[str, Any],
     length: float | None,
@@ -127,10 +133,17 @@ def serve_args(
             out += ["--num-gpus", str(tp + 1)]
         elif placement == "shared":
             out += ["--num-gpus", "1"]
+    k = s["num_draft_tokens"]
     if length is not None:  # BENCHMARKING ONLY
         out += ["--synthetic-acceptance-length", str(length)]
+        spread = mixed_spread(s.get("serve_acceptance_spread", 0.0), length, 1.0, k + 1.0)
+        if spread:  # mixed traffic: each request its own L
+            out += ["--synthetic-acceptance-spread", f"{spread:g}"]
     if hit_rate is not None:  # draft-ahead, its hit rate set: BENCHMARKING ONLY
         out += ["--draft-ahead", str(s["draft_ahead"]), "--synthetic-hit-rate", str(hit_rate)]
+        spread = mixed_spread(s.get("serve_hit_rate_spread", 0.0), hit_rate, 0.0, 1.0)
+        if spread:  # mixed traffic: each request its own hit rate
+            out += ["--synthetic-hit-rate-spread", f"{spread:g}"]
     if dynamic:
         out.append("--dynamic-speculation")
     if stand_in is not None:

@@ -64,6 +64,7 @@ def draft_config(args: argparse.Namespace) -> DraftConfig:
         draft_ahead_backup=args.draft_ahead_backup,
         saguaro_scale=args.saguaro_scale,
         synthetic_hit_rate=args.synthetic_hit_rate,
+        synthetic_hit_rate_spread=args.synthetic_hit_rate_spread,
         stand_in=args.stand_in,
         prefill_chunk_tokens=args.prefill_chunk_tokens,
         server=server_config(args),

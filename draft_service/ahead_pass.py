@@ -181,7 +181,7 @@ class AheadPass:
             verdict = tuple(a.new_token_ids)
             if req.drafts:  # a backup proposal's verdict accepted nothing it drafted
                 self._accepted.add(len(verdict) - 1)
-            rate = self.config.synthetic_hit_rate
+            rate = self.config.hit_rate_for(a.request_id)
             if rate is not None:  # BENCHMARKING ONLY: a chain of the same accepted count
                 verdict = ahead.synthetic_hit(req.chains, verdict, rate, a.request_id, a.step)
             chain = req.chains.pop(verdict, None)

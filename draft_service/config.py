@@ -9,6 +9,7 @@ from specdec.limits import DEFAULT_MAX_NUM_DRAFT_TOKENS, MAX_NUM_DRAFT_TOKENS, c
 from specdec.runner import RunnerConfig
 from specdec.serving.ngram import NgramConfig
 from specdec.serving.server import ServerConfig
+from specdec.synthetic_keys import spread_around
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,17 @@ class DraftConfig:
     # drafts): an ask finds its chain drafted ahead with this probability whatever its verdict
     # token, so a benchmark on random weights sets the hit rate. None: real hits only.
     synthetic_hit_rate: float | None = None
+    # BENCHMARKING ONLY, mixed traffic: each request's own hit rate, uniform in [h - spread,
+    # h + spread] by a hash of its id (0: every request at h)
+    synthetic_hit_rate_spread: float = 0.0
+
+    def hit_rate_for(self, request_id: str) -> float | None:
+        """BENCHMARKING ONLY: the synthetic hit rate of this request (None: real hits only)."""
+        rate = self.synthetic_hit_rate
+        if rate is None:
+            return None
+        return spread_around(rate, self.synthetic_hit_rate_spread, request_id, "hit")
+
     # BENCHMARKING ONLY: the times file of `draft_service.stand_in`; the runner is then the
     # stand-in, which waits the measured forward times on no GPU and drafts no model's tokens
     stand_in: str | None = None
@@ -79,7 +91,8 @@ class DraftConfig:
                 f"prefill_chunk_tokens must be >= 0 (0: prompts prefilled whole), "
                 f"got {self.prefill_chunk_tokens}."
             )
-        check_draft_ahead(self.draft_ahead, self.saguaro_scale, self.synthetic_hit_rate)
+        check_draft_ahead(self.draft_ahead, self.saguaro_scale, self.synthetic_hit_rate,
+                          self.synthetic_hit_rate_spread)  # fmt: skip
         if self.draft_ahead_backup not in ("auto", "always", "never"):
             raise ValueError(
                 "draft_ahead_backup must be 'auto', 'always' or 'never', "

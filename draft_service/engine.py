@@ -384,12 +384,12 @@ class DraftEngine:
             keys: list[tuple[int, ...]] = []
             anyone: list[bool] = []
             form = Q_SPARSE if self.config.q_form == "sparse" else Q_DENSE
-            rate = self.config.synthetic_hit_rate
             for rid in dict.fromkeys(request_ids):
                 req = self._requests.get(rid)
                 if req is None or not req.chains:
                     continue
                 synthetic: set[tuple[int, ...]] = set()
+                rate = self.config.hit_rate_for(rid)
                 if rate is not None:  # BENCHMARKING ONLY
                     synthetic = ahead.synthetic_any_keys(req.chains, rid, req.chains_step, rate)
                 for key, c in req.chains.items():

@@ -129,6 +129,10 @@ class ServiceConfig:
     # BENCHMARKING ONLY, with draft_ahead: the draft's hit rate set instead of guessed
     # (draft_service.ahead.synthetic_hit)
     synthetic_hit_rate: float | None = None
+    # BENCHMARKING ONLY, mixed traffic: each request's own acceptance length and hit rate,
+    # uniform within these spreads around the two (TargetConfig.synthetic, DraftConfig)
+    synthetic_acceptance_spread: float = 0.0
+    synthetic_hit_rate_spread: float = 0.0
     # BENCHMARKING ONLY, with synthetic acceptance: the draft service runs the stand-in of
     # draft_service.stand_in (no model, no GPU, each forward taking the time measured in this
     # file) instead of the draft model: "the draft on a GPU of its own" on a one-GPU machine
@@ -156,7 +160,8 @@ class ServiceConfig:
                 f"draft_deadline_s must be in (0, {MAX_DRAFT_DEADLINE_S:g}] seconds, "
                 f"got {self.draft_deadline_s}."
             )
-        check_draft_ahead(self.draft_ahead, self.saguaro_scale, self.synthetic_hit_rate)
+        check_draft_ahead(self.draft_ahead, self.saguaro_scale, self.synthetic_hit_rate,
+                          self.synthetic_hit_rate_spread)  # fmt: skip
         if self.draft_ahead and (self.draft is None or self.draft_ahead_slots < 1):
             raise ValueError("draft_ahead needs a draft model and draft_ahead_slots >= 1.")
         if self.draft_stand_in is not None:
@@ -235,12 +240,22 @@ class ServiceConfig:
 
     def _check_synthetic(self) -> None:
         length, k = self.synthetic_acceptance_length, self.synthetic_num_draft_tokens
+        spread = self.synthetic_acceptance_spread
         if (length is None) != (k is None):
             raise ValueError(
                 "synthetic_acceptance_length and synthetic_num_draft_tokens go together."
             )
+        if not (math.isfinite(spread) and spread >= 0.0):
+            raise ValueError(f"synthetic_acceptance_spread must be >= 0, got {spread}.")
         if length is None or k is None:
+            if spread:
+                raise ValueError("synthetic_acceptance_spread needs synthetic_acceptance_length.")
             return
+        if spread and not (length - spread >= 1.0 and length + spread <= k + 1):
+            raise ValueError(
+                f"synthetic_acceptance_spread {spread} around synthetic_acceptance_length "
+                f"{length} must stay in [1, {k + 1}] (1 + num_draft_tokens)."
+            )
         if not 1 <= k <= self.max_num_draft_tokens:
             raise ValueError(
                 f"synthetic acceptance needs num_draft_tokens in [1, max_num_draft_tokens="

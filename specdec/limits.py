@@ -30,12 +30,12 @@ def check_range(value: int, name: str, low: int, high: int) -> None:
         raise ValueError(f"{name} must be in [{low}, {high}], got {value}.")
 
 
-def check_draft_ahead(draft_ahead: int, saguaro_scale: float, synthetic_hit_rate: float | None
-                      ) -> None:  # fmt: skip
+def check_draft_ahead(draft_ahead: int, saguaro_scale: float, synthetic_hit_rate: float | None,
+                      synthetic_hit_rate_spread: float = 0.0) -> None:  # fmt: skip
     """ValueError naming the field unless draft-ahead's settings, which the draft service's
     config and `specdec serve`'s share, are in range and consistent: F in [0, MAX_DRAFT_AHEAD],
     Saguaro's scale in (0, 1] and below 1 only with draft-ahead, a synthetic hit rate in
-    [0, 1] only with draft-ahead."""
+    [0, 1] only with draft-ahead, and its spread over requests inside [0, 1] around it."""
     if not 0 <= draft_ahead <= MAX_DRAFT_AHEAD:
         raise ValueError(f"draft_ahead must be in [0, {MAX_DRAFT_AHEAD}], got {draft_ahead}.")
     if not 0.0 < saguaro_scale <= 1.0:
@@ -48,3 +48,11 @@ def check_draft_ahead(draft_ahead: int, saguaro_scale: float, synthetic_hit_rate
     rate = synthetic_hit_rate
     if rate is not None and not (draft_ahead and 0.0 <= rate <= 1.0):
         raise ValueError(f"synthetic_hit_rate must be in [0, 1] and needs draft_ahead, got {rate}.")
+    spread = synthetic_hit_rate_spread
+    if not spread >= 0.0:
+        raise ValueError(f"synthetic_hit_rate_spread must be >= 0, got {spread}.")
+    if spread > 0.0 and (rate is None or not 0.0 <= rate - spread <= rate + spread <= 1.0):
+        raise ValueError(
+            f"synthetic_hit_rate_spread {spread} needs a synthetic_hit_rate it stays around "
+            f"inside [0, 1], got synthetic_hit_rate {rate}."
+        )

@@ -20,6 +20,7 @@ from specdec.serving.flags import (
     add_k_limit_flag,
     add_prefill_chunk_flag,
     add_synthetic_length_flag,
+    add_synthetic_spread_flag,
     add_target_flags,
 )
 from target_service.config import TargetConfig
@@ -79,6 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="R1,R2,...",
         help=f"per-position acceptance rates, non-increasing. {BENCHMARK_ONLY}",
     )
+    add_synthetic_spread_flag(g)
     g.add_argument(
         "--synthetic-num-draft-tokens",
         type=int,
@@ -105,7 +107,11 @@ def synthetic(args: argparse.Namespace) -> SyntheticAcceptance | None:
                 "--synthetic-acceptance-length needs --synthetic-num-draft-tokens (the k it "
                 "applies to)."
             )
-        return SyntheticAcceptance(k, mean_acceptance_length=length)
+        return SyntheticAcceptance(
+            k, mean_acceptance_length=length, length_spread=args.synthetic_acceptance_spread
+        )
+    if args.synthetic_acceptance_spread:
+        raise ValueError("--synthetic-acceptance-spread needs --synthetic-acceptance-length.")
     if k is not None:
         raise ValueError(
             "--synthetic-num-draft-tokens needs --synthetic-acceptance-length or --synthetic-rates."

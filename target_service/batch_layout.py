@@ -58,13 +58,13 @@ class BatchLayout:
     row_draft: torch.Tensor  # [R] draft token scored by the row, -1 for a last row
     token_req: torch.Tensor  # [T] owning request of each draft token
     sorted_rows: torch.Tensor  # [r] rows whose request has top-k or top-p (thresholds)
-    rates: torch.Tensor | None  # [max_k] float32 synthetic acceptance rates
+    rates: torch.Tensor | None  # [B * W] float32 synthetic acceptance rates, row-major [B, W]
 
 
 def batch_layout(
     num_draft_tokens: Sequence[int],
     truncated: Sequence[bool],
-    rates: Sequence[float] | None,
+    rates: np.ndarray | None,
     device: torch.device,
 ) -> BatchLayout:
     """The layout of a batch with these per-request k_b, top-k/top-p flags and synthetic
@@ -81,9 +81,9 @@ def batch_layout(
     columns = {"num_draft": k, "row_start": row_start, "draft_start": draft_start,
                "row_req": row_req, "row_draft": row_draft, "token_req": np.repeat(requests, k),
                "sorted_rows": sorted_rows}  # fmt: skip
-    arrays = [a.astype(np.int32) for a in columns.values()]
+    arrays: list[np.ndarray] = [a.astype(np.int32) for a in columns.values()]
     if rates is not None:
-        arrays.append(np.asarray(rates, dtype=np.float32))
+        arrays.append(np.ascontiguousarray(rates, dtype=np.float32).reshape(-1))
     moved = upload(arrays, device)
     return BatchLayout(
         **dict(zip(columns, moved, strict=False)), rates=moved[-1] if rates is not None else None

@@ -413,6 +413,7 @@ class TargetEngine:
             _draft_probs(block.q_rows(form, group), runner.upload),
             RequestSampling.from_params(params, lengths, self._device),
             synthetic=self.config.synthetic,
+            synthetic_keys=[block.request_ids[i] for i in group],
             vocab_size=self.vocab_size,
             impl=self.config.sampler_impl,
             host=HostShape(tuple(ks), max(lengths)),

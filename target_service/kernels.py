@@ -81,7 +81,8 @@ class KernelInputs:
     q_mode: int  # Q_NONE | Q_DENSE | Q_SPARSE
     q_probs: torch.Tensor | None  # dense [T, Vq] or sparse [T, S] float32, sparse sorted by id
     q_ids: torch.Tensor | None  # sparse [T, S] int32 sorted, padding SPARSE_PAD_ID
-    synthetic_rates: torch.Tensor | None  # [max_k] float32 conditional acceptance rates
+    # [B * W] float32 conditional acceptance rates, request-major: W = len // B >= max_k
+    synthetic_rates: torch.Tensor | None
     vocab_size: int  # ids >= vocab_size are padding: probability 0, never emitted
     max_k: int
 
@@ -233,7 +234,7 @@ def _decide_sample_kernel(
     seed_ptr,  # [B] int64
     position_ptr,  # [B] int64
     status_in_ptr,  # [B] int32
-    rates_ptr,  # [max_k] float32 (SYNTHETIC only)
+    rates_ptr,  # [B, rates_width] float32 (SYNTHETIC only)
     q_ptr,  # dense [T, Vq] | sparse [T, S] float32
     q_stride,
     q_ids_ptr,  # sparse [T, S] int32, sorted ascending
@@ -257,6 +258,7 @@ def _decide_sample_kernel(
     n_splits,
     n_race,
     max_k,
+    rates_width,  # columns of rates_ptr's rows (SYNTHETIC only)
     q_tolerance,  # Q_SUM_TOLERANCE
     NUM_SPLITS: tl.constexpr,
     RACE_SPLITS: tl.constexpr,
@@ -320,7 +322,7 @@ def _decide_sample_kernel(
     bad = tl.sum(tl.sum(tl.load(part_bad_ptr + tile, mask=live, other=0), 1), 0)
     p_x = tl.where(keep, tl.exp(logit * inv_t - row_max) / row_sum, 0.0)
     if SYNTHETIC:
-        accept = u < tl.load(rates_ptr + j, mask=is_draft, other=0.0)
+        accept = u < tl.load(rates_ptr + b * rates_width + j, mask=is_draft, other=0.0)
     else:
         pval = tl.load(part_amax_val_ptr + tile, mask=live, other=float("-inf"))
         pidx = tl.load(part_amax_idx_ptr + tile, mask=live, other=2147483647)
@@ -661,12 +663,14 @@ def rejection_sample_triton(
     accepted = torch.empty((batch, max(x.max_k, 1)), dtype=torch.int8, device=device)
     status = torch.empty(batch, dtype=torch.int32, device=device)
     rates = x.synthetic_rates if x.synthetic_rates is not None else dummy_f
+    rates_width = rates.numel() // batch if x.synthetic_rates is not None else 0
     _decide_sample_kernel[(batch, n_race)](
         x.logits, x.logits.stride(0), x.thresholds, x.num_draft, x.row_start, x.draft_start,
         draft_ids, x.inv_temperature, x.greedy, x.seed, x.position, x.status_in, rates,
         q, q.stride(0), q_ids, pmax, psum, pval, pidx, pbad, done, race, q_parts, q_mins,
         token_ids, num_committed, accepted, status, x.vocab_size, x.q_vocab, sparse_width,
-        shape.race_split, n_splits, n_race, x.max_k, Q_SUM_TOLERANCE, NUM_SPLITS=num_splits,
+        shape.race_split, n_splits, n_race, x.max_k, rates_width, Q_SUM_TOLERANCE,
+        NUM_SPLITS=num_splits,
         RACE_SPLITS=race_splits, BLOCK=shape.race_block or shape.block,
         S_P2=triton.next_power_of_2(sparse_width), Q_MODE=x.q_mode,
         SYNTHETIC=x.synthetic_rates is not None, num_warps=shape.race_warps or shape.num_warps,
@@ -703,8 +707,9 @@ def rejection_sample_torch(inputs: KernelInputs) -> KernelOutputs:
     p_x = probs[draft_rows, draft]
     pos = x.position[tok_req] + j
     u = rng.position_uniform(x.seed[tok_req], pos, rng.Stream.ACCEPT)
-    if x.synthetic_rates is not None:
-        accept = u < x.synthetic_rates[j]
+    if x.synthetic_rates is not None:  # [B * W], request-major
+        width = x.synthetic_rates.numel() // k.numel()
+        accept = u < x.synthetic_rates.view(-1, width)[tok_req, j]
     else:
         accept = torch.where(x.greedy[tok_req] != 0, draft == argmax[draft_rows], u * q_x < p_x)
     first_reject = k.clone()

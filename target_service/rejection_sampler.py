@@ -219,19 +219,22 @@ def rejection_sample(
     sampling: RequestSampling,
     *,
     synthetic: SyntheticAcceptance | None = None,
+    synthetic_keys: Sequence[str] | None = None,
     vocab_size: int | None = None,
     impl: Literal["auto", "triton", "torch"] = "auto",
     host: HostShape | None = None,
 ) -> SamplerOutput:
     """Decide what each request commits. `vocab_size` (default: the logits' width) is the
     number of real token ids; wider logits columns are padding and get probability 0.
+    `synthetic_keys` (the request ids) give each request its own synthetic acceptance where
+    `synthetic` has a length_spread.
     impl "auto" runs the Triton kernels on CUDA or under TRITON_INTERPRET=1, else the reference.
     With `host` (and `sampling` from `RequestSampling.from_params`) the Triton path reads
     nothing back from the device.
     """
     inputs = prepare(
         num_draft_tokens, draft_token_ids, target_logits, draft_probs, sampling,
-        synthetic=synthetic, vocab_size=vocab_size, host=host,
+        synthetic=synthetic, synthetic_keys=synthetic_keys, vocab_size=vocab_size, host=host,
     )  # fmt: skip
     if impl == "auto":
         interpret = os.environ.get("TRITON_INTERPRET") == "1"
@@ -249,6 +252,7 @@ def prepare(
     sampling: RequestSampling,
     *,
     synthetic: SyntheticAcceptance | None = None,
+    synthetic_keys: Sequence[str] | None = None,
     vocab_size: int | None = None,
     host: HostShape | None = None,
 ) -> KernelInputs:
@@ -266,7 +270,17 @@ def prepare(
             f"synthetic acceptance is configured for {synthetic.num_draft_tokens} draft "
             f"tokens but a request has {host.max_k}."
         )
-    rates = synthetic.conditional_rates() if synthetic is not None else None
+    rates = None
+    if synthetic is not None:  # [B, max_k]: each request's conditional rates
+        batch = len(host.num_draft_tokens)
+        if synthetic_keys is not None and len(synthetic_keys) != batch:
+            raise ValueError(
+                f"synthetic_keys must have one entry per request ({batch}), got "
+                f"{len(synthetic_keys)}."
+            )
+        width = max(host.max_k, 1)
+        rates = np.broadcast_to(synthetic.conditional_rates_for(synthetic_keys, width),
+                                (batch, width))  # fmt: skip
     layout = batch_layout(host.num_draft_tokens, sampling.read_truncated(), rates, device)
     thresholds, inv_t, greedy = _thresholds(target_logits[:, :vocab], sampling, layout)
     status = torch.zeros(len(host.num_draft_tokens), dtype=torch.int32, device=device)

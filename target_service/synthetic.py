@@ -6,7 +6,12 @@ with random weights. Output is NOT distributed as the target's in this mode.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
+
+from specdec.synthetic_keys import spread_around
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,6 +26,9 @@ class SyntheticAcceptance:
     num_draft_tokens: int
     rates: tuple[float, ...] | None = None
     mean_acceptance_length: float | None = None
+    # mixed traffic: each request's own length, uniform in [L - spread, L + spread] by a hash
+    # of its id (the batch's mean stays L); 0: every request at L
+    length_spread: float = 0.0
 
     def __post_init__(self) -> None:
         k = self.num_draft_tokens
@@ -39,6 +47,18 @@ class SyntheticAcceptance:
                 raise ValueError(
                     f"mean_acceptance_length must be in [1, {k + 1}] "
                     f"(1 + num_draft_tokens), got {length}."
+                )
+        spread = self.length_spread
+        if not (math.isfinite(spread) and spread >= 0.0):
+            raise ValueError(f"length_spread must be >= 0, got {spread}.")
+        if spread > 0.0:
+            length = self.mean_acceptance_length
+            if length is None:
+                raise ValueError("length_spread needs mean_acceptance_length (not rates).")
+            if not (length - spread >= 1.0 and length + spread <= k + 1):
+                raise ValueError(
+                    f"length_spread {spread} around mean_acceptance_length {length} must stay "
+                    f"in [1, {k + 1}] (1 + num_draft_tokens)."
                 )
 
     def _check_rates(self, rates: tuple[float, ...]) -> None:
@@ -77,3 +97,21 @@ class SyntheticAcceptance:
     def mean_length(self) -> float:
         """Expected tokens committed per step: 1 + sum of unconditional rates."""
         return 1.0 + sum(self.unconditional_rates())
+
+    def length_for(self, key: str) -> float:
+        """The mean acceptance length of the request `key` (its id): L, or with length_spread
+        uniform in [L - spread, L + spread] by a hash of the key, so reruns agree."""
+        return spread_around(self.mean_length(), self.length_spread, key, "acceptance")
+
+    def conditional_rates_for(self, keys: Sequence[str] | None, width: int) -> np.ndarray:
+        """[len(keys), width] float32: each request's conditional rates (the first `width`
+        positions); one row of the shared rates if `keys` is None or there is no spread."""
+        if keys is None or self.length_spread == 0.0:
+            row = np.asarray(self.conditional_rates()[:width], dtype=np.float32)
+            return np.tile(row, (1 if keys is None else len(keys), 1))
+        k = self.num_draft_tokens
+        rows = [
+            SyntheticAcceptance(k, mean_acceptance_length=self.length_for(key)).conditional_rates()
+            for key in keys
+        ]
+        return np.asarray([r[:width] for r in rows], dtype=np.float32).reshape(len(keys), width)

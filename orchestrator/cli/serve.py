@@ -41,6 +41,7 @@ from specdec.serving.flags import (
     add_stop_flags,
     add_synthetic_hit_rate_flag,
     add_synthetic_length_flag,
+    add_synthetic_spread_flag,
     add_target_flags,
     add_tls_flags,
 )
@@ -71,6 +72,7 @@ def _services_args(parser: argparse.ArgumentParser) -> None:
         "--synthetic-acceptance-length's k is --num-draft-tokens.",
     )
     add_synthetic_length_flag(b)
+    add_synthetic_spread_flag(b)
     add_synthetic_hit_rate_flag(b, d)
     b.add_argument("--draft-stand-in", type=Path, metavar="TIMES_JSON",
                    default=d("draft_stand_in"),
@@ -223,6 +225,8 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             dynamic_speculation=args.dynamic_speculation,
             prefill_chunk_tokens=args.prefill_chunk_tokens,
             synthetic_hit_rate=args.synthetic_hit_rate,
+            synthetic_hit_rate_spread=args.synthetic_hit_rate_spread,
+            synthetic_acceptance_spread=args.synthetic_acceptance_spread,
             draft_stand_in=args.draft_stand_in,
             saguaro_scale=args.saguaro_scale,
             # hypotheses for up to 8 requests at the served k

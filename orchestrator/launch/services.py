@@ -70,6 +70,7 @@ def synthetic_acceptance(config: ServiceConfig) -> Any:
     synthetic = SyntheticAcceptance(
         config.synthetic_num_draft_tokens,
         mean_acceptance_length=config.synthetic_acceptance_length,
+        length_spread=config.synthetic_acceptance_spread,
     )
     log.warning(
         "synthetic acceptance is on (rates %s for k = %d): BENCHMARKING ONLY, the output is "
@@ -128,6 +129,7 @@ def start_service(role: str, config: ServiceConfig, host: str) -> tuple[Any, Mod
                 draft_ahead_slots=config.draft_ahead_slots,
                 draft_ahead_backup=config.draft_ahead_backup,
                 synthetic_hit_rate=config.synthetic_hit_rate,
+                synthetic_hit_rate_spread=config.synthetic_hit_rate_spread,
                 saguaro_scale=config.saguaro_scale,
                 stand_in=None if stand_in is None else str(stand_in),
                 prefill_chunk_tokens=config.prefill_chunk_tokens,

@@ -158,10 +158,23 @@ def add_synthetic_length_flag(group: Group) -> None:
                             "length L in [1, k + 1]")  # fmt: skip
 
 
+def add_synthetic_spread_flag(group: Group) -> None:
+    """--synthetic-acceptance-spread (BENCHMARKING ONLY, mixed traffic)."""
+    group.add_argument("--synthetic-acceptance-spread", type=float, metavar="S", default=0.0,
+                       help="BENCHMARKING ONLY, with --synthetic-acceptance-length L: each "
+                            "request's own mean acceptance length, uniform in [L - S, L + S] by "
+                            "a hash of its id (mixed traffic; default 0: all at L)")  # fmt: skip
+
+
 def add_synthetic_hit_rate_flag(group: Group, defaults: Defaults) -> None:
-    """--synthetic-hit-rate (BENCHMARKING ONLY)."""
+    """--synthetic-hit-rate and its spread (BENCHMARKING ONLY)."""
     group.add_argument("--synthetic-hit-rate", type=float, metavar="H",
                        default=defaults("synthetic_hit_rate"),
                        help="BENCHMARKING ONLY, with --draft-ahead: the draft finds a chain "
                             "drafted ahead for this share of its asks, whatever the "
                             "verdict")  # fmt: skip
+    group.add_argument("--synthetic-hit-rate-spread", type=float, metavar="S",
+                       default=defaults("synthetic_hit_rate_spread"),
+                       help="BENCHMARKING ONLY, with --synthetic-hit-rate H: each request's own "
+                            "hit rate, uniform in [H - S, H + S] by a hash of its id (mixed "
+                            "traffic; default 0: all at H)")  # fmt: skip

@@ -14,6 +14,7 @@ from bench import e2e_report
 from bench.e2e_serve import (
     Stream,
     hub_ms,
+    mixed_spread,
     placements,
     progress_units,
     seq_len_needed,
@@ -108,6 +109,27 @@ def test_serve_args_match_the_pipeline_services(checkpoints: tuple[Path, Path]) 
     assert services.kv_block_size == 0
     paged = serve_config(parse_args(serve_args(s | {"kv_block_size": 16}, 3.0, 1, 2)))
     assert paged.services.kv_block_size == 16 and paged.services.prefix_caching
+    assert (services.synthetic_acceptance_spread, ahead.services.synthetic_hit_rate_spread) == (
+        0.0, 0.0,
+    )  # fmt: skip
+
+
+def test_mixed_traffic_spreads_reach_the_services_narrowed_to_their_range(
+    checkpoints: tuple[Path, Path],
+) -> None:
+    """--serve-acceptance-spread / --serve-hit-rate-spread: each serve start gets the spreads,
+    narrowed so that every request's L stays in [1, k + 1] and its h in [0, 1]."""
+    target, draft = checkpoints
+    s = {"paths": {"target": str(target), "draft": str(draft)}, "target_device": "cuda:0",
+         "dtype": "bfloat16", "max_slots": 8, "max_seq_len": 256, "num_draft_tokens": 4,
+         "graph_sizes": [1, 2, 4, 8], "draft_ahead": 2, "serve_acceptance_spread": 1.5,
+         "serve_hit_rate_spread": 0.3}  # fmt: skip
+    mixed = serve_config(parse_args(serve_args(s, 3.0, 1, 2, 0.8))).services
+    assert mixed.synthetic_acceptance_spread == 1.5
+    assert mixed.synthetic_hit_rate_spread == pytest.approx(0.2)  # h = 0.8: room for 0.2
+    edge = serve_config(parse_args(serve_args(s, 4.5, 1, 2, 1.0))).services
+    assert edge.synthetic_acceptance_spread == 0.5 and edge.synthetic_hit_rate_spread == 0.0
+    assert mixed_spread(2.0, 1.0, 1.0, 5.0) == 0.0
 
 
 def test_no_push_rows_pair_each_draft_ahead_row_with_pushes_off(

@@ -421,3 +421,31 @@ def test_only_a_draft_that_drafts_ahead_gets_a_push_stream(
                 link.close()
     finally:
         server.stop(0)
+
+
+def test_each_request_has_its_own_synthetic_hit_rate(checkpoints: tuple[Path, Path]) -> None:
+    """Mixed traffic (BENCHMARKING ONLY): with a spread, each request's hit rate is uniform in
+    [h - spread, h + spread] by a hash of its id, the same at every call; the mean stays h."""
+    plain = with_ahead(model_draft(checkpoints[1]), 2)
+    assert plain.hit_rate_for("a") is None
+    config = replace(plain, synthetic_hit_rate=0.7, synthetic_hit_rate_spread=0.25)
+    rates = [config.hit_rate_for(f"req-{i}") for i in range(4000)]
+    assert all(r is not None and 0.45 <= r <= 0.95 for r in rates)
+    assert sum(r for r in rates if r is not None) / len(rates) == pytest.approx(0.7, abs=0.01)
+    assert config.hit_rate_for("req-3") == rates[3]
+    assert replace(config, synthetic_hit_rate_spread=0.0).hit_rate_for("req-3") == 0.7
+
+
+@pytest.mark.parametrize(
+    ("rate", "spread", "message"),
+    [(0.8, 0.3, "inside \\[0, 1\\]"), (None, 0.1, "needs a synthetic_hit_rate"),
+     (0.5, -0.1, "must be >= 0")],
+)  # fmt: skip
+def test_a_hit_rate_spread_that_leaves_0_1_is_refused(
+    rate: float | None, spread: float, message: str
+) -> None:
+    from specdec.limits import check_draft_ahead
+
+    with pytest.raises(ValueError, match=message):
+        check_draft_ahead(2, 1.0, rate, spread)
+    check_draft_ahead(2, 1.0, 0.5, 0.5)

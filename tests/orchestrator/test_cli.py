@@ -204,10 +204,10 @@ def test_the_flags_a_service_takes_too_are_declared_once() -> None:
               "--prefix-caching", "--tls-cert", "--tls-client-ca", "--tls-key"]  # fmt: skip
     own = {
         "draft": ["--draft-ahead", "--draft-ahead-backup", "--q-form", "--saguaro-scale",
-                  "--support-size", "--synthetic-hit-rate"],
+                  "--support-size", "--synthetic-hit-rate", "--synthetic-hit-rate-spread"],
         "target": ["--draft-deadline-ms", "--draft-push-chains", "--dynamic-speculation",
                    "--no-draft-push-chains", "--no-dynamic-speculation", "--sampler-impl",
-                   "--synthetic-acceptance-length"],
+                   "--synthetic-acceptance-length", "--synthetic-acceptance-spread"],
     }  # fmt: skip
     # spelled alike, meant otherwise: the draft main's --max-requests caps its n-gram requests
     # (serve's: the KV slots of a pair), its --proposer picks model or n-gram (serve's: a

@@ -64,3 +64,37 @@ def test_a_refused_first_token_admits_nothing(
 
 def _raise(*args: object) -> None:
     raise RuntimeError("injected")
+
+
+def test_each_request_is_accepted_at_its_own_synthetic_length(
+    checkpoints: tuple[Path, Path],
+) -> None:
+    """Mixed traffic (BENCHMARKING ONLY): with a length spread the engine gives the sampler
+    each request's id, so two requests of one block commit at their own lengths."""
+    from target_service.synthetic import SyntheticAcceptance
+
+    synthetic = SyntheticAcceptance(4, mean_acceptance_length=2.5, length_spread=1.5)
+    ids = sorted((f"r{i}" for i in range(200)), key=synthetic.length_for)
+    short, long = ids[0], ids[-1]  # lengths near 1 and near 4
+    assert synthetic.length_for(long) - synthetic.length_for(short) > 2.5
+    config = TargetConfig(runner_config(checkpoints[0], max_slots=4), sampler_impl="torch",
+                          synthetic=synthetic)  # fmt: skip
+    engine = TargetEngine(ModelRunner.load(config.runner), config)
+    committed: dict[str, list[int]] = {short: [], long: []}
+    for round_ in range(12):
+        tokens = {rid: list(PROMPT) for rid in committed}
+        for rid in committed:
+            engine.admit(AdmitRequest(rid, PROMPT, SamplingParams(1.0, seed=round_)))
+        for step in range(6):
+            proposals = [
+                DraftProposal(rid, step, len(t), (1, 2, 3, 4)) for rid, t in tokens.items()
+            ]
+            verdicts = engine.verify(DraftBlock.from_pb(block_to_pb(proposals)))
+            assert not verdicts.errors
+            for rid, new in zip(committed, verdicts.token_ids, strict=True):
+                committed[rid].append(len(new))
+                tokens[rid] += new
+        engine.release(list(committed))
+    mean = {rid: sum(n) / len(n) for rid, n in committed.items()}
+    for rid in committed:  # 72 steps each: within about 0.4 of its own L
+        assert abs(mean[rid] - synthetic.length_for(rid)) < 0.45, (mean, rid)

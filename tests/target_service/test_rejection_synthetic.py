@@ -94,3 +94,69 @@ def test_more_drafts_than_configured_is_an_error() -> None:
             sampling,
             synthetic=cfg,
         )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [
+        ({"rates": (0.5, 0.5), "length_spread": 0.5}, "needs mean_acceptance_length"),
+        ({"mean_acceptance_length": 2.0, "length_spread": 1.5}, "must stay in"),
+        ({"mean_acceptance_length": 2.5, "length_spread": 1.0}, "must stay in"),
+        ({"mean_acceptance_length": 2.0, "length_spread": -0.1}, "length_spread must be >= 0"),
+    ],
+)
+def test_a_spread_that_leaves_the_range_is_refused(kwargs: dict, field: str) -> None:
+    with pytest.raises(ValueError, match=field):
+        SyntheticAcceptance(2, **kwargs)
+
+
+def test_each_request_has_its_own_length_and_the_batch_keeps_the_mean() -> None:
+    cfg = SyntheticAcceptance(4, mean_acceptance_length=3.0, length_spread=1.5)
+    lengths = [cfg.length_for(f"req-{i}") for i in range(4000)]
+    assert min(lengths) >= 1.5 and max(lengths) <= 4.5
+    assert sum(lengths) / len(lengths) == pytest.approx(3.0, abs=0.05)
+    assert cfg.length_for("req-7") == cfg.length_for("req-7")  # a hash: reruns agree
+    assert len({round(x, 6) for x in lengths[:50]}) == 50
+    rows = cfg.conditional_rates_for(["a", "b"], 4)
+    for key, row in zip(["a", "b"], rows, strict=True):
+        want = SyntheticAcceptance(4, mean_acceptance_length=cfg.length_for(key))
+        assert row.tolist() == pytest.approx(want.conditional_rates())
+    flat = SyntheticAcceptance(4, mean_acceptance_length=3.0)
+    assert flat.conditional_rates_for(["a", "b"], 3).tolist() == [[1.0, 1.0, 0.0]] * 2
+
+
+def _spread_run(cfg: SyntheticAcceptance, trials: int, impl: str) -> tuple[torch.Tensor, list[str]]:
+    k, vocab = cfg.num_draft_tokens, 16
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(trials * (k + 1), vocab, generator=gen)
+    drafts = torch.randint(0, vocab, (trials * k,), generator=gen, dtype=torch.int32)
+    params = [SamplingParams(1.0, seed=i) for i in range(trials)]
+    keys = [f"r{i}" for i in range(trials)]
+    sampling = RequestSampling.from_params(params, [7] * trials, "cpu")
+    num = torch.full((trials,), k, dtype=torch.int32)
+    out = rejection_sample(num, drafts, logits, None, sampling, synthetic=cfg,
+                           synthetic_keys=keys, impl=impl)  # fmt: skip
+    return out.accepted, keys
+
+
+def test_each_request_is_accepted_at_its_own_rates() -> None:
+    """Per request its own length (mixed traffic): requests drawn short accept less than those
+    drawn long, each group at its own rates, and the batch at the configured mean."""
+    cfg = SyntheticAcceptance(4, mean_acceptance_length=2.5, length_spread=1.5)
+    accepted, keys = _spread_run(cfg, 60_000, "torch")
+    want = torch.tensor(cfg.conditional_rates_for(keys, 4)).cumprod(dim=1)  # unconditional
+    for group in (want.sum(1) < 1.5, want.sum(1) >= 1.5):
+        measured, expected = accepted[group].float().mean(0), want[group].mean(0)
+        n = int(group.sum())
+        bound = 5 * torch.sqrt(expected * (1 - expected) / n) + 1e-9
+        assert bool(((measured - expected).abs() <= bound).all()), (measured, expected)
+    assert 1 + accepted.float().sum(1).mean().item() == pytest.approx(2.5, abs=0.03)
+
+
+def test_the_kernel_reads_each_requests_rates() -> None:
+    """The Triton kernel (interpreted on the CPU) decides as the reference does, row by row."""
+    cfg = SyntheticAcceptance(4, mean_acceptance_length=2.5, length_spread=1.5)
+    triton_out, _ = _spread_run(cfg, 40, "triton")
+    torch_out, _ = _spread_run(cfg, 40, "torch")
+    assert torch.equal(triton_out, torch_out)
+    assert len({tuple(r) for r in torch_out.tolist()}) > 3, "too few distinct outcomes"

@@ -1,0 +1,21 @@
+"""BENCHMARKING ONLY: numbers drawn from a hash of a request's id, for the synthetic acceptance
+and hit rates of benchmarks on random weights (`target_service.synthetic`, `draft_service.ahead`):
+the same for a request at every step and in every rerun, and independent of the batch."""
+
+from __future__ import annotations
+
+import hashlib
+
+
+def key_uniform(key: str, salt: str) -> float:
+    """A number in [0, 1) from a hash of `salt` and `key`."""
+    digest = hashlib.blake2b(f"{salt}:{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") / 2**64
+
+
+def spread_around(mean: float, spread: float, key: str, salt: str) -> float:
+    """`mean`, or with `spread` > 0 a value uniform in [mean - spread, mean + spread] by the
+    hash of `key` (over many keys the mean stays `mean`)."""
+    if spread == 0.0:
+        return mean
+    return mean + spread * (2.0 * key_uniform(key, salt) - 1.0)
