@@ -119,6 +119,7 @@ class PushChoice:
     wait_s: dict[bool, float] = field(default_factory=dict)  # per way: pushed (True) or asked
     counts: dict[bool, int] = field(default_factory=dict)  # steps measured per way
     steps: int = 0
+    best: bool | None = None  # the way in use, once both are measured
 
     def waited(self, pushed: bool, seconds: float) -> None:
         """A step that used the way `pushed` waited `seconds` for its drafts."""
@@ -135,6 +136,11 @@ class PushChoice:
             if self.counts.get(way, 0) < PUSH_EXPLORE_STEPS:
                 return way
         best = self.wait_s[True] <= self.wait_s[False]
+        if best != self.best:
+            log.info("draft: %s (waits for drafts: %.2f ms with pushes, %.2f ms with asks)",
+                     "pushes chains" if best else "asked for chains", self.wait_s[True] * 1e3,
+                     self.wait_s[False] * 1e3)  # fmt: skip
+            self.best = best
         exploring = self.steps % PUSH_EXPLORE_EVERY < PUSH_EXPLORE_STEPS
         return not best if exploring else best
 
