@@ -45,6 +45,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import shlex
 import signal
 import sys
@@ -336,6 +337,17 @@ def run(args: argparse.Namespace) -> int:
     return 0 if greedy_passed(result) and not e2e_report.fallbacks(result) else 1
 
 
+def _spread(text: str) -> float:
+    """A mixed-traffic spread: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a spread must be a number, got {text!r}") from None
+    if not (math.isfinite(value) and value >= 0.0):
+        raise argparse.ArgumentTypeError(f"a spread must be >= 0, got {text!r}")
+    return value
+
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--out", type=Path, default=REPO / "bench" / "results")
@@ -400,7 +412,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--serve-acceptance-spread",
-        type=float,
+        type=_spread,
         default=0.0,
         metavar="S",
         help="mixed traffic (BENCHMARKING ONLY): each request's own mean acceptance length, "
@@ -408,7 +420,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--serve-hit-rate-spread",
-        type=float,
+        type=_spread,
         default=0.0,
         metavar="S",
         help="mixed traffic (BENCHMARKING ONLY): each request's own draft-ahead hit rate, "

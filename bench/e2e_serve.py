@@ -138,12 +138,12 @@ def serve_args(
         out += ["--synthetic-acceptance-length", str(length)]
         spread = mixed_spread(s.get("serve_acceptance_spread", 0.0), length, 1.0, k + 1.0)
         if spread:  # mixed traffic: each request its own L
-            out += ["--synthetic-acceptance-spread", f"{spread:g}"]
+            out += ["--synthetic-acceptance-spread", repr(spread)]  # exact: it may be at an end
     if hit_rate is not None:  # draft-ahead, its hit rate set: BENCHMARKING ONLY
         out += ["--draft-ahead", str(s["draft_ahead"]), "--synthetic-hit-rate", str(hit_rate)]
         spread = mixed_spread(s.get("serve_hit_rate_spread", 0.0), hit_rate, 0.0, 1.0)
         if spread:  # mixed traffic: each request its own hit rate
-            out += ["--synthetic-hit-rate-spread", f"{spread:g}"]
+            out += ["--synthetic-hit-rate-spread", repr(spread)]
     if dynamic:
         out.append("--dynamic-speculation")
     if stand_in is not None:

@@ -57,7 +57,7 @@ class DraftConfig:
         rate = self.synthetic_hit_rate
         if rate is None:
             return None
-        return spread_around(rate, self.synthetic_hit_rate_spread, request_id, "hit")
+        return spread_around(rate, self.synthetic_hit_rate_spread, request_id, "hit", 0.0, 1.0)
 
     # BENCHMARKING ONLY: the times file of `draft_service.stand_in`; the runner is then the
     # stand-in, which waits the measured forward times on no GPU and drafts no model's tokens

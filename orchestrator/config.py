@@ -28,6 +28,7 @@ from specdec.message_limits import (
 )
 from specdec.serving.auth import check_api_key
 from specdec.serving.proposers import PROPOSERS, Proposer
+from specdec.synthetic_keys import spread_fits
 from specdec.tensor_parallel import MAX_TENSOR_PARALLEL
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -251,7 +252,7 @@ class ServiceConfig:
             if spread:
                 raise ValueError("synthetic_acceptance_spread needs synthetic_acceptance_length.")
             return
-        if spread and not (length - spread >= 1.0 and length + spread <= k + 1):
+        if spread and not spread_fits(length, spread, 1.0, k + 1.0):
             raise ValueError(
                 f"synthetic_acceptance_spread {spread} around synthetic_acceptance_length "
                 f"{length} must stay in [1, {k + 1}] (1 + num_draft_tokens)."

@@ -10,6 +10,8 @@ No torch import: the protocol layer and the orchestrator load this module withou
 
 from __future__ import annotations
 
+from specdec.synthetic_keys import spread_fits
+
 INT32_MAX = 2**31 - 1
 MAX_SEED = 2**63 - 1  # int64 tensors; Philox keys on its two 32-bit halves
 MAX_POSITION = INT32_MAX  # absolute token positions: int64 tensors, Philox counter c1 (uint32)
@@ -51,7 +53,7 @@ def check_draft_ahead(draft_ahead: int, saguaro_scale: float, synthetic_hit_rate
     spread = synthetic_hit_rate_spread
     if not spread >= 0.0:
         raise ValueError(f"synthetic_hit_rate_spread must be >= 0, got {spread}.")
-    if spread > 0.0 and (rate is None or not 0.0 <= rate - spread <= rate + spread <= 1.0):
+    if spread > 0.0 and (rate is None or not spread_fits(rate, spread, 0.0, 1.0)):
         raise ValueError(
             f"synthetic_hit_rate_spread {spread} needs a synthetic_hit_rate it stays around "
             f"inside [0, 1], got synthetic_hit_rate {rate}."

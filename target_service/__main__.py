@@ -100,6 +100,11 @@ def synthetic(args: argparse.Namespace) -> SyntheticAcceptance | None:
             raise ValueError(
                 f"--synthetic-rates must be comma-separated numbers, got {args.synthetic_rates!r}."
             ) from exc
+        if args.synthetic_acceptance_spread:
+            raise ValueError(
+                "--synthetic-acceptance-spread spreads --synthetic-acceptance-length; it does "
+                "not apply to --synthetic-rates."
+            )
         return SyntheticAcceptance(len(rates) if k is None else k, rates=rates)
     if length is not None:
         if k is None:

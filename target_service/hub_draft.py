@@ -120,12 +120,18 @@ class PushChoice:
     counts: dict[bool, int] = field(default_factory=dict)  # steps measured per way
     steps: int = 0
     best: bool | None = None  # the way in use, once both are measured
+    last: bool | None = None  # the way of the last step measured
 
     def waited(self, pushed: bool, seconds: float) -> None:
-        """A step that used the way `pushed` waited `seconds` for its drafts."""
+        """A step that used the way `pushed` waited `seconds` for its drafts. The first step
+        after a change of way is counted but not averaged: the draft's timing is still the
+        other way's then (a first wait of all can be a cold outlier too)."""
+        self.counts[pushed] = self.counts.get(pushed, 0) + 1
+        changed, self.last = pushed != self.last, pushed
+        if changed:
+            return
         old = self.wait_s.get(pushed)
         self.wait_s[pushed] = seconds if old is None else old + PUSH_WAIT_WEIGHT * (seconds - old)
-        self.counts[pushed] = self.counts.get(pushed, 0) + 1
 
     def next(self) -> bool:
         """The way of the next step: True to ask for a push with this block."""
@@ -133,7 +139,7 @@ class PushChoice:
         if self.always:
             return True
         for way in (True, False):  # each way measured PUSH_EXPLORE_STEPS times first
-            if self.counts.get(way, 0) < PUSH_EXPLORE_STEPS:
+            if self.counts.get(way, 0) < PUSH_EXPLORE_STEPS or way not in self.wait_s:
                 return way
         best = self.wait_s[True] <= self.wait_s[False]
         if best != self.best:
@@ -172,8 +178,11 @@ class DraftSide:
         self.push_mismatches = 0  # answers to such blocks that differed from the push
         self.push_choice = PushChoice(always=config.draft_push_always)
         # this step's wait for drafts: whether it came by a push (its last block asked for
-        # one) and when it began, until the drafts are had (`PushChoice.waited`)
+        # one) and when it began, until the drafts are had (`PushChoice.waited`); and when
+        # `collect` began waiting for the answer to a block sent without waiting (that wait
+        # belongs to the push's way too)
         self._waiting: tuple[bool, float] | None = None
+        self._collect_started: float | None = None
 
     @property
     def up(self) -> bool:
@@ -350,9 +359,10 @@ class DraftSide:
         is taken only for the very verdict it assumed, with the q it was drawn from."""
         link = self.link
         self._waiting = None
+        since, self._collect_started = self._collect_started, None
         if link is None or not link.push or self._stall is not None or self._sent is not None:
             return None
-        self._waiting = (link.push_due, time.perf_counter())
+        self._waiting = (link.push_due, since if since is not None else time.perf_counter())
         push = self._in_time(asks, link.take_push)
         if push is None:
             return None
@@ -388,6 +398,7 @@ class DraftSide:
             return None
         asks, used = self._sent
         self._sent = None
+        self._collect_started = time.perf_counter()
         answer = self._in_time(asks, self.link.collect)
         if answer is None:
             return None

@@ -5,13 +5,14 @@ with random weights. Output is NOT distributed as the target's in this mode.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
-from specdec.synthetic_keys import spread_around
+from specdec.synthetic_keys import spread_around, spread_fits
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +56,7 @@ class SyntheticAcceptance:
             length = self.mean_acceptance_length
             if length is None:
                 raise ValueError("length_spread needs mean_acceptance_length (not rates).")
-            if not (length - spread >= 1.0 and length + spread <= k + 1):
+            if not spread_fits(length, spread, 1.0, k + 1.0):
                 raise ValueError(
                     f"length_spread {spread} around mean_acceptance_length {length} must stay "
                     f"in [1, {k + 1}] (1 + num_draft_tokens)."
@@ -101,7 +102,8 @@ class SyntheticAcceptance:
     def length_for(self, key: str) -> float:
         """The mean acceptance length of the request `key` (its id): L, or with length_spread
         uniform in [L - spread, L + spread] by a hash of the key, so reruns agree."""
-        return spread_around(self.mean_length(), self.length_spread, key, "acceptance")
+        k = self.num_draft_tokens
+        return spread_around(self.mean_length(), self.length_spread, key, "acceptance", 1.0, k + 1)
 
     def conditional_rates_for(self, keys: Sequence[str] | None, width: int) -> np.ndarray:
         """[len(keys), width] float32: each request's conditional rates (the first `width`
@@ -109,9 +111,11 @@ class SyntheticAcceptance:
         if keys is None or self.length_spread == 0.0:
             row = np.asarray(self.conditional_rates()[:width], dtype=np.float32)
             return np.tile(row, (1 if keys is None else len(keys), 1))
-        k = self.num_draft_tokens
-        rows = [
-            SyntheticAcceptance(k, mean_acceptance_length=self.length_for(key)).conditional_rates()
-            for key in keys
-        ]
+        rows = [_conditional_rates(self.num_draft_tokens, self.length_for(key)) for key in keys]
         return np.asarray([r[:width] for r in rows], dtype=np.float32).reshape(len(keys), width)
+
+
+@functools.lru_cache(maxsize=65536)
+def _conditional_rates(k: int, length: float) -> tuple[float, ...]:
+    """A request's conditional rates, kept: a mixed-traffic batch asks for them every step."""
+    return SyntheticAcceptance(k, mean_acceptance_length=length).conditional_rates()

@@ -141,8 +141,10 @@ def _worker(
         except EOFError:  # rank 0 is gone
             _end_rank(None, 0)
         if name == "stop":  # rank 0 ends the group with every rank: see `_leave_group`
-            runner.release_graphs()  # their collectives hold the communicators
-            _end_rank(runner.device, 0, leave=True)
+            try:
+                runner.release_graphs()  # their collectives hold the communicators
+            finally:
+                _end_rank(runner.device, 0, leave=True)
         if name in ("graph_step", "ragged_step"):
             key = kwargs.pop("head_key")
             kwargs["head"] = None if key is None else heads.setdefault(key, _NoHead())
@@ -378,7 +380,8 @@ class ParallelRunner(ModelRunner):
                     except OSError:  # it is gone already: no orderly end with it
                         stopped = False
             if finished:  # a graph that captured a collective holds its communicator:
-                self.release_graphs()  # NCCL's end, orderly or aborted, waits for it
+                self.release_graphs()  # NCCL's end, orderly or aborted, waits for it (not
+                # released with work unfinished: that abort may wait out its bound, logged)
             if stopped:  # the ranks leave the group now too, each on its stop
                 _leave_group(orderly=True)
             for r in self._ranks:

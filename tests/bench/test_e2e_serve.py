@@ -130,6 +130,9 @@ def test_mixed_traffic_spreads_reach_the_services_narrowed_to_their_range(
     edge = serve_config(parse_args(serve_args(s, 4.5, 1, 2, 1.0))).services
     assert edge.synthetic_acceptance_spread == 0.5 and edge.synthetic_hit_rate_spread == 0.0
     assert mixed_spread(2.0, 1.0, 1.0, 5.0) == 0.0
+    # narrowed to the range's end by a rounding (1.4 - 0.39999...): still a valid start
+    low = serve_config(parse_args(serve_args(s, 1.4, 1, 2, 0.8))).services
+    assert low.synthetic_acceptance_spread == pytest.approx(0.4)
 
 
 def test_no_push_rows_pair_each_draft_ahead_row_with_pushes_off(

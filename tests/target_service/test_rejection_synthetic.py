@@ -160,3 +160,25 @@ def test_the_kernel_reads_each_requests_rates() -> None:
     torch_out, _ = _spread_run(cfg, 40, "torch")
     assert torch.equal(triton_out, torch_out)
     assert len({tuple(r) for r in torch_out.tolist()}) > 3, "too few distinct outcomes"
+
+
+@pytest.mark.parametrize("ks", [[4, 2, 0, 3, 1] * 8, [2, 1, 2, 0] * 10])  # max_k 4, then 2 < 4
+def test_the_kernel_reads_each_requests_rates_whatever_their_k(ks: list[int]) -> None:
+    """Rows of the block's width (its max k, below the configured k in the second case) and
+    requests of several k, k = 0 among them: the Triton kernel decides as the reference."""
+    cfg = SyntheticAcceptance(4, mean_acceptance_length=2.5, length_spread=1.5)
+    vocab, n = 16, len(ks)
+    gen = torch.Generator().manual_seed(2)
+    logits = torch.randn(sum(ks) + n, vocab, generator=gen)
+    drafts = torch.randint(0, vocab, (sum(ks),), generator=gen, dtype=torch.int32)
+    sampling = RequestSampling.from_params([SamplingParams(1.0, seed=i) for i in range(n)],
+                                           [7] * n, "cpu")  # fmt: skip
+    num = torch.tensor(ks, dtype=torch.int32)
+    keys = [f"q{i}" for i in range(n)]
+    outs = []
+    for impl in ("triton", "torch"):
+        out = rejection_sample(num, drafts, logits, None, sampling, synthetic=cfg,
+                               synthetic_keys=keys, impl=impl)  # fmt: skip
+        outs.append(out.num_committed)
+    assert torch.equal(outs[0], outs[1]), outs
+    assert len(set(outs[1].tolist())) > 2, "too few distinct outcomes"
