@@ -78,10 +78,14 @@ def test_greedy_equals_target_only_for_every_proposer(
     driver.client.close()
     _check_outputs(driver, reference)
     recs = driver.records
-    for rid, k in (("draft4", 4), ("draft2", 2), ("draft6", 6)):  # every step: never demoted
+    for rid, k in (("draft4", 4), ("draft2", 2), ("draft6", 6)):  # once drafted, never demoted
         first, *steps = [e.num_draft_tokens for e in recs[rid].events]
         assert first == 0, "the first token comes from the admission's own forward"
-        assert steps == [k] * len(steps) and steps, rid
+        # a step waits once for the draft's admission; on a loaded machine the admission can
+        # outlast it, and the request's first steps run at k = 0 (by design): then k for good
+        waited = steps.index(k) if k in steps else len(steps)
+        assert waited <= 3 and steps[:waited] == [0] * waited, (rid, steps)
+        assert steps[waited:] == [k] * (len(steps) - waited) and waited < len(steps), (rid, steps)
     assert sum(e.num_accepted for rid in ("draft4", "draft2", "draft6")
                for e in recs[rid].events) > 0, "no draft was ever accepted"  # fmt: skip
     assert sum(e.num_draft_tokens for rid in ("ngram3", "ngram4") for e in recs[rid].events) > 0
