@@ -122,7 +122,8 @@ def add_target_flags(group: Group, defaults: Defaults) -> None:
                        default=defaults("draft_push_chains"),
                        help="with draft-ahead, take the chains the draft pushes before they are "
                             "asked for: a step whose every verdict has one starts its verify "
-                            "without waiting for the draft's answer")  # fmt: skip
+                            "without waiting for the draft's answer (pushes are asked for where, "
+                            "as measured, they make the target wait less than asking)")  # fmt: skip
 
 
 def add_draft_flags(group: Group, defaults: Defaults) -> None:
