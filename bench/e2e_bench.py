@@ -408,7 +408,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--serve-no-push",
         action="store_true",
         help="beside each draft-ahead row, the same with --no-draft-push-chains (the hub asks "
-        "and waits for every chain): what pushed chains buy, in one run",
+        "and waits for every chain): what pushed chains buy where the hub chooses them (it asks "
+        "for pushes where, as measured, they make it wait less), in one run",
     )
     p.add_argument(
         "--serve-acceptance-spread",
