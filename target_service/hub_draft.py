@@ -447,21 +447,17 @@ class DraftSide:
         if self.link is None or self._stall is not None:  # down or stalled (maybe just now)
             self._waiting = None
             return None
-        seeded = any(r.fixed_k for r in asks)
-        deadline_s = self.seeded_deadline_s if seeded else self._deadline_s
         if self._waiting is None:
             self._waiting = (False, time.perf_counter())
-        push = self.link.push and self.push_choice.next()
-        try:
-            response, round_trip = self.link.propose(entries, deadline_s, target_step_s, push)
-        except DraftDown as e:
+        link = self.link
+        push = link.push and self.push_choice.next()
+        answer = self._in_time(
+            asks, lambda deadline_s: link.propose(entries, deadline_s, target_step_s, push)
+        )
+        if answer is None:
             self._waiting = None
-            self.down(str(e))
             return None
-        except DraftStalled as e:
-            self._waiting = None
-            self._stalled(str(e), [])
-            return None
+        response, round_trip = answer
         self._had_drafts()
         self._round_trips.append(round_trip)
         if len(self._round_trips) % 16 == 0:
