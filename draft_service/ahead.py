@@ -29,10 +29,11 @@ target's. The guesses only decide how often that happens.
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass, field
 
 import torch
+
+from specdec.synthetic_keys import key_uniform
 
 BRANCH_MARK = "\x1f"  # in no admitted request id: the draft engine refuses ids holding it
 
@@ -145,8 +146,7 @@ def synthetic_hit(
 def synthetic_any(request_id: str, step: int, rate: float) -> bool:
     """BENCHMARKING ONLY: whether `synthetic_hit` serves this ask a chain of its verdict's
     accepted count whatever the verdict's tokens (a hash of request and step below `rate`)."""
-    digest = hashlib.blake2b(f"{request_id}:{step}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") / 2**64 < rate
+    return key_uniform(f"{request_id}:{step}") < rate
 
 
 def synthetic_any_keys(chains: dict[tuple[int, ...], Chain], request_id: str, step: int,

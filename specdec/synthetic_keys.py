@@ -9,9 +9,9 @@ import hashlib
 SPREAD_TOLERANCE = 1e-9  # a spread reaching a range's end by rounding (1.4 - 0.4) is in it
 
 
-def key_uniform(key: str, salt: str) -> float:
-    """A number in [0, 1) from a hash of `salt` and `key`."""
-    digest = hashlib.blake2b(f"{salt}:{key}".encode(), digest_size=8).digest()
+def key_uniform(text: str) -> float:
+    """A number in [0, 1) from a hash of `text`."""
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") / 2**64
 
 
@@ -22,7 +22,7 @@ def spread_around(
     hash of `key` (over many keys the mean stays `mean`), kept in [low, high]."""
     if spread == 0.0:
         return mean
-    return min(high, max(low, mean + spread * (2.0 * key_uniform(key, salt) - 1.0)))
+    return min(high, max(low, mean + spread * (2.0 * key_uniform(f"{salt}:{key}") - 1.0)))
 
 
 def spread_fits(mean: float, spread: float, low: float, high: float) -> bool:
