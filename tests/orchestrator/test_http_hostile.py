@@ -194,7 +194,11 @@ def test_a_20_mb_body_is_refused_at_once_on_every_route(rig: Rig, method: str, p
         sock.sendall(head(method, path, {"Content-Length": str(20 * MB)}) + b"[" * 65536)
         status, headers, text = response(sock)
         elapsed = time.monotonic() - start
-        assert sock.recv(1) == b"", "the connection closes: the rest is never read"
+        try:  # the connection closes: the rest is never read
+            closed = sock.recv(1) == b""
+        except ConnectionResetError:  # closed with the unread body still queued: a reset
+            closed = True
+        assert closed, "the connection closes: the rest is never read"
     assert status == 413, text
     error = json.loads(text)["error"]
     assert f"at most {rig.limit} bytes" in error["message"] and "--max-request-bytes" in error[
