@@ -1,0 +1,200 @@
+"""Where the draft's pass ahead spends its time: the 1B-shaped draft of the system benchmark,
+in one process, no gRPC. Each step proposes k drafts for a block of greedy requests, then runs
+the pass ahead (`DraftEngine.draft_ahead`) that the target's verify hides; the next ask hits a
+chain (a synthetic hit rate of 1, BENCHMARKING ONLY). Prints per batch the pass's host wall
+time (to its end on the device) against its device time and the in-process graph step, the
+GPU's idle share inside one profiled pass with the CPU ops that took longest, and the fork's
+KV copies as one copy for all layers against one per layer (the old code), in the same run.
+
+    PYTHONPATH=. python bench/experiments/ahead_pass_profile.py --out DIR [--batches 1 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from bench import e2e_models
+from draft_service.config import DraftConfig
+from draft_service.engine import DraftEngine
+from draft_service.server import model_info
+from specdec.runner import ModelRunner, RunnerConfig
+from specdec.sampling_params import SamplingParams
+from specdec.serving.messages import AdmitRequest, ProposeEntry
+
+GRAPHS = (1, 2, 4, 8, 16, 32)
+K = 4
+ACCEPTED = 2  # L = 3: every verdict accepts two drafts
+
+
+def engine(path: str, device: str, draft_ahead: int) -> DraftEngine:
+    rc = RunnerConfig(path, device=device, dtype="bfloat16" if device != "cpu" else "float32",
+                      max_slots=64, max_seq_len=512,
+                      cuda_graph_batch_sizes=GRAPHS if device != "cpu" else ())  # fmt: skip
+    cfg = DraftConfig(
+        runner=rc, draft_ahead=draft_ahead, draft_ahead_slots=48, synthetic_hit_rate=1.0
+    )
+    runner = ModelRunner.load(rc)
+    runner.own_device()
+    eng = DraftEngine(cfg, runner, model_info(cfg, runner))
+    eng.capture_graphs()
+    return eng
+
+
+def steps(eng: DraftEngine, batch: int, n: int, profile: Path | None) -> dict[str, list[float]]:
+    runner = eng.runner
+    assert runner is not None
+    g = torch.Generator().manual_seed(batch)
+    ids = [f"r{i}" for i in range(batch)]
+    tokens = {r: torch.randint(1, 1000, (64,), generator=g).tolist() for r in ids}
+    for r in ids:
+        eng.admit(AdmitRequest(r, tuple(tokens[r]), SamplingParams(0.0)))
+    new = {r: [] for r in ids}
+    out: dict[str, list[float]] = {"propose_ms": [], "pass_ms": [], "pass_device_ms": []}
+    for step in range(n):
+        asks = [ProposeEntry(r, step, tuple(new[r]), len(tokens[r]), K) for r in ids]
+        a = time.perf_counter()
+        proposal = eng.propose_timed(asks)
+        b = time.perf_counter()
+        assert not proposal.errors
+        last = step == n - 1 and profile is not None
+        prof = None
+        if last:
+            activity = torch.profiler.ProfilerActivity
+            prof = torch.profiler.profile(activities=[activity.CPU, activity.CUDA])
+            prof.__enter__()
+        before = eng._ahead.seconds
+        c = time.perf_counter()
+        eng.draft_ahead(ids)
+        runner.synchronize()
+        d = time.perf_counter()
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            assert profile is not None
+            prof.export_chrome_trace(str(profile / f"ahead_pass_b{batch}.json"))
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
+            print(f"batch {batch}: GPU idle in the profiled pass: {idle_share(prof):.0%}")
+        if step >= 4:
+            out["propose_ms"].append((b - a) * 1e3)
+            out["pass_ms"].append((d - c) * 1e3)
+            out["pass_device_ms"].append((eng._ahead.seconds - before) * 1e3)
+        block = proposal.block
+        for i, rid in enumerate(block.request_ids):
+            drafts = block.tokens(i)
+            new[rid] = [*drafts[:ACCEPTED], 7]  # any token: the synthetic hit takes the chain
+            tokens[rid] += new[rid]
+    eng.release(ids)
+    return out
+
+
+def idle_share(prof: torch.profiler.profile) -> float:
+    """The share of the profiled span (first kernel start to last kernel end) with no kernel
+    running on the device."""
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.time_range.end > 0
+    )
+    if not spans:
+        return float("nan")
+    busy, (start, end) = 0, spans[0]
+    first, last = spans[0][0], max(e for _, e in spans)
+    for s, e in spans[1:]:
+        if s > end:
+            busy, start, end = busy + end - start, s, e
+        else:
+            end = max(end, e)
+    busy += end - start
+    return 1 - busy / max(last - first, 1)
+
+
+def fork_ab(eng: DraftEngine, branches: int, length: int, repeats: int = 50) -> dict[str, float]:
+    """The fork's KV copies: one copy for all layers (`SlotCache.fork`) against one per layer,
+    interleaved, median ms."""
+    runner = eng.runner
+    assert runner is not None
+    cache = runner._cache
+    ids = ["src", *(f"b{i}" for i in range(branches))]
+    for rid in ids:
+        runner.add_request(rid)
+    runner.forward([eng_item("src", length)])
+    forks = [("src", b, length) for b in ids[1:]]
+    src = torch.tensor([cache.slot("src")] * branches, device=runner.device)
+    dst = torch.tensor([cache.slot(b) for b in ids[1:]], device=runner.device)
+
+    def per_layer() -> None:
+        for layer in cache.layers:
+            layer[dst, :, :, :length] = layer[src, :, :, :length]
+
+    times: dict[str, list[float]] = {"one_copy_ms": [], "per_layer_ms": []}
+    for _ in range(repeats):
+        for name, fn in (("one_copy_ms", lambda: runner.fork(forks)), ("per_layer_ms", per_layer)):
+            runner.synchronize()
+            a = time.perf_counter()
+            fn()
+            runner.synchronize()
+            times[name].append((time.perf_counter() - a) * 1e3)
+    for rid in ids:
+        runner.release(rid)
+    return {name: statistics.median(v) for name, v in times.items()}
+
+
+def eng_item(rid: str, length: int):  # noqa: ANN201 - ForwardItem
+    from specdec.runner import ForwardItem
+
+    return ForwardItem(rid, list(range(1, length + 1)), 0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--cache", type=Path, default=e2e_models.DEFAULT_CACHE)
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--draft-ahead", type=int, default=2)
+    p.add_argument("--smoke", action="store_true", help="tiny models on the CPU")
+    args = p.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    device = "cpu" if args.smoke else "cuda:0"
+    paths = e2e_models.build(args.cache, smoke=args.smoke, device=device)
+    eng = engine(paths["draft"], device, args.draft_ahead)
+    runner = eng.runner
+    assert runner is not None
+    result: dict[str, object] = {
+        "gpu": torch.cuda.get_device_name(0) if device != "cpu" else "cpu",
+        "graph_step_ms": {},
+    }
+    for batch in args.batches:
+        ids = [f"g{i}" for i in range(batch)]
+        for rid in ids:
+            runner.add_request(rid)
+        runner.forward([eng_item(rid, 64) for rid in ids])
+        last = runner.upload(torch.ones(batch, 1, dtype=torch.long))
+        for _ in range(5):
+            runner.graph_step(ids, last)
+        runner.synchronize()
+        a = time.perf_counter()
+        for _ in range(20):
+            runner.graph_step(ids, last)
+        runner.synchronize()
+        result["graph_step_ms"][batch] = (time.perf_counter() - a) / 20 * 1e3  # type: ignore[index]
+        for rid in ids:
+            runner.release(rid)
+        t = steps(eng, batch, args.steps, None if args.smoke else args.out)
+        result[f"batch_{batch}"] = {name: statistics.median(v) for name, v in t.items()}
+        print(f"batch {batch}: " + json.dumps(result[f"batch_{batch}"]))
+    for branches in (3, 24):
+        result[f"fork_{branches}_branches_ms"] = fork_ab(eng, branches, 70)
+        print(f"fork of {branches} branches, 70 tokens: {result[f'fork_{branches}_branches_ms']}")
+    (args.out / "ahead_pass_profile.json").write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()
