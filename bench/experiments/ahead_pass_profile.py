@@ -15,7 +15,6 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -24,7 +23,7 @@ from bench import e2e_models
 from draft_service.config import DraftConfig
 from draft_service.engine import DraftEngine
 from draft_service.server import model_info
-from specdec.runner import ModelRunner, RunnerConfig
+from specdec.runner import ForwardItem, ModelRunner, RunnerConfig
 from specdec.sampling_params import SamplingParams
 from specdec.serving.messages import AdmitRequest, ProposeEntry
 
@@ -145,9 +144,7 @@ def fork_ab(eng: DraftEngine, branches: int, length: int, repeats: int = 50) -> 
     return {name: statistics.median(v) for name, v in times.items()}
 
 
-def eng_item(rid: str, length: int):  # noqa: ANN201 - ForwardItem
-    from specdec.runner import ForwardItem
-
+def eng_item(rid: str, length: int) -> ForwardItem:
     return ForwardItem(rid, list(range(1, length + 1)), 0)
 
 
