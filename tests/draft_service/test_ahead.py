@@ -188,6 +188,22 @@ def test_unlikely_accepted_counts_are_not_drafted() -> None:
     assert got == [(1, 4), (2, 5), (1, 1), (2, 2)]
 
 
+def test_a_count_left_out_early_comes_back_once_seen() -> None:
+    """The default leaves counts out after 16 verdicts, so that a synthetic L = 3 (only j = 2)
+    stops the bonus forward within a short benchmark window; a count it left out comes back
+    at its first sighting in the first 50 verdicts."""
+    counts = ahead.AcceptedCounts()
+    for _ in range(15):
+        counts.add(2)
+    assert counts.wants(4), "15 verdicts are too few to leave a count out"
+    counts.add(2)
+    assert not counts.wants(4) and counts.wants(2)
+    for _ in range(30):
+        counts.add(2)
+    counts.add(4)  # 1 of 47
+    assert counts.wants(4)
+
+
 def test_synthetic_hit_rate_picks_a_chain_of_the_verdicts_accepted_count() -> None:
     chains = {(3,): None, (7, 4): None, (7, 1): None, (7, 9, 5): None}
     keys = [ahead.synthetic_hit(chains, (7, 8), 1.0, "r", s) for s in range(50)]  # type: ignore[arg-type]
