@@ -4,7 +4,8 @@ the pass ahead (`DraftEngine.draft_ahead`) that the target's verify hides; the n
 chain (a synthetic hit rate of 1, BENCHMARKING ONLY). Prints per batch the pass's host wall
 time (to its end on the device) against its device time and the in-process graph step, the
 GPU's idle share inside one profiled pass with the CPU ops that took longest, and the fork's
-KV copies as one copy for all layers against one per layer (the old code), in the same run.
+KV copies one branch at a time against other ways, in the same run. Medians over the steps
+after the first 16 (draft-ahead's accepted counts settle by then: `ahead.AcceptedCounts`).
 
     PYTHONPATH=. python bench/experiments/ahead_pass_profile.py --out DIR [--batches 1 8]
 """
@@ -79,7 +80,7 @@ def steps(eng: DraftEngine, batch: int, n: int, profile: Path | None) -> dict[st
             prof.export_chrome_trace(str(profile / f"ahead_pass_b{batch}.json"))
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
             print(f"batch {batch}: GPU idle in the profiled pass: {idle_share(prof):.0%}")
-        if step >= 4:
+        if step >= 16:
             out["propose_ms"].append((b - a) * 1e3)
             out["pass_ms"].append((d - c) * 1e3)
             out["pass_device_ms"].append((eng._ahead.seconds - before) * 1e3)
@@ -114,8 +115,9 @@ def idle_share(prof: torch.profiler.profile) -> float:
 
 
 def fork_ab(eng: DraftEngine, branches: int, length: int, repeats: int = 50) -> dict[str, float]:
-    """The fork's KV copies: one copy for all layers (`SlotCache.fork`) against one per layer,
-    interleaved, median ms."""
+    """The fork's KV copies, interleaved, median ms: one copy per branch of all layers
+    (`SlotCache.fork`), one gather and scatter of all branches and layers at once, and one
+    per layer for all branches (the code before)."""
     runner = eng.runner
     assert runner is not None
     cache = runner._cache
@@ -131,9 +133,14 @@ def fork_ab(eng: DraftEngine, branches: int, length: int, repeats: int = 50) -> 
         for layer in cache.layers:
             layer[dst, :, :, :length] = layer[src, :, :, :length]
 
-    times: dict[str, list[float]] = {"one_copy_ms": [], "per_layer_ms": []}
+    def gather() -> None:
+        cache.kv[:, dst, :, :, :length] = cache.kv[:, src, :, :, :length]
+
+    ways = {"per_branch_ms": lambda: runner.fork(forks), "gather_ms": gather,
+            "per_layer_ms": per_layer}  # fmt: skip
+    times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(repeats):
-        for name, fn in (("one_copy_ms", lambda: runner.fork(forks)), ("per_layer_ms", per_layer)):
+        for name, fn in ways.items():
             runner.synchronize()
             a = time.perf_counter()
             fn()
@@ -153,7 +160,7 @@ def main() -> None:
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--cache", type=Path, default=e2e_models.DEFAULT_CACHE)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
-    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--steps", type=int, default=40)
     p.add_argument("--draft-ahead", type=int, default=2)
     p.add_argument("--smoke", action="store_true", help="tiny models on the CPU")
     args = p.parse_args()
