@@ -115,9 +115,9 @@ def idle_share(prof: torch.profiler.profile) -> float:
 
 
 def fork_ab(eng: DraftEngine, branches: int, length: int, repeats: int = 50) -> dict[str, float]:
-    """The fork's KV copies, interleaved, median ms: one copy per branch of all layers
-    (`SlotCache.fork`), one gather and scatter of all branches and layers at once, and one
-    per layer for all branches (the code before)."""
+    """The fork's KV copies, interleaved, median ms: `SlotCache.fork` (one gather and scatter
+    of all branches and layers, over a power-of-two span), one copy per branch of all layers,
+    and one per layer for all branches (the code before)."""
     runner = eng.runner
     assert runner is not None
     cache = runner._cache
@@ -133,10 +133,12 @@ def fork_ab(eng: DraftEngine, branches: int, length: int, repeats: int = 50) -> 
         for layer in cache.layers:
             layer[dst, :, :, :length] = layer[src, :, :, :length]
 
-    def gather() -> None:
-        cache.kv[:, dst, :, :, :length] = cache.kv[:, src, :, :, :length]
+    def per_branch() -> None:
+        for _, b, n in forks:
+            d, s = cache.kv[:, cache.slot(b)], cache.kv[:, cache.slot("src")]
+            d[:, :, :, :n].copy_(s[:, :, :, :n])
 
-    ways = {"per_branch_ms": lambda: runner.fork(forks), "gather_ms": gather,
+    ways = {"fork_ms": lambda: runner.fork(forks), "per_branch_ms": per_branch,
             "per_layer_ms": per_layer}  # fmt: skip
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(repeats):

@@ -121,13 +121,18 @@ class SlotCache(_Checks):
             return
         for source, _, length in branches:
             self._check_length("fork", source, length)
-        # one copy per branch, of every layer at once and of its own length only: a copy per
-        # layer cost 0.56 ms a fork on an H200 (1B draft, 16 layers), and a gather of all
-        # branches at once needs a temporary that grows with the longest length, which the
-        # allocator took from the driver afresh (0.35 ms) as the requests grew
-        for source, branch, length in branches:
-            dst, src = self.kv[:, self.slot(branch)], self.kv[:, self.slot(source)]
-            dst[:, :, :, :length].copy_(src[:, :, :, :length])
+        longest = max(length for _, _, length in branches)
+        if longest:
+            pairs = [(self.slot(s), self.slot(b)) for s, b, _ in branches]
+            src, dst = _upload_pairs(pairs, self.kv.device)
+            # every branch and layer in one gather and one scatter. On an H200 (1B draft, 16
+            # layers, 70 positions) that took 0.08 / 0.31 ms for 3 / 24 branches, against
+            # 0.77 ms with a copy per layer and 0.16 / 0.99 ms with one per branch. The span
+            # is a power of two so that the gather's temporary comes in few sizes, which the
+            # allocator keeps: grown with the requests, it was a cudaMalloc (0.35 ms) a fork.
+            # Past a branch's own length its rows are never read.
+            span = min(self.max_seq_len, 1 << (longest - 1).bit_length())
+            self.kv[:, dst, :, :, :span] = self.kv[:, src, :, :, :span]
         for _, branch, length in branches:
             self._length[self.slot(branch)] = length
 
@@ -301,10 +306,7 @@ class PagedCache(_Checks):
 
     def _copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Each (source, destination) block's K/V copied, in every layer."""
-        device = self.kv.device
-        pairs = torch.tensor(copies, pin_memory=device.type == "cuda")
-        pairs = pairs.to(device, non_blocking=True)  # no wait for the stream
-        src, dst = pairs[:, 0], pairs[:, 1]
+        src, dst = _upload_pairs(copies, self.kv.device)
         self.kv.index_copy_(1, dst, self.kv.index_select(1, src))  # every layer at once
 
     def commit(self, request_id: str, start: int, n: int, tokens: Sequence[int] | None) -> None:
@@ -335,3 +337,10 @@ def _allocate(
     masked keys still meet a 0 weight, and 0 * NaN garbage would be NaN."""
     kv = torch.zeros((num_layers, *shape), dtype=dtype, device=device)
     return kv, list(kv.unbind(0))
+
+
+def _upload_pairs(pairs: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, ...]:
+    """(sources [n], destinations [n]) on `device`, uploaded without waiting for its stream."""
+    host = torch.tensor(pairs, dtype=torch.long, pin_memory=device.type == "cuda")
+    both = host.to(device, non_blocking=True)
+    return both[:, 0], both[:, 1]
