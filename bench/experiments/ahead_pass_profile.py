@@ -12,7 +12,6 @@ after the first 16 (draft-ahead's accepted counts settle by then: `ahead.Accepte
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import time
@@ -158,13 +157,10 @@ def eng_item(rid: str, length: int) -> ForwardItem:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--cache", type=Path, default=e2e_models.DEFAULT_CACHE)
+    p = e2e_models.parser(__doc__)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--draft-ahead", type=int, default=2)
-    p.add_argument("--smoke", action="store_true", help="tiny models on the CPU")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = "cpu" if args.smoke else "cuda:0"

@@ -10,7 +10,6 @@ and CPU ops of one propose and one verify; writes chrome traces into DIR.
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 from dataclasses import replace
@@ -93,13 +92,10 @@ def run(draft: DraftEngine, target: TargetEngine, batch: int, k: int, steps: int
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--cache", type=Path, default=e2e_models.DEFAULT_CACHE)
+    p = e2e_models.parser(__doc__)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 32])
     p.add_argument("--steps", type=int, default=24)
     p.add_argument("--synthetic", type=float, default=3.0)
-    p.add_argument("--smoke", action="store_true", help="tiny models on the CPU")
     args = p.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     device = "cpu" if args.smoke else "cuda:0"
