@@ -4,8 +4,8 @@ the pass ahead (`DraftEngine.draft_ahead`) that the target's verify hides; the n
 chain (a synthetic hit rate of 1, BENCHMARKING ONLY). Prints per batch the pass's host wall
 time (to its end on the device) against its device time and the in-process graph step, the
 GPU's idle share inside one profiled pass with the CPU ops that took longest, and the fork's
-KV copies one branch at a time against other ways, in the same run. Medians over the steps
-after the first 16 (draft-ahead's accepted counts settle by then: `ahead.AcceptedCounts`).
+KV copies. Medians over the steps after the first 16, or the second half of fewer
+(draft-ahead's accepted counts settle after 16 verdicts: `ahead.AcceptedCounts`).
 
     PYTHONPATH=. python bench/experiments/ahead_pass_profile.py --out DIR [--batches 1 8]
 """
@@ -47,6 +47,7 @@ def engine(path: str, device: str, draft_ahead: int) -> DraftEngine:
 
 
 def steps(eng: DraftEngine, batch: int, n: int, profile: Path | None) -> dict[str, list[float]]:
+    settled = min(16, n // 2)  # the steps before are left out of the medians
     runner = eng.runner
     assert runner is not None
     g = torch.Generator().manual_seed(batch)
@@ -79,7 +80,7 @@ def steps(eng: DraftEngine, batch: int, n: int, profile: Path | None) -> dict[st
             prof.export_chrome_trace(str(profile / f"ahead_pass_b{batch}.json"))
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20))
             print(f"batch {batch}: GPU idle in the profiled pass: {idle_share(prof):.0%}")
-        if step >= 16:
+        if step >= settled:
             out["propose_ms"].append((b - a) * 1e3)
             out["pass_ms"].append((d - c) * 1e3)
             out["pass_device_ms"].append((eng._ahead.seconds - before) * 1e3)
@@ -113,43 +114,25 @@ def idle_share(prof: torch.profiler.profile) -> float:
     return 1 - busy / max(last - first, 1)
 
 
-def fork_ab(eng: DraftEngine, branches: int, length: int, repeats: int = 50) -> dict[str, float]:
-    """The fork's KV copies, interleaved, median ms: `SlotCache.fork` (one gather and scatter
-    of all branches and layers, over a power-of-two span), one copy per branch of all layers,
-    and one per layer for all branches (the code before)."""
+def fork_ms(eng: DraftEngine, branches: int, length: int, repeats: int = 50) -> float:
+    """The fork's KV copies (`SlotCache.fork`) of one source into `branches`, median ms."""
     runner = eng.runner
     assert runner is not None
-    cache = runner._cache
     ids = ["src", *(f"b{i}" for i in range(branches))]
     for rid in ids:
         runner.add_request(rid)
     runner.forward([eng_item("src", length)])
     forks = [("src", b, length) for b in ids[1:]]
-    src = torch.tensor([cache.slot("src")] * branches, device=runner.device)
-    dst = torch.tensor([cache.slot(b) for b in ids[1:]], device=runner.device)
-
-    def per_layer() -> None:
-        for layer in cache.layers:
-            layer[dst, :, :, :length] = layer[src, :, :, :length]
-
-    def per_branch() -> None:
-        for _, b, n in forks:
-            d, s = cache.kv[:, cache.slot(b)], cache.kv[:, cache.slot("src")]
-            d[:, :, :, :n].copy_(s[:, :, :, :n])
-
-    ways = {"fork_ms": lambda: runner.fork(forks), "per_branch_ms": per_branch,
-            "per_layer_ms": per_layer}  # fmt: skip
-    times: dict[str, list[float]] = {name: [] for name in ways}
+    times = []
     for _ in range(repeats):
-        for name, fn in ways.items():
-            runner.synchronize()
-            a = time.perf_counter()
-            fn()
-            runner.synchronize()
-            times[name].append((time.perf_counter() - a) * 1e3)
+        runner.synchronize()
+        a = time.perf_counter()
+        runner.fork(forks)
+        runner.synchronize()
+        times.append((time.perf_counter() - a) * 1e3)
     for rid in ids:
         runner.release(rid)
-    return {name: statistics.median(v) for name, v in times.items()}
+    return statistics.median(times)
 
 
 def eng_item(rid: str, length: int) -> ForwardItem:
@@ -192,7 +175,7 @@ def main() -> None:
         result[f"batch_{batch}"] = {name: statistics.median(v) for name, v in t.items()}
         print(f"batch {batch}: " + json.dumps(result[f"batch_{batch}"]))
     for branches in (3, 24):
-        result[f"fork_{branches}_branches_ms"] = fork_ab(eng, branches, 70)
+        result[f"fork_{branches}_branches_ms"] = fork_ms(eng, branches, 70)
         print(f"fork of {branches} branches, 70 tokens: {result[f'fork_{branches}_branches_ms']}")
     (args.out / "ahead_pass_profile.json").write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result, indent=1))

@@ -213,7 +213,7 @@ def test_with_synthetic_acceptance_every_catch_up_fits_a_graph(
     target = TargetConfig(runner_config(target_dir), sampler_impl="torch", synthetic=synthetic)
     with local_pair(draft, target) as svc:
         pipe = svc.pipeline()
-        # 4 requests for 100 tokens: past 64 verdicts the passes draft only the counts that come
+        # 4 requests for 100 tokens: past 16 verdicts the passes draft only the counts that come
         # true (always 2 here) and stop forwarding d_k for the all-accepted one, which had
         # also re-labelled the KV; that is where a synthetic hit's catch-up grew long
         ids = [f"r{i}" for i in range(4)]

@@ -101,23 +101,25 @@ def test_rollback_then_reforward_equals_a_fresh_run() -> None:
 
 
 def test_forks_of_two_sources_continue_each_exactly_and_leave_the_rest() -> None:
-    """One fork call copies every layer of two sources into three branches at once (the slot
-    cache's single copy for all layers): each branch continues its source's sequence exactly,
-    past its fork length it holds nothing of the source, and the sources are untouched."""
+    """One fork call copies two sources into three branches: every layer of each branch holds
+    its source's K/V up to its own length, each branch continues its source's sequence
+    exactly, and the sources, the free slot and the scratch slot are untouched."""
     model = hf_model("qwen2")
     runner = make_runner(model, max_slots=6)
     b, _, a = seqs(5)  # 13 and 17 tokens
     for rid in ("a", "b", "a1", "a2", "b1"):
         runner.add_request(rid)
     runner.forward([ForwardItem("a", a[:12], 1), ForwardItem("b", b[:8], 1)])
-    before = runner._cache.kv.clone()
+    cache = runner._cache
+    before = torch.stack(cache.layers).clone()  # [layers, slots + 1, 2, heads, seq, dim]
     runner.fork([("a", "a1", 12), ("a", "a2", 7), ("b", "b1", 8)])
-    slot = runner._cache.slot
+    after = torch.stack(cache.layers)
+    slot = cache.slot
     for src, branch, n in (("a", "a1", 12), ("a", "a2", 7), ("b", "b1", 8)):
-        copied = runner._cache.kv[:, slot(branch), :, :, :n]
-        assert torch.equal(copied, before[:, slot(src), :, :, :n])
-    for rid in ("a", "b"):
-        assert torch.equal(runner._cache.kv[:, slot(rid)], before[:, slot(rid)])
+        assert torch.equal(after[:, slot(branch), :, :, :n], before[:, slot(src), :, :, :n])
+    free = ({*range(6)} - {slot(r) for r in ("a", "b", "a1", "a2", "b1")}).pop()
+    for s in (slot("a"), slot("b"), free, cache.scratch_slot):
+        assert torch.equal(after[:, s], before[:, s])
     out = runner.forward([ForwardItem("a1", a[12:15], 3), ForwardItem("a2", [5, 6], 2),
                           ForwardItem("b1", b[8:10], 2)])  # fmt: skip
     torch.testing.assert_close(out[:3], reference_logits(model, a)[12:15], atol=TOL, rtol=0)
