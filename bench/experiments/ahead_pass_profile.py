@@ -20,10 +20,11 @@ from pathlib import Path
 import torch
 
 from bench import e2e_models
+from bench.runner_bench import prefill, runner_step_ms
 from draft_service.config import DraftConfig
 from draft_service.engine import DraftEngine
 from draft_service.server import model_info
-from specdec.runner import ForwardItem, ModelRunner, RunnerConfig
+from specdec.runner import ModelRunner, RunnerConfig
 from specdec.sampling_params import SamplingParams
 from specdec.serving.messages import AdmitRequest, ProposeEntry
 
@@ -63,9 +64,8 @@ def steps(eng: DraftEngine, batch: int, n: int, profile: Path | None) -> dict[st
         proposal = eng.propose_timed(asks)
         b = time.perf_counter()
         assert not proposal.errors
-        last = step == n - 1 and profile is not None
         prof = None
-        if last:
+        if step == n - 1 and profile is not None:
             activity = torch.profiler.ProfilerActivity
             prof = torch.profiler.profile(activities=[activity.CPU, activity.CUDA])
             prof.__enter__()
@@ -118,11 +118,10 @@ def fork_ms(eng: DraftEngine, branches: int, length: int, repeats: int = 50) -> 
     """The fork's KV copies (`SlotCache.fork`) of one source into `branches`, median ms."""
     runner = eng.runner
     assert runner is not None
-    ids = ["src", *(f"b{i}" for i in range(branches))]
-    for rid in ids:
+    ids = [*prefill(runner, 1, length, runner.device), *(f"b{i}" for i in range(branches))]
+    for rid in ids[1:]:
         runner.add_request(rid)
-    runner.forward([eng_item("src", length)])
-    forks = [("src", b, length) for b in ids[1:]]
+    forks = [(ids[0], b, length) for b in ids[1:]]
     times = []
     for _ in range(repeats):
         runner.synchronize()
@@ -133,10 +132,6 @@ def fork_ms(eng: DraftEngine, branches: int, length: int, repeats: int = 50) -> 
     for rid in ids:
         runner.release(rid)
     return statistics.median(times)
-
-
-def eng_item(rid: str, length: int) -> ForwardItem:
-    return ForwardItem(rid, list(range(1, length + 1)), 0)
 
 
 def main() -> None:
@@ -156,19 +151,9 @@ def main() -> None:
         "graph_step_ms": {},
     }
     for batch in args.batches:
-        ids = [f"g{i}" for i in range(batch)]
-        for rid in ids:
-            runner.add_request(rid)
-        runner.forward([eng_item(rid, 64) for rid in ids])
-        last = runner.upload(torch.ones(batch, 1, dtype=torch.long))
-        for _ in range(5):
-            runner.graph_step(ids, last)
-        runner.synchronize()
-        a = time.perf_counter()
-        for _ in range(20):
-            runner.graph_step(ids, last)
-        runner.synchronize()
-        result["graph_step_ms"][batch] = (time.perf_counter() - a) / 20 * 1e3  # type: ignore[index]
+        ids = prefill(runner, batch, 64, runner.device)
+        step_ms = runner_step_ms(runner, ids, 1, 64, True, runner.device, 20)
+        result["graph_step_ms"][batch] = step_ms  # type: ignore[index]
         for rid in ids:
             runner.release(rid)
         t = steps(eng, batch, args.steps, None if args.smoke else args.out)
