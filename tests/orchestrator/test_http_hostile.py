@@ -35,6 +35,7 @@ from orchestrator.web.api import HttpApi
 from orchestrator.web.chat import ChatTemplate
 from orchestrator.web.server import HttpServer
 from specdec.limits import MAX_SEED
+from target_service.engine import TargetEngine
 from tests.draft_service.models import build_checkpoints, model_draft, services
 from tests.orchestrator.inprocess import api_on
 from tests.orchestrator.test_serve import eventually
@@ -58,8 +59,26 @@ LONG: dict[str, Any] = {"prompt": [5, 6, 7, 8], "max_tokens": 124, "ignore_eos":
 @dataclass
 class Rig:
     orchestrator: Orchestrator
+    target_engine: TargetEngine  # the in-process target's, which the hub steps
     port: int  # the HTTP API with the gRPC port's limit
     big_port: int  # the same API with BIG_LIMIT
+
+    @contextmanager
+    def slow_steps(self, step_s: float) -> Iterator[None]:
+        """Every verification step takes at least step_s while this is open: a request of n
+        tokens then runs for at least n * step_s / (k + 1) on any machine."""
+        engine = self.target_engine
+        verify_timed = engine.verify_timed
+
+        def slowed(*args: Any, **kw: Any) -> Any:
+            time.sleep(step_s)
+            return verify_timed(*args, **kw)
+
+        engine.verify_timed = slowed  # type: ignore[method-assign]
+        try:
+            yield
+        finally:
+            del engine.verify_timed  # the class's method again
 
     @property
     def limit(self) -> int:
@@ -100,7 +119,7 @@ def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
             server.start()
             servers.callback(server.join, 5.0)
             ports.append(server.port)
-        yield Rig(api, *ports)
+        yield Rig(api, pair.target_engine, *ports)
 
 
 def head(method: str, path: str, headers: dict[str, str]) -> bytes:
@@ -385,10 +404,14 @@ def test_a_non_streamed_request_is_cancelled_when_its_client_goes(rig: Rig) -> N
     before = rig.counts(ERRORS)
     generated = sum(rig.counts("specdec:generation_tokens_total").values())
     body = json.dumps(LONG).encode()
-    with socket.create_connection(("127.0.0.1", rig.port), timeout=10) as sock:
-        sock.sendall(head("POST", "/v1/completions", {"Content-Length": str(len(body))}) + body)
-        eventually(lambda: sched.snapshot()[0] == 1, 30)
-    eventually(lambda: sched.snapshot()[:2] == (0, 0), 30)
+    # the request (proposer off: one token a step) runs for at least 124 * 20 ms = 2.5 s, so
+    # its client is gone long before it could end at max_tokens, however fast the machine
+    with rig.slow_steps(0.02):
+        with socket.create_connection(("127.0.0.1", rig.port), timeout=10) as sock:
+            sock.sendall(head("POST", "/v1/completions", {"Content-Length": str(len(body))})
+                         + body)  # fmt: skip
+            eventually(lambda: sched.snapshot()[0] == 1, 30)
+        eventually(lambda: sched.snapshot()[:2] == (0, 0), 30)
     assert rig.errors_since(before) == {"CANCELLED": 1}
     tokens = sum(rig.counts("specdec:generation_tokens_total").values()) - generated
     assert tokens < LONG["max_tokens"], "it stopped when its client went, not at max_tokens"

@@ -261,8 +261,12 @@ def test_cancel_disconnect_and_deadline_free_both_services(stack: Stack) -> None
     gone = generate_pb2_grpc.GenerateServiceStub(channel).Generate(long(request_id="gone"))
     next(gone)
     channel.close()
+    # 250 tokens at k = 1 take about 0.6 s on a 2-core CPU (0.5 s for 200): a deadline a
+    # quarter of that passes while the request runs (its services serve in Ray's processes,
+    # out of reach of the in-process slowdown test_http_hostile uses)
     with pytest.raises(grpc.RpcError) as err:
-        stream(stack.stub, long(request_id="late"), timeout=0.5)
+        stream(stack.stub, request(list(PROMPTS[0]), 250, "draft", 1, request_id="late"),
+               timeout=0.15)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     sched = stack.orchestrator.scheduler
     assert sched is not None
