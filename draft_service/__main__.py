@@ -62,6 +62,7 @@ def draft_config(args: argparse.Namespace) -> DraftConfig:
         draft_ahead=args.draft_ahead,
         draft_ahead_slots=args.draft_ahead_slots,
         draft_ahead_backup=args.draft_ahead_backup,
+        draft_ahead_spread=args.draft_ahead_spread,
         saguaro_scale=args.saguaro_scale,
         synthetic_hit_rate=args.synthetic_hit_rate,
         synthetic_hit_rate_spread=args.synthetic_hit_rate_spread,

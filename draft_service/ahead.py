@@ -115,6 +115,11 @@ class AcceptedCounts:
             return True
         return self.counts.get(accepted, 0) / self.total >= self.min_share
 
+    def probability(self, accepted: int, k: int) -> float:
+        """The estimated chance that a verdict on k drafts accepts `accepted` of them (each of
+        the k + 1 counts starts from one pseudo-verdict)."""
+        return (self.counts.get(accepted, 0) + 1) / (self.total + k + 1)
+
     def likely(self, found: list[Hypothesis]) -> list[Hypothesis]:
         """`found` without the unlikely counts, the likelier counts first within each rank."""
         if self.total < self.min_seen:
@@ -128,6 +133,69 @@ class AcceptedCounts:
             rank[h.accepted] = r + 1
             keyed.append(((r, -share[h.accepted]), h))
         return [h for _, h in sorted(keyed, key=lambda x: x[0])]
+
+
+SPREAD_DEPTH = 2  # accepted counts from this one on share a rank table (`GuessRanks`)
+RANK_PRIOR = 4.0  # pseudo-verdicts of a rank table before any is seen: half on rank 0, ...
+
+
+@dataclass(slots=True)
+class GuessRanks:
+    """How often the token a verdict added was the draft's r-th guess at its position (r = 0:
+    its most likely token other than the draft it rejected), for the fan-out spread.
+
+    Kept per (accepted count, bonus) up to SPREAD_DEPTH: a recovered token (j < k, a sample
+    of the residual max(0, p - q)) ranks otherwise than a bonus token (j = k, a sample of p),
+    and the first positions otherwise than later ones. Each table starts from RANK_PRIOR
+    pseudo-verdicts, geometric over the ranks (half on rank 0, a quarter on rank 1, ...): with
+    nothing seen yet the spread is SSD's geometric fan-out."""
+
+    counts: dict[tuple[int, bool], list[int]] = field(default_factory=dict)
+    totals: dict[tuple[int, bool], int] = field(default_factory=dict)
+
+    def add(self, accepted: int, bonus: bool, rank: int | None) -> None:
+        """A verdict of `accepted` drafts added its position's guess of this rank (None: a
+        token it did not guess)."""
+        key = (min(accepted, SPREAD_DEPTH), bonus)
+        self.totals[key] = self.totals.get(key, 0) + 1
+        if rank is not None:
+            row = self.counts.setdefault(key, [])
+            row.extend([0] * (rank + 1 - len(row)))
+            row[rank] += 1
+
+    def probability(self, accepted: int, bonus: bool, rank: int) -> float:
+        """The estimated chance that such a verdict adds the guess of this rank."""
+        key = (min(accepted, SPREAD_DEPTH), bonus)
+        row = self.counts.get(key, [])
+        seen = row[rank] if rank < len(row) else 0
+        return (seen + RANK_PRIOR * 0.5 ** (rank + 1)) / (self.totals.get(key, 0) + RANK_PRIOR)
+
+
+def spread(
+    top: list[list[int]],  # [m][2F + 1]: the draft's best ids at positions n .. n + m - 1
+    drafts: list[int],  # [k]; none for a backup proposal (its verdict accepts nothing)
+    counts: AcceptedCounts,
+    ranks: GuessRanks,
+) -> list[tuple[float, Hypothesis]]:
+    """Every hypothesis the guesses allow, with its estimated chance of being the verdict:
+    P(j drafts accepted) (`AcceptedCounts.probability`) times P(the added token is that
+    guess) (`GuessRanks`). Accepted counts left out by `counts` are left out here too.
+
+    >>> [(h.accepted, h.token) for _, h in spread([[7, 3], [9, 4]], [7], AcceptedCounts(),
+    ...                                           GuessRanks())]
+    [(0, 3), (1, 9), (1, 4)]
+    """
+    k = len(drafts)
+    found = []
+    for j, ids in enumerate(top[: k + 1]):
+        if drafts and not counts.wants(j):
+            continue
+        p_count = counts.probability(j, k) if drafts else 1.0
+        rejected = drafts[j] if j < k else None
+        guesses = [t for t in ids if t != rejected]
+        found += [(p_count * ranks.probability(j, j == k, r), Hypothesis(j, t))
+                  for r, t in enumerate(guesses)]  # fmt: skip
+    return found
 
 
 def synthetic_hit(

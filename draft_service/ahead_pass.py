@@ -39,6 +39,7 @@ class AheadPass:
         self.hits = self.misses = 0  # asks that found a chain drafted ahead, or not
         self.seconds = 0.0  # device time of the passes ahead since the last proposal
         self._accepted = ahead.AcceptedCounts()  # the verdicts' accepted counts seen so far
+        self._ranks = ahead.GuessRanks()  # the ranks of the tokens they added (the spread's)
 
     def run(self, request_ids: Sequence[str]) -> int:
         """`DraftEngine.draft_ahead`'s pass, on the runner's device: the catch-up, then the
@@ -107,15 +108,25 @@ class AheadPass:
         runner = self.runner
         assert runner is not None
         self.seconds += self._bonus_guesses(ready)
-        ranked = []  # (rank, request) order: every request's first guess before any second
+        spread = self.config.draft_ahead_spread
+        # (rank, request) order: every request's first guess before any second; with the
+        # spread (-chance, request) order, as many as without
+        ranked: list[tuple[float, int, ahead.Hypothesis]] = []
+        fixed = 0
         for i, (_, req) in enumerate(ready):
             req.chains_step = req.next_step
             found = ahead.hypotheses(req.guesses, req.drafts, self.config.draft_ahead)
             if req.drafts:  # a backup's verdict accepts nothing, whatever the counts say
                 found = self._accepted.likely(found)
-            ranked += [(rank, i, h) for rank, h in enumerate(found)]
+            fixed += len(found)
+            if spread:
+                chances = ahead.spread(req.guesses, req.drafts, self._accepted, self._ranks)
+                ranked += [(-p, i, h) for p, h in chances]
+            else:
+                ranked += [(rank, i, h) for rank, h in enumerate(found)]
+        budget = min(self._budget(), fixed)
         ranked.sort(key=lambda x: (x[0], x[1]))
-        chosen = ranked[: self._budget()]
+        chosen = ranked[:budget]
         if not chosen:
             return 0
         ids, branches, forks = [], [], []
@@ -181,6 +192,7 @@ class AheadPass:
             verdict = tuple(a.new_token_ids)
             if req.drafts:  # a backup proposal's verdict accepted nothing it drafted
                 self._accepted.add(len(verdict) - 1)
+            self._rank(req, verdict)
             rate = self.config.hit_rate_for(a.request_id)
             if rate is not None:  # BENCHMARKING ONLY: a chain of the same accepted count
                 verdict = ahead.synthetic_hit(req.chains, verdict, rate, a.request_id, a.step)
@@ -195,6 +207,17 @@ class AheadPass:
             self.misses += 1
             missed.add(a.request_id)
         return chain
+
+    def _rank(self, req: DraftRequest, verdict: tuple[int, ...]) -> None:
+        """Counts the rank of the verdict's added token among its position's guesses, for the
+        spread (a bonus position whose guesses were not made is not counted)."""
+        j = len(verdict) - 1
+        if not self.config.draft_ahead_spread or j >= len(req.guesses) or j > len(req.drafts):
+            return
+        rejected = req.drafts[j] if j < len(req.drafts) else None
+        guesses = [t for t in req.guesses[j] if t != rejected]
+        token = verdict[-1]
+        self._ranks.add(j, j == len(req.drafts), guesses.index(token) if token in guesses else None)
 
     def apply_chain(self, request_id: str, chain: ahead.Chain, k: int, applied: set[str]) -> None:
         """The chain's slot becomes the request's; the request's old slot goes. Asked for fewer

@@ -34,6 +34,10 @@ class DraftConfig:
     # the runner's KV slots are kept for the hypotheses (requests get the others)
     draft_ahead: int = 0
     draft_ahead_slots: int = 0
+    # with draft-ahead, the fan-out spread over the accepted counts and the guesses' ranks by
+    # the verdicts seen (ahead.spread): as many hypotheses a pass as a fixed F drafts, the
+    # likeliest of up to 2F guesses a position. Off: F guesses for every likely count
+    draft_ahead_spread: bool = False
     # with draft-ahead, whether an ask that had chains drafted ahead, none for its verdict,
     # gets a backup proposal of no drafts (the step does not wait; its drafts are made ahead
     # for the next step): "auto" where that commits more tokens per second
@@ -51,6 +55,12 @@ class DraftConfig:
     # BENCHMARKING ONLY, mixed traffic: each request's own hit rate, uniform in [h - spread,
     # h + spread] by a hash of its id (0: every request at h)
     synthetic_hit_rate_spread: float = 0.0
+
+    @property
+    def guess_count(self) -> int:
+        """How many of its most likely ids the draft keeps at each position for draft-ahead's
+        guesses: F + 1 (F besides a draft it may reject), 2F + 1 with the spread."""
+        return (2 if self.draft_ahead_spread else 1) * self.draft_ahead + 1
 
     def hit_rate_for(self, request_id: str) -> float | None:
         """BENCHMARKING ONLY: the synthetic hit rate of this request (None: real hits only)."""
@@ -92,7 +102,7 @@ class DraftConfig:
                 f"got {self.prefill_chunk_tokens}."
             )
         check_draft_ahead(self.draft_ahead, self.saguaro_scale, self.synthetic_hit_rate,
-                          self.synthetic_hit_rate_spread)  # fmt: skip
+                          self.synthetic_hit_rate_spread, self.draft_ahead_spread)  # fmt: skip
         if self.draft_ahead_backup not in ("auto", "always", "never"):
             raise ValueError(
                 "draft_ahead_backup must be 'auto', 'always' or 'never', "

@@ -96,7 +96,7 @@ class DraftRequest:
     kv: list[int] = field(default_factory=list)  # tokens in the runner's KV cache
     drafts: list[int] = field(default_factory=list)  # the last proposal's, for draft-ahead
     k: int = 0  # the k the last ask wanted (a backup proposal drafted none of them)
-    guesses: list[list[int]] = field(default_factory=list)  # [k][F + 1] ids at each draft
+    guesses: list[list[int]] = field(default_factory=list)  # [k][guess_count] ids a draft
     chains: dict[tuple[int, ...], ahead.Chain] = field(default_factory=dict)  # by verdict
     chains_step: int = -1  # the step the chains are drafts for
 
@@ -113,10 +113,12 @@ class Drafter:
     def __init__(self, config: DraftConfig, runner: ModelRunner | None, vocab_size: int):
         self.runner = runner
         support = config.support_size if config.q_form == "sparse" else None
-        # Saguaro sampling scales down exactly the tokens draft-ahead guesses (`with_guesses`)
-        guesses = min(config.draft_ahead + 1, vocab_size)
-        self._head = make_head(vocab_size, support, config.saguaro_scale, guesses)
+        # Saguaro sampling scales down the F + 1 tokens draft-ahead guesses first (`with_guesses`;
+        # the spread guesses up to 2F + 1)
+        scaled = min(config.draft_ahead + 1, vocab_size)
+        self._head = make_head(vocab_size, support, config.saguaro_scale, scaled)
         self._greedy_head = make_greedy_head(vocab_size)
+        guesses = min(config.guess_count, vocab_size)
         self._guessing_heads = (
             with_guesses(self._head, vocab_size, guesses),
             with_guesses(self._greedy_head, vocab_size, guesses),

@@ -109,6 +109,8 @@ class ServiceConfig:
     draft_ahead_slots: int = 0
     # with draft-ahead, a miss's backup proposal of no drafts (DraftConfig.draft_ahead_backup)
     draft_ahead_backup: Literal["auto", "always", "never"] = "auto"
+    # with draft-ahead, the fan-out spread by the verdicts seen (DraftConfig.draft_ahead_spread)
+    draft_ahead_spread: bool = False
     # the target chooses each step's k (target_service.speculation)
     dynamic_speculation: bool = False
     # chunked prefill: prompts longer than this prefilled this many tokens between two steps
@@ -162,7 +164,7 @@ class ServiceConfig:
                 f"got {self.draft_deadline_s}."
             )
         check_draft_ahead(self.draft_ahead, self.saguaro_scale, self.synthetic_hit_rate,
-                          self.synthetic_hit_rate_spread)  # fmt: skip
+                          self.synthetic_hit_rate_spread, self.draft_ahead_spread)  # fmt: skip
         if self.draft_ahead and (self.draft is None or self.draft_ahead_slots < 1):
             raise ValueError("draft_ahead needs a draft model and draft_ahead_slots >= 1.")
         if self.draft_stand_in is not None:

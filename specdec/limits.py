@@ -33,13 +33,20 @@ def check_range(value: int, name: str, low: int, high: int) -> None:
 
 
 def check_draft_ahead(draft_ahead: int, saguaro_scale: float, synthetic_hit_rate: float | None,
-                      synthetic_hit_rate_spread: float = 0.0) -> None:  # fmt: skip
+                      synthetic_hit_rate_spread: float = 0.0,
+                      draft_ahead_spread: bool = False) -> None:  # fmt: skip
     """ValueError naming the field unless draft-ahead's settings, which the draft service's
     config and `specdec serve`'s share, are in range and consistent: F in [0, MAX_DRAFT_AHEAD],
-    Saguaro's scale in (0, 1] and below 1 only with draft-ahead, a synthetic hit rate in
-    [0, 1] only with draft-ahead, and its spread over requests inside [0, 1] around it."""
+    the fan-out spread only with draft-ahead, Saguaro's scale in (0, 1] and below 1 only with
+    draft-ahead, a synthetic hit rate in [0, 1] only with draft-ahead, and its spread over
+    requests inside [0, 1] around it."""
     if not 0 <= draft_ahead <= MAX_DRAFT_AHEAD:
         raise ValueError(f"draft_ahead must be in [0, {MAX_DRAFT_AHEAD}], got {draft_ahead}.")
+    if draft_ahead_spread and not draft_ahead:
+        raise ValueError(
+            "draft_ahead_spread spreads draft-ahead's fan-out over the accepted counts and "
+            "guesses: it needs draft_ahead >= 1, got draft_ahead 0."
+        )
     if not 0.0 < saguaro_scale <= 1.0:
         raise ValueError(f"saguaro_scale must be in (0, 1] (1: off), got {saguaro_scale}.")
     if saguaro_scale < 1.0 and not draft_ahead:

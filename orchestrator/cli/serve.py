@@ -222,6 +222,7 @@ def serve_config(args: argparse.Namespace) -> ServeConfig:
             draft_ahead=args.draft_ahead, draft_deadline_s=args.draft_deadline_ms / 1e3,
             draft_push_chains=args.draft_push_chains,
             draft_ahead_backup=args.draft_ahead_backup,
+            draft_ahead_spread=args.draft_ahead_spread,
             dynamic_speculation=args.dynamic_speculation,
             prefill_chunk_tokens=args.prefill_chunk_tokens,
             synthetic_hit_rate=args.synthetic_hit_rate,

@@ -128,6 +128,7 @@ def start_service(role: str, config: ServiceConfig, host: str) -> tuple[Any, Mod
                 draft_ahead=config.draft_ahead,
                 draft_ahead_slots=config.draft_ahead_slots,
                 draft_ahead_backup=config.draft_ahead_backup,
+                draft_ahead_spread=config.draft_ahead_spread,
                 synthetic_hit_rate=config.synthetic_hit_rate,
                 synthetic_hit_rate_spread=config.synthetic_hit_rate_spread,
                 saguaro_scale=config.saguaro_scale,

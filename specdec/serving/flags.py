@@ -143,6 +143,12 @@ def add_draft_flags(group: Group, defaults: Defaults) -> None:
                             "takes a backup step of no drafts instead of making the whole step "
                             "wait (auto: where that commits more tokens per second; seeded "
                             "sampled requests never do)")  # fmt: skip
+    group.add_argument("--draft-ahead-spread", action=argparse.BooleanOptionalAction,
+                       default=defaults("draft_ahead_spread"),
+                       help="with --draft-ahead: as many hypotheses a pass as F guesses for "
+                            "each likely accepted count, spread instead over the counts and up "
+                            "to 2F guesses a position by how often each has been the verdict "
+                            "(the draft keeps 2F + 1 ids a position)")  # fmt: skip
     group.add_argument("--saguaro-scale", type=float, default=defaults("saguaro_scale"),
                        metavar="C",
                        help="with --draft-ahead: the draft samples from its q with the F + 1 "

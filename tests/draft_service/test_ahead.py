@@ -32,13 +32,15 @@ from tests.draft_service.models import (
 SLOTS, AHEAD_SLOTS = 64, 48
 
 
-def with_ahead(draft: DraftConfig, fanout: int, backup: str = "auto") -> DraftConfig:
+def with_ahead(
+    draft: DraftConfig, fanout: int, backup: str = "auto", spread: bool = False
+) -> DraftConfig:
     assert draft.runner is not None
     runner = replace(draft.runner, max_slots=SLOTS)
     slots = AHEAD_SLOTS if fanout else 0
     return replace(
         draft, runner=runner, draft_ahead=fanout, draft_ahead_slots=slots,
-        draft_ahead_backup=backup,  # type: ignore[arg-type]
+        draft_ahead_backup=backup, draft_ahead_spread=spread,  # type: ignore[arg-type]
     )  # fmt: skip
 
 
@@ -74,24 +76,31 @@ def test_hypotheses_skip_the_rejected_draft_and_rank_guesses() -> None:
     assert ahead.Hypothesis(2, 5).verdict([7, 9]) == (7, 9, 5)
 
 
+@pytest.mark.parametrize("spread", [False, True], ids=["fixed", "spread"])
 def test_greedy_equals_target_only_with_hits(
-    checkpoints: tuple[Path, Path], reference: ModelRunner
+    checkpoints: tuple[Path, Path], reference: ModelRunner, spread: bool
 ) -> None:
     target_dir, draft_dir = checkpoints
     params = [SamplingParams(temperature=0.0)] * 3
-    out, hits, misses = _run(target_dir, with_ahead(model_draft(draft_dir), 2), params, 3, 20)
+    draft = with_ahead(model_draft(draft_dir), 2, spread=spread)
+    out, hits, misses = _run(target_dir, draft, params, 3, 20)
     for prompt, got in zip(_prompts(3), out, strict=True):
         assert got == greedy_reference(reference, prompt, len(got))
     assert hits > 0 and misses > 0, (hits, misses)
 
 
 @pytest.mark.parametrize(
-    ("q_form", "top_k", "top_p", "noise"),
-    [("sparse", 0, 1.0, 0.05), ("dense", 6, 0.9, 0.05), ("sparse", 0, 1.0, 0.35)],
-    ids=["sparse", "dense-topk-topp", "poor-draft"],
+    ("q_form", "top_k", "top_p", "noise", "spread"),
+    [
+        ("sparse", 0, 1.0, 0.05, False),
+        ("dense", 6, 0.9, 0.05, False),
+        ("sparse", 0, 1.0, 0.35, False),
+        ("sparse", 0, 1.0, 0.35, True),
+    ],
+    ids=["sparse", "dense-topk-topp", "poor-draft", "poor-draft-spread"],
 )
 def test_seeded_output_is_the_same_with_draft_ahead_on_and_off(
-    tmp_path: Path, q_form: str, top_k: int, top_p: float, noise: float
+    tmp_path: Path, q_form: str, top_k: int, top_p: float, noise: float, spread: bool
 ) -> None:
     target_dir, draft_dir = build_checkpoints(tmp_path, noise=noise)
     params = [SamplingParams(0.3, top_k, top_p, seed=100 + i) for i in range(4)]
@@ -99,7 +108,8 @@ def test_seeded_output_is_the_same_with_draft_ahead_on_and_off(
     off, _, _ = _run(target_dir, with_ahead(draft, 0), params, 3, 16)
     # a miss drafts now, whatever the backup setting: a backup (k = 0) step would draw other
     # tokens than a speculative one
-    on, hits, misses = _run(target_dir, with_ahead(draft, 3, backup="always"), params, 3, 16)
+    on, hits, misses = _run(target_dir, with_ahead(draft, 3, backup="always", spread=spread),
+                            params, 3, 16)  # fmt: skip
     assert on == off
     assert hits > 0 and misses > 0, (hits, misses)
 
@@ -202,6 +212,80 @@ def test_a_count_left_out_early_comes_back_once_seen() -> None:
         counts.add(2)
     counts.add(4)  # 1 of 50: the share is 2%, which is kept
     assert counts.wants(4)
+
+
+def test_guess_ranks_start_geometric_and_follow_the_verdicts() -> None:
+    ranks = ahead.GuessRanks()
+    prior = [ranks.probability(0, False, r) for r in range(4)]
+    assert prior == [0.5, 0.25, 0.125, 0.0625], "nothing seen: SSD's geometric fan-out"
+    for _ in range(12):
+        ranks.add(0, False, 2)  # the recovered token at j = 0 was always the third guess
+    ranks.add(0, False, None)  # and once no guess at all
+    assert ranks.probability(0, False, 2) > ranks.probability(0, False, 0)
+    assert ranks.probability(0, True, 0) == 0.5, "a bonus position has a table of its own"
+    ranks.add(5, False, 1)  # past SPREAD_DEPTH: the table of j = SPREAD_DEPTH
+    assert ranks.probability(ahead.SPREAD_DEPTH, False, 1) == ranks.probability(9, False, 1)
+    assert ranks.probability(ahead.SPREAD_DEPTH, False, 1) > 0.25
+
+
+def test_the_spread_ranks_hypotheses_by_their_chance() -> None:
+    """With j = 2 the only count seen and its recovered token mostly the draft's third guess,
+    the likeliest hypotheses are j = 2's guesses, its third first, then by rank; unseen counts are
+    left out as the fixed fan-out leaves them."""
+    top = [[7, 3, 8, 6, 0], [9, 4, 1, 0, 2], [5, 2, 6, 3, 1], [4, 8, 0, 2, 7]]
+    counts, ranks = ahead.AcceptedCounts(min_seen=10), ahead.GuessRanks()
+    for _ in range(20):
+        counts.add(2)
+        ranks.add(2, False, 2)
+    found = ahead.spread(top, [7, 9, 4], counts, ranks)
+    best = [(h.accepted, h.token) for _, h in sorted(found, key=lambda x: -x[0])]
+    assert best == [(2, 6), (2, 5), (2, 2), (2, 3), (2, 1)]
+    fixed = counts.likely(ahead.hypotheses(top, [7, 9, 4], 2))
+    assert [(h.accepted, h.token) for h in fixed] == [(2, 5), (2, 2)], "F = 2 misses rank 2"
+
+
+def test_the_spread_drafts_as_many_hypotheses_as_the_fixed_fanout(
+    checkpoints: tuple[Path, Path],
+) -> None:
+    """Per pass the spread drafts the fixed F's number of hypotheses (so it costs the same),
+    and ranks each verdict's added token among its position's 2F guesses."""
+    target_dir, draft_dir = checkpoints
+    drafted = {}
+    for spread in (False, True):
+        with services(target_dir, with_ahead(model_draft(draft_dir), 2, spread=spread),
+                      sampler_impl="torch") as svc:  # fmt: skip
+            engine = svc.draft_engine
+            pipe = svc.pipeline()
+            pipe.admit("a", _prompts(1)[0], SamplingParams(temperature=0.0))
+            counts = []
+            for _ in range(8):
+                pipe.step({"a": 3})
+                req = engine._requests["a"]
+                deadline = time.monotonic() + 10.0  # the pass runs after the answer
+                while time.monotonic() < deadline:
+                    with engine._lock:
+                        if req.chains_step == req.next_step:
+                            counts.append(len(req.chains))
+                            break
+                    time.sleep(0.005)
+                else:
+                    raise AssertionError("no pass ahead ran")
+            ranks = engine._ahead._ranks
+            pipe.close()
+        drafted[spread] = counts
+        if spread:
+            assert all(len(g) == 5 for g in req.guesses), "2F + 1 guesses a position"
+            assert sum(ranks.totals.values()) >= 6, "the verdicts' ranks were counted"
+        else:
+            assert all(len(g) == 3 for g in req.guesses), "F + 1 guesses a position"
+            assert not ranks.totals, "only the spread counts ranks"
+    assert drafted[True] == drafted[False], drafted
+
+
+def test_the_spread_needs_draft_ahead(checkpoints: tuple[Path, Path]) -> None:
+    _, draft_dir = checkpoints
+    with pytest.raises(ValueError, match=r"draft_ahead_spread .* needs draft_ahead >= 1"):
+        replace(with_ahead(model_draft(draft_dir), 0), draft_ahead_spread=True)
 
 
 def test_synthetic_hit_rate_picks_a_chain_of_the_verdicts_accepted_count() -> None:

@@ -176,6 +176,22 @@ def test_saguaro_scale_flag_and_config_key(checkpoints: tuple[Path, Path], tmp_p
         serve_config(parse_args([*base[:-2], "--saguaro-scale", "0.5"]))
 
 
+def test_draft_ahead_spread_flag_and_config_key(
+    checkpoints: tuple[Path, Path], tmp_path: Path
+) -> None:
+    target, draft = checkpoints
+    base = ["serve", "--target", str(target), "--draft", str(draft), "--draft-ahead", "2"]
+    assert not serve_config(parse_args(base)).services.draft_ahead_spread
+    assert serve_config(parse_args([*base, "--draft-ahead-spread"])).services.draft_ahead_spread
+    toml = tmp_path / "serve.toml"
+    toml.write_text(
+        f'target = "{target}"\ndraft = "{draft}"\ndraft-ahead = 1\ndraft-ahead-spread = true\n'
+    )
+    assert serve_config(parse_args(["serve", "--config", str(toml)])).services.draft_ahead_spread
+    with pytest.raises(ValueError, match=r"draft_ahead_spread spreads .* got draft_ahead 0"):
+        serve_config(parse_args([*base[:-2], "--draft-ahead-spread"]))
+
+
 def _subparsers() -> dict[str, argparse.ArgumentParser]:
     return build_parser()[1]
 
@@ -203,8 +219,9 @@ def test_the_flags_a_service_takes_too_are_declared_once() -> None:
               "--max-seq-len", "--no-prefix-caching", "--port", "--prefill-chunk-tokens",
               "--prefix-caching", "--tls-cert", "--tls-client-ca", "--tls-key"]  # fmt: skip
     own = {
-        "draft": ["--draft-ahead", "--draft-ahead-backup", "--q-form", "--saguaro-scale",
-                  "--support-size", "--synthetic-hit-rate", "--synthetic-hit-rate-spread"],
+        "draft": ["--draft-ahead", "--draft-ahead-backup", "--draft-ahead-spread",
+                  "--no-draft-ahead-spread", "--q-form", "--saguaro-scale", "--support-size",
+                  "--synthetic-hit-rate", "--synthetic-hit-rate-spread"],
         "target": ["--draft-deadline-ms", "--draft-push-chains", "--dynamic-speculation",
                    "--no-draft-push-chains", "--no-dynamic-speculation", "--sampler-impl",
                    "--synthetic-acceptance-length", "--synthetic-acceptance-spread"],

@@ -265,8 +265,9 @@ def test_cancel_disconnect_and_deadline_free_both_services(stack: Stack) -> None
     # quarter of that passes while the request runs (its services serve in Ray's processes,
     # out of reach of the in-process slowdown test_http_hostile uses)
     with pytest.raises(grpc.RpcError) as err:
-        stream(stack.stub, request(list(PROMPTS[0]), 250, "draft", 1, request_id="late"),
-               timeout=0.15)
+        stream(
+            stack.stub, request(list(PROMPTS[0]), 250, "draft", 1, request_id="late"), timeout=0.15
+        )
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     sched = stack.orchestrator.scheduler
     assert sched is not None
