@@ -23,10 +23,15 @@ batch 1 with an 8B / 1B pair's measured H100 costs, E[L] / (T_verify + eps + P(m
 samples from another q, equal in distribution after verification), so only C = 1 rows are
 compared with it.
 
+The fan-out spread (`--spread`, DraftConfig.draft_ahead_spread) runs every row of F again with
+as many hypotheses a pass chosen by their estimated chance instead of F guesses per accepted
+count (its F column reads "F spread"): the same cost per pass, and the hit rate it buys.
+
     PYTHONPATH=. python bench/draft_ahead_hits.py --out bench/results             # CPU, minutes
     PYTHONPATH=. python bench/draft_ahead_hits.py --device cuda --out bench/results  # a GPU
     PYTHONPATH=. python bench/draft_ahead_hits.py --smoke --out /tmp/hits          # CI's pair
     PYTHONPATH=. python bench/draft_ahead_hits.py --saguaro-scales --out /tmp/hits  # no Saguaro
+    PYTHONPATH=. python bench/draft_ahead_hits.py --spread --out /tmp/hits  # and the spread
 
 Writes draft_ahead_hits_<device>.md and .json in --out (cpu, or the GPU's name), with `smoke_`
 or the target folder's name before the device for a smoke run or a pair of your own.
@@ -85,6 +90,7 @@ def context(
 def run_one(
     target: Path, draft: Path, fanout: int, temperature: float, k: int, tokens: int,
     device: str, dtype: str, encoded: list[list[int]], length: int, saguaro_scale: float = 1.0,
+    spread: bool = False,
 ) -> dict[str, Any]:  # fmt: skip
     slots = len(encoded)
     ahead_slots = fanout * (k + 1) * slots
@@ -92,6 +98,7 @@ def run_one(
     draft_config = DraftConfig(
         runner=RunnerConfig(str(draft), max_slots=slots + ahead_slots, **runner),
         draft_ahead=fanout, draft_ahead_slots=ahead_slots, saguaro_scale=saguaro_scale,
+        draft_ahead_spread=spread,
     )  # fmt: skip
     target_config = TargetConfig(RunnerConfig(str(target), max_slots=slots, **runner),
                                  sampler_impl="torch")  # fmt: skip
@@ -111,7 +118,8 @@ def run_one(
     hit_rate = engine.ahead_hits / asks if asks else None
     length_ = 1 + accepted / proposals if proposals else None
     return {
-        "fanout": fanout, "temperature": temperature, "saguaro_scale": saguaro_scale, "k": k,
+        "fanout": fanout, "spread": spread, "temperature": temperature,
+        "saguaro_scale": saguaro_scale, "k": k,
         "tokens": tokens, "hits": engine.ahead_hits, "asks_with_chains": asks,
         "hit_rate": hit_rate,
         "acceptance_rate": accepted / drafted if drafted else None,
@@ -142,6 +150,9 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--saguaro-scales", type=float, nargs="*", metavar="C",
                    help="Saguaro scales C < 1 also run at each temperature > 0 and F (default "
                         "0.5 0.25, smoke 0.25; none given: plain draft-ahead only)")  # fmt: skip
+    p.add_argument("--spread", action="store_true",
+                   help="every row of F again with the fan-out spread "
+                        "(--draft-ahead-spread)")  # fmt: skip
     args = p.parse_args(argv)
     if (args.target is None) != (args.draft is None):
         p.error("--target and --draft go together")
@@ -164,15 +175,18 @@ def parse(argv: Sequence[str] | None) -> argparse.Namespace:
     return args
 
 
-def configs(args: argparse.Namespace) -> list[tuple[float, int, float]]:
-    """(temperature, F, C) of every run: F = 0 (draft-ahead off) first at each temperature,
-    then each F plain, then each F with each Saguaro scale (temperature > 0 only: greedy rows
-    ignore it)."""
+def configs(args: argparse.Namespace) -> list[tuple[float, int, float, bool]]:
+    """(temperature, F, C, spread) of every run: F = 0 (draft-ahead off) first at each
+    temperature, then each F plain, then each F with each Saguaro scale (temperature > 0 only:
+    greedy rows ignore it); with --spread, then each of those F rows again with the spread."""
     out = []
     for t in args.temperatures:
-        out += [(t, f, 1.0) for f in [0, *args.fanouts]]
+        fixed = [(t, f, 1.0) for f in args.fanouts]
         if t > 0:
-            out += [(t, f, c) for c in args.saguaro_scales for f in args.fanouts]
+            fixed += [(t, f, c) for c in args.saguaro_scales for f in args.fanouts]
+        out += [(t, 0, 1.0, False)] + [(*row, False) for row in fixed]
+        if args.spread:
+            out += [(*row, True) for row in fixed]
     return out
 
 
@@ -195,7 +209,8 @@ def table(header: str, rows: list[dict[str, Any]]) -> str:
             continue
         same = "-" if r["same_output_as_off"] is None else str(r["same_output_as_off"])
         lines.append(
-            f"| {r['temperature']} | {r['fanout']} | {r['saguaro_scale']:g} | "
+            f"| {r['temperature']} | {r['fanout']}{' spread' if r.get('spread') else ''} | "
+            f"{r['saguaro_scale']:g} | "
             f"{num(r['hit_rate'])} | {r['hits']} / {r['asks_with_chains']} | "
             f"{num(r['acceptance_rate'])} | {num(r['mean_acceptance_length'], 2)} | "
             f"{num(r['modelled_tokens_per_ms'])} | {same} |"
@@ -219,8 +234,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     encoded, length = context(target, draft, prompts, tokens, args.k)
     encoded *= args.seeds  # request i has seed 1234 + i: the first seeds' are the same as ever
     rows = []
-    for t, f, c in tqdm(configs(args), desc="draft-ahead hit rates"):
-        rows.append(run_one(target, draft, f, t, args.k, tokens, device, dtype, encoded, length, c))
+    for t, f, c, spread in tqdm(configs(args), desc="draft-ahead hit rates"):
+        rows.append(run_one(target, draft, f, t, args.k, tokens, device, dtype, encoded, length, c,
+                            spread=spread))  # fmt: skip
     for r in rows:  # draft-ahead never changes a seeded output; Saguaro's q does (see above)
         base = next(b for b in rows if b["temperature"] == r["temperature"] and b["fanout"] == 0)
         r["same_output_as_off"] = r["output"] == base["output"] if r["saguaro_scale"] == 1 else None

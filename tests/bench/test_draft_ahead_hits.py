@@ -59,6 +59,20 @@ def test_bad_flags_are_refused(
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+def test_spread_runs_every_row_of_f_again() -> None:
+    args = draft_ahead_hits.parse(["--fanouts", "1", "2", "--temperatures", "0", "0.7",
+                                   "--saguaro-scales", "0.5", "--spread"])  # fmt: skip
+    assert draft_ahead_hits.configs(args) == [
+        (0.0, 0, 1.0, False), (0.0, 1, 1.0, False), (0.0, 2, 1.0, False),
+        (0.0, 1, 1.0, True), (0.0, 2, 1.0, True),
+        (0.7, 0, 1.0, False), (0.7, 1, 1.0, False), (0.7, 2, 1.0, False),
+        (0.7, 1, 0.5, False), (0.7, 2, 0.5, False),
+        (0.7, 1, 1.0, True), (0.7, 2, 1.0, True), (0.7, 1, 0.5, True), (0.7, 2, 0.5, True),
+    ]  # fmt: skip
+    plain = draft_ahead_hits.parse(["--fanouts", "2", "--temperatures", "0"])
+    assert draft_ahead_hits.configs(plain) == [(0.0, 0, 1.0, False), (0.0, 2, 1.0, False)]
+
+
 @pytest.mark.parametrize(("dtype", "code"), [("float32", 1), ("bfloat16", 0)])
 def test_a_changed_output_fails_only_where_outputs_must_be_identical(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: str, code: int,
@@ -67,8 +81,11 @@ def test_a_changed_output_fails_only_where_outputs_must_be_identical(
     """On the CPU in float32 draft-ahead must not change a seeded output; in lower precision a
     difference is counted, not failed (equal in distribution, not bit for bit)."""
 
-    def fake(target: Path, draft: Path, fanout: int, temperature: float, *args: object) -> dict:
-        return {"fanout": fanout, "temperature": temperature, "saguaro_scale": args[-1],
+    def fake(
+        target: Path, draft: Path, fanout: int, temperature: float, *args: object, spread: bool
+    ) -> dict:
+        return {"fanout": fanout, "spread": spread, "temperature": temperature,
+                "saguaro_scale": args[-1],
                 "k": 4, "tokens": 2, "hits": fanout, "asks_with_chains": 4 if fanout else 0,
                 "hit_rate": fanout / 4 if fanout else None, "acceptance_rate": 0.5,
                 "mean_acceptance_length": 3.0, "modelled_tokens_per_ms": 0.3,
@@ -77,9 +94,14 @@ def test_a_changed_output_fails_only_where_outputs_must_be_identical(
     monkeypatch.setattr(draft_ahead_hits, "context", lambda *_: ([[5, 6]], 64))
     monkeypatch.setattr(draft_ahead_hits, "run_one", fake)
     argv = ["--target", "t", "--draft", "d", "--dtype", dtype, "--out", str(tmp_path),
-            "--temperatures", "0", "0.8", "--saguaro-scales", "0.5"]  # fmt: skip
+            "--temperatures", "0", "0.8", "--saguaro-scales", "0.5", "--spread"]  # fmt: skip
     assert draft_ahead_hits.main(argv) == code
     rows = json.loads((tmp_path / "draft_ahead_hits_t_cpu.json").read_text())
-    # a Saguaro row (C = 0.5, at 0.8 only) is not compared: it samples from another q
-    assert [r["same_output_as_off"] for r in rows] == [True, True, False, False] * 2 + [None] * 3
-    assert "4 configuration(s) changed a seeded output" in capsys.readouterr().out
+    # a Saguaro row (C = 0.5, at 0.8 only) is not compared: it samples from another q; the
+    # spread's rows are, as any draft-ahead row
+    fixed = [True, True, False, False]
+    assert [r["same_output_as_off"] for r in rows] == (
+        fixed + fixed[1:] + fixed + [None] * 3 + fixed[1:] + [None] * 3
+    )
+    assert "8 configuration(s) changed a seeded output" in capsys.readouterr().out
+    assert "| 0.8 | 2 spread | 1 |" in (tmp_path / "draft_ahead_hits_t_cpu.md").read_text()
