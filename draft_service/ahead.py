@@ -29,6 +29,7 @@ target's. The guesses only decide how often that happens.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -268,6 +269,24 @@ class BackupChoice:
         """A pass drafting missed asks now took `seconds`."""
         self.draft_s = _average(self.draft_s, seconds)
         self.backups_in_a_row = 0
+
+    def backed_up(self) -> None:
+        """The hub backed up a step's misses of its pushed chains (by `miss_share`)."""
+        self.backups_in_a_row += 1
+
+    def miss_share(self, step_s: float) -> float:
+        """The share s of a step's asks below which its misses pay to back up: `pays` holds
+        for m missed of B exactly when m < s B, s = L T_draft / ((T_step + T_draft)(L - 1)).
+        The hub decides by it for pushed chains, which it takes without asking. 0 where `pays`
+        holds for none (a figure unknown, or a remeasure due); inf where L <= 1."""
+        length, draft_s = self.mean_committed, self.draft_s
+        if length is None or draft_s is None or step_s <= 0:
+            return 0.0
+        if self.backups_in_a_row >= REMEASURE_EVERY:
+            return 0.0
+        if length <= 1.0:
+            return math.inf
+        return length * draft_s / ((step_s + draft_s) * (length - 1.0))
 
     def pays(self, asks: int, missed: int, step_s: float) -> bool:
         """Whether `missed` of `asks` requests with drafts wanted should take the backup."""

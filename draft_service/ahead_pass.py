@@ -197,7 +197,9 @@ class AheadPass:
             if rate is not None:  # BENCHMARKING ONLY: a chain of the same accepted count
                 verdict = ahead.synthetic_hit(req.chains, verdict, rate, a.request_id, a.step)
             chain = req.chains.pop(verdict, None)
-            if chain is not None and len(chain.tokens) < a.num_draft_tokens:
+            # a backup (`ProposeEntry.backup`): the hub found no chain in the push and
+            # verifies no drafts, so none is used here either
+            if chain is not None and (len(chain.tokens) < a.num_draft_tokens or a.backup):
                 self.release_branch(chain.branch_id)
                 chain = None
         self.drop(req)

@@ -10,6 +10,7 @@ S + d_1 .. d_{k-1}; the next verdict rolls back whatever it rejected.
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Sequence
@@ -96,6 +97,7 @@ class DraftEngine:
         self._ahead = AheadPass(config, runner, info, self._drafter, self._requests)
         self.ahead_backups = 0  # asks that found no chain and got a backup proposal (no drafts)
         self._backup = ahead.BackupChoice()  # whether a miss drafts now or takes a backup
+        self._step_s = 0.0  # the hub's last target_step_s, for backup_miss_share
 
     @property
     def ahead_hits(self) -> int:
@@ -221,6 +223,10 @@ class DraftEngine:
                 else:
                     errors.append((a.request_id, err))
             before = (self.ahead_hits, self.ahead_misses)
+            if target_step_s > 0:
+                self._step_s = target_step_s
+            if any(a.backup for a in ok):
+                self._backup.backed_up()
             for a in ok:
                 req = self._requests[a.request_id]
                 if req.drafts and a.step == req.next_step:  # a verdict on drafts: tokens committed
@@ -313,7 +319,8 @@ class DraftEngine:
         drafts: dict[str, list[int]] = {}
         q_rows: dict[str, tuple[torch.Tensor, ...]] = {}
         times = StepTimes()
-        backups = set()
+        backups = {a.request_id for a in active if a.backup}  # the hub backed these up already
+        active = [a for a in active if not a.backup]
         mode = self.config.draft_ahead_backup
         # a seeded request's k is fixed, and an ask without chains is drafted now: the step
         # waits for a draft pass anyway, and the misses ride along in it for nothing
@@ -322,7 +329,7 @@ class DraftEngine:
         if active and not waits and mode != "never" and ahead_on:
             wanted = sum(a.num_draft_tokens > 0 for a in asks)
             if mode == "always" or self._backup.pays(wanted, len(active), target_step_s):
-                backups = {a.request_id for a in active}
+                backups |= {a.request_id for a in active}
                 active = []
         if active:
             started = time.perf_counter()
@@ -372,6 +379,17 @@ class DraftEngine:
             forms, list(chain.from_iterable(ids)),
             q if isinstance(q, DenseQ) else None, q if isinstance(q, SparseQ) else None,
         )  # fmt: skip
+
+    def backup_miss_share(self) -> float:
+        """ProposeResponse.backup_miss_share of a push: below what share of a step's asks
+        their misses of the pushed chains pay to back up (`ahead.BackupChoice.miss_share`)."""
+        mode = self.config.draft_ahead_backup
+        if mode == "never":
+            return 0.0
+        if mode == "always":
+            return math.inf
+        with self._lock:
+            return self._backup.miss_share(self._step_s)
 
     def pushed(self, request_ids: Sequence[str]) -> Push | None:
         """Every chain drafted ahead for these requests, as one block for the step after the

@@ -68,6 +68,7 @@ class DraftServicer(LifecycleServicer, draft_pb2_grpc.DraftServiceServicer):
             log.warning("a push of %d bytes exceeds the %d-byte message limit; sent empty",
                         pb.ByteSize(), limit)  # fmt: skip
             pb = draft_pb2.ProposeResponse(pushed=True)
+        pb.backup_miss_share = self.engine.backup_miss_share()
         return pb
 
 

@@ -89,6 +89,7 @@ class _Group:
     ahead_s: float = 0.0  # the draft's passes ahead since it last answered
     ahead_backups: int = 0  # asks that missed and got no drafts, so the step did not wait
     pushed: int = 0  # asks answered from chains pushed before the verdict (no wait at all)
+    push_backups: int = 0  # asks that missed the pushed chains and got no drafts (no wait)
     fallback: int = target_pb2.DRAFT_FALLBACK_NONE  # why draft requests ran at k = 0, and how many
     num_fallback: int = 0
 
@@ -408,7 +409,7 @@ class Hub:
             draft_up=self._draft.up, graphed=graphed,
             draft_ahead_hits=group.ahead_hits, draft_ahead_misses=group.ahead_misses,
             draft_ahead_s=group.ahead_s, draft_ahead_backups=group.ahead_backups,
-            draft_ahead_pushed=group.pushed,
+            draft_ahead_pushed=group.pushed, draft_ahead_push_backups=group.push_backups,
             proposers=_proposers(group, verdicts),  # type: ignore[arg-type]
             draft_fallback=group.fallback,  # type: ignore[arg-type]
             num_fallback_requests=group.num_fallback,
@@ -466,7 +467,8 @@ class Hub:
         self._propose(retry)
         group.block, group.draft_s, group.transport_s = retry.block, 0.0, 0.0
         group.draft_graphed, group.drafted = True, False  # no drafts: it answered in vain
-        group.ahead_hits = group.ahead_misses = group.ahead_backups = group.pushed = 0  # not used
+        group.ahead_hits = group.ahead_misses = group.ahead_backups = 0  # not used
+        group.pushed = group.push_backups = 0
         group.fallback, group.num_fallback = retry.fallback, retry.num_fallback
         return DraftBlock.from_pb(group.block, max_support_size=limit)
 
@@ -486,10 +488,12 @@ class Hub:
             if pushed is None:
                 answer = self._draft.propose(asks, entries, self._target_step_s)
         served: set[str] = set()
-        if pushed is not None:  # every ask's verdict had a chain: no wait for the draft
-            group.block, group.drafted, group.draft_graphed = pushed, True, True
-            served = set(pushed.request_ids)
-            group.ahead_hits = group.pushed = sum(n > 0 for n in pushed.num_draft_tokens)
+        if pushed is not None:  # every ask's verdict had a chain or was backed up: no wait
+            block, backups = pushed
+            group.block, group.drafted, group.draft_graphed = block, True, True
+            served = set(block.request_ids)
+            group.ahead_hits = group.pushed = sum(n > 0 for n in block.num_draft_tokens)
+            group.ahead_misses = group.ahead_backups = group.push_backups = backups
         if answer is not None:  # else the draft failed: this step goes on at k = 0
             response, round_trip = answer
             group.block, group.drafted = response.block, True

@@ -351,12 +351,20 @@ class DraftSide:
         asks: list[HubRequest],
         entries: list[draft_pb2.ProposeEntry],
         target_step_s: float = 0.0,
-    ) -> common_pb2.DraftBlock | None:
-        """The step's drafts from the chains the draft pushed ahead, if every ask's verdict has
-        one (None otherwise: ask with `propose`). Then the block of asks is sent, and the
-        draft's answer, which takes the same chains, is read at the next step (`collect`): the
-        verify starts without a round trip. Exact as a hit is (`draft_service.ahead`): a chain
-        is taken only for the very verdict it assumed, with the q it was drawn from."""
+    ) -> tuple[common_pb2.DraftBlock, int] | None:
+        """The step's drafts from the chains the draft pushed ahead, and how many asks were
+        backed up, if every ask's verdict has one or the misses may be backed up (None
+        otherwise: ask with `propose`). Then the block of asks is sent, and the draft's
+        answer, which takes the same chains, is read at the next step (`collect`): the verify
+        starts without a round trip. Exact as a hit is (`draft_service.ahead`): a chain is
+        taken only for the very verdict it assumed, with the q it was drawn from.
+
+        A miss (the push holds chains of its request, none for its verdict) is backed up, with
+        no drafts this step and ProposeEntry.backup set, where fewer than the push's
+        backup_miss_share of the asks wanting drafts missed and none of those has a fixed k:
+        the hits keep their chains and the step waits for no draft pass. An ask whose request
+        has no chain in the push (just admitted, or left out of the pass by its budget) is
+        drafted now by the draft, so such a step asks."""
         link = self.link
         self._waiting = None
         since, self._collect_started = self._collect_started, None
@@ -367,18 +375,27 @@ class DraftSide:
         if push is None:
             return None
         try:
-            chosen = _from_push(push, entries, self._config.max_support_size)
+            found = _from_push(push, entries, self._config.max_support_size)
         except ValueError as e:
             log.warning("ignoring a malformed push from the draft service: %s", e)
             return None
-        if chosen is None:
+        if found is None:
             return None
+        chosen, missed = found
+        if missed:
+            wanted = sum(e.num_draft_tokens > 0 for e in entries)
+            seeded = any(entries[i].fixed_num_draft_tokens for i in missed)
+            # a NaN or negative share asks too
+            if seeded or not len(missed) < push.backup_miss_share * wanted:
+                return None
+            for i in missed:
+                entries[i].backup = True
         self._had_drafts()
         link.send(entries, target_step_s, self.push_choice.next())
         self._sent = (asks, {p.request_id: list(p.draft_token_ids) for p in chosen})
         for r, entry in zip(asks, entries, strict=True):
             r.told = entry.committed_length
-        return block_to_pb(chosen)
+        return block_to_pb(chosen), len(missed)
 
     def _had_drafts(self) -> None:
         """The step's drafts are had: its wait counts for the way it came by."""
@@ -583,10 +600,12 @@ def _fits(req: HubRequest, record: target_pb2.DraftRecord) -> bool:
 
 def _from_push(
     push: draft_pb2.ProposeResponse, entries: list[draft_pb2.ProposeEntry], max_support: int
-) -> list[DraftProposal] | None:
+) -> tuple[list[DraftProposal], list[int]] | None:
     """Each ask's drafts from the push: the chain for its step that assumed its verdict (its
-    new_token_ids), cut to the k it asks for; None if an ask that wants drafts has none.
-    ValueError if the push is malformed."""
+    new_token_ids), cut to the k it asks for; and the misses, the asks whose request has
+    chains for its step but none for its verdict (or a shorter one), which get no drafts here.
+    None if an ask that wants drafts has no chain at all (the draft drafts it now), or a chain
+    does not fit its ask. ValueError if the push is malformed."""
     block = DraftBlock.from_pb(push.block, max_support_size=max_support)
     lengths = list(push.verdict_lengths)
     if len(push.verdict_token_ids) % 4:
@@ -604,19 +623,23 @@ def _from_push(
     by_request: dict[str, list[int]] = {}
     for i, rid in enumerate(block.request_ids):
         by_request.setdefault(rid, []).append(i)
-    chosen = []
-    for e in entries:
+    chosen, missed = [], []
+    for n, e in enumerate(entries):
         k, verdict = e.num_draft_tokens, tuple(e.new_token_ids)
         if k == 0:  # the draft answers no drafts, chains or not
             chosen.append(DraftProposal(e.request_id, e.step, e.committed_length, ()))
             continue
         mine = [i for i in by_request.get(e.request_id, ()) if block.steps[i] == e.step]
+        if not mine:
+            return None
         # BENCHMARKING ONLY first: a synthetic hit serves its chain to any verdict of its length
         pick = next((i for i in mine if anyone[i] and len(keys[i]) == len(verdict)), None)
         if pick is None:
             pick = next((i for i in mine if keys[i] == verdict), None)
         if pick is None or block.num_draft_tokens[pick] < k:
-            return None
+            missed.append(n)
+            chosen.append(DraftProposal(e.request_id, e.step, e.committed_length, ()))
+            continue
         if block.committed_lengths[pick] != e.committed_length:
             return None
         q = block.q_rows(block.q_forms[pick], [pick])
@@ -626,4 +649,4 @@ def _from_push(
             q = SparseQ(q.token_ids[:k], q.probs[:k])
         tokens = tuple(block.tokens(pick)[:k])
         chosen.append(DraftProposal(e.request_id, e.step, e.committed_length, tokens, q))
-    return chosen
+    return chosen, missed

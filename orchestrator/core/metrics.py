@@ -39,7 +39,9 @@ verdict, no forward) and specdec:draft_ahead_misses_total (asks that had drafts 
 none for their verdict); hit rate = hits / (hits + misses); specdec:draft_ahead_backups_total
 (misses answered with no drafts, so that their step did not wait for a draft pass);
 specdec:draft_ahead_pushed_total (hits taken from chains the draft pushed before the verdict:
-the step did not wait for the draft's answer). Counter
+the step did not wait for the draft's answer); specdec:draft_ahead_push_backups_total (misses of
+the pushed chains verified with no drafts while the step's hits took theirs: among the misses
+and the backups). Counter
 specdec:draft_busy_seconds_total: the draft services' busy device time, their proposal
 forwards plus their passes ahead (admissions not counted), and gauge specdec:pairs, the pairs
 the orchestrator runs: `rate()` of the first over the second is the busy fraction of a pair's
@@ -202,6 +204,12 @@ class Metrics:
             "Draft asks answered from chains the draft pushed before the verdict (the step did "
             "not wait for the draft's answer); among the hits.",
         ).labels(self.model_pair)
+        self._ahead_push_backups = self._counter(
+            "draft_ahead_push_backups",
+            "Draft asks that missed the chains the draft pushed and were verified with no "
+            "drafts while the step's hits took theirs (the step did not wait for the draft); "
+            "among the misses and the backups.",
+        ).labels(self.model_pair)
         self._draft_busy = self._counter(
             "draft_busy_seconds",
             "Seconds the draft services were busy: their proposal forwards plus their passes "
@@ -278,6 +286,7 @@ class Metrics:
         self._ahead_misses.inc(report.draft_ahead_misses)
         self._ahead_backups.inc(report.draft_ahead_backups)
         self._ahead_pushed.inc(report.draft_ahead_pushed)
+        self._ahead_push_backups.inc(report.draft_ahead_push_backups)
         self._prefix_queries.inc(report.prefix_cache_queried_tokens)
         self._prefix_hits.inc(report.prefix_cache_hit_tokens)
         self._step_verify.observe(report.verify_s)

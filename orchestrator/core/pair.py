@@ -132,6 +132,7 @@ class StepReport:
     prefix_cache_queried_tokens: int = 0
     prefix_cache_hit_tokens: int = 0
     draft_ahead_pushed: int = 0  # hits from chains pushed before the verdict: no wait
+    draft_ahead_push_backups: int = 0  # misses of the pushed chains, verified with no drafts
 
     @classmethod
     def from_pb(cls, pb: target_pb2.ServeStep) -> StepReport:
@@ -140,7 +141,8 @@ class StepReport:
                    pb.draft_ahead_misses, FALLBACKS.get(pb.draft_fallback, ""),
                    pb.num_fallback_requests, pb.draft_ahead_s,
                    pb.draft_ahead_backups, pb.prefix_cache_queried_tokens,
-                   pb.prefix_cache_hit_tokens, pb.draft_ahead_pushed)  # fmt: skip
+                   pb.prefix_cache_hit_tokens, pb.draft_ahead_pushed,
+                   pb.draft_ahead_push_backups)  # fmt: skip
 
 
 def step_events(

@@ -235,6 +235,7 @@ class ProposeEntry:
     committed_length: int
     num_draft_tokens: int
     fixed_num_draft_tokens: bool = False  # no backup proposal (k = 0) on a miss
+    backup: bool = False  # missed the pushed chains: answered with no drafts (`ProposeEntry`)
 
     def __post_init__(self) -> None:
         if not self.request_id:
@@ -242,12 +243,19 @@ class ProposeEntry:
         check_range(self.step, "step", 0, MAX_STEP)
         check_range(self.committed_length, "committed_length", 0, MAX_COMMITTED_LENGTH)
         check_range(self.num_draft_tokens, "num_draft_tokens", 0, MAX_WIRE_NUM_DRAFT_TOKENS)
+        if self.backup and (self.num_draft_tokens == 0 or self.fixed_num_draft_tokens):
+            raise ValueError(
+                "backup needs num_draft_tokens > 0 (the k its next step drafts) and no "
+                "fixed_num_draft_tokens (a fixed k is never backed up), got "
+                f"num_draft_tokens {self.num_draft_tokens} and fixed_num_draft_tokens "
+                f"{self.fixed_num_draft_tokens}."
+            )
 
     @classmethod
     def from_pb(cls, pb: draft_pb2.ProposeEntry) -> ProposeEntry:
         return cls(
             pb.request_id, pb.step, tuple(pb.new_token_ids), pb.committed_length,
-            pb.num_draft_tokens, pb.fixed_num_draft_tokens,
+            pb.num_draft_tokens, pb.fixed_num_draft_tokens, pb.backup,
         )  # fmt: skip
 
     def to_pb(self) -> draft_pb2.ProposeEntry:
@@ -258,4 +266,5 @@ class ProposeEntry:
             committed_length=self.committed_length,
             num_draft_tokens=self.num_draft_tokens,
             fixed_num_draft_tokens=self.fixed_num_draft_tokens,
+            backup=self.backup,
         )

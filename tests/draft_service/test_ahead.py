@@ -433,6 +433,65 @@ def test_backup_choice_weighs_tokens_per_second() -> None:
     assert choice.pays(8, 2, 0.007)
 
 
+def test_the_miss_share_is_where_backups_pay() -> None:
+    """misses < miss_share x asks exactly where `pays` holds: the hub decides by the share
+    for pushed chains what the draft decides for asked ones."""
+    import math
+    import random
+
+    gen = random.Random(3)
+    for _ in range(500):
+        choice = ahead.BackupChoice(gen.uniform(1.01, 5.0), gen.uniform(1e-4, 0.02))
+        step_s, asks = gen.uniform(1e-3, 0.03), gen.randint(1, 64)
+        missed = gen.randint(1, asks)
+        share = choice.miss_share(step_s)
+        assert (missed < share * asks) == choice.pays(asks, missed, step_s), (choice, step_s)
+    assert ahead.BackupChoice().miss_share(0.007) == 0.0, "nothing measured: never"
+    assert ahead.BackupChoice(3.0, 0.005).miss_share(0.0) == 0.0, "step time unknown: never"
+    assert ahead.BackupChoice(1.0, 0.005).miss_share(0.007) == math.inf, "L = 1: always"
+    due = ahead.BackupChoice(3.0, 0.005)
+    for _ in range(ahead.REMEASURE_EVERY):
+        assert due.miss_share(0.007) > 0
+        due.backed_up()
+    assert due.miss_share(0.007) == 0.0, "a remeasure is due: the next miss is asked for"
+    due.drafted(0.005)
+    assert due.miss_share(0.007) == pytest.approx(3 * 0.005 / (0.012 * 2))
+
+
+def test_a_backup_ask_gets_no_drafts_and_its_next_step_is_drafted_ahead(
+    checkpoints: tuple[Path, Path],
+) -> None:
+    """An ask flagged backup (the hub found no pushed chain for its verdict) is answered with
+    no drafts even where a chain for its verdict exists, counted as a miss and a backup; the
+    pass ahead then drafts chains for the token its verdict adds, as after any backup. An
+    ask flagged so with k = 0 or a fixed k is refused as malformed."""
+    from specdec.serving.messages import AdmitRequest, ProposeEntry
+
+    target_dir, draft_dir = checkpoints
+    prompt = _prompts(1)[0]
+    with services(target_dir, with_ahead(model_draft(draft_dir), 2)) as svc:
+        engine = svc.draft_engine
+        engine.admit(AdmitRequest("a", tuple(prompt), SamplingParams(temperature=0.0)))
+        _, errors = engine.propose([ProposeEntry("a", 0, (), len(prompt), 3)])
+        assert not errors and engine.draft_ahead(["a"]) > 0
+        push = engine.pushed(["a"])
+        assert push is not None
+        key = push.keys[0]  # a verdict the draft guessed: a hit, were it not flagged
+        ask = ProposeEntry("a", 1, key, len(prompt) + len(key), 3, backup=True)
+        misses, backups = engine.ahead_misses, engine.ahead_backups
+        answer, errors = engine.propose([ask])
+        assert not errors and answer.num_draft_tokens == [0]
+        assert (engine.ahead_misses, engine.ahead_backups) == (misses + 1, backups + 1)
+        assert engine.draft_ahead(["a"]) > 0, "chains for the backup's verdict"
+        nxt = engine.pushed(["a"])
+        assert nxt is not None and all(len(k) == 1 for k in nxt.keys), nxt.keys
+        engine.release(["a"])
+    with pytest.raises(ValueError, match="backup needs num_draft_tokens > 0"):
+        ProposeEntry("a", 1, (3,), 9, 0, backup=True)
+    with pytest.raises(ValueError, match="no fixed_num_draft_tokens"):
+        ProposeEntry("a", 1, (3,), 9, 2, fixed_num_draft_tokens=True, backup=True)
+
+
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_pushed_chains_are_the_answers_their_verdicts_get(
     checkpoints: tuple[Path, Path], temperature: float

@@ -103,6 +103,32 @@ def test_every_token_follows_target_with_pushed_chains(served: Served) -> None:
     assert wrong < REJECT_BELOW, wrong
 
 
+def test_every_token_follows_target_with_push_backups_and_the_spread(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> None:
+    """Misses of the pushed chains backed up (draft_ahead_backup "always": the push's
+    backup_miss_share is infinite, so a step's hits keep their chains and its misses are
+    verified with no drafts, ProposeEntry.backup), with the fan-out spread on, two requests in
+    flight: the tokens follow the target by the same PIT, at least 50 asks of each kind."""
+    prompts = [list(CASE.prompt)] * 180
+    with serving_ahead(tmp_path_factory.mktemp("push_backups"), 4,
+                       target={"draft_push_always": True}, draft_ahead_backup="always",
+                       draft_ahead_spread=True) as served:  # fmt: skip
+        before = _total(served.orchestrator, "specdec:draft_ahead_push_backups_total")
+        tokens, (_, misses, pushed) = _run(served, prompts, 2, temperature=CASE.temperature,
+                                              proposer="draft")  # fmt: skip
+        backed = _total(served.orchestrator, "specdec:draft_ahead_push_backups_total") - before
+        print(f"{backed:.0f} misses of pushes backed up")
+        assert pushed >= 50, f"only {pushed:.0f} asks were answered from pushed chains"
+        assert 50 <= backed <= misses, (backed, misses)
+        exact = pit_against_target(served, CASE, tokens, CASE.temperature, seed=19)
+        print(f"PIT of {tokens[:, 1:].size} tokens: p-value {exact:.3g}")
+        assert exact > REJECT_BELOW, exact
+        wrong = pit_against_target(served, CASE, tokens, CASE.temperature * 2, seed=19)
+        print(f"against the target at temperature {CASE.temperature * 2:g}: p-value {wrong:.3g}")
+        assert wrong < REJECT_BELOW, wrong
+
+
 def test_greedy_output_with_pushed_chains_is_target_only_greedy(served: Served) -> None:
     prompts = [[*CASE.prompt, 3 + i] for i in range(96)]
     drafted, (_, _, pushed) = _run(served, prompts, 2, temperature=0.0, proposer="draft")

@@ -195,6 +195,11 @@ class FakeLink:
     pushes: list[draft_pb2.ProposeResponse] = field(default_factory=list)  # every one made
     push_flags: list[bool] = field(default_factory=list)  # each block's push_chains
     push_wait_s: float = 0.0  # how long a due push takes to come
+    # partial pushes: each push's backup_miss_share, and which (request, step) chains the push
+    # keys by a verdict that will not come (a miss); a backup ask (ProposeEntry.backup) is
+    # answered with no drafts, and its push holds the chain for the token its verdict adds
+    push_share: float = 0.0
+    push_miss: Callable[[str, int], bool] = lambda rid, step: False
     ask_wait_s: float = 0.0  # how long an asked block's answer takes
     sent: list[list[draft_pb2.ProposeEntry]] = field(default_factory=list)  # blocks sent
     _push: draft_pb2.ProposeResponse | None = None
@@ -248,7 +253,7 @@ class FakeLink:
             tokens = self.held[e.request_id]
             _check(len(tokens) + len(e.new_token_ids) == e.committed_length, (e, tokens))
             tokens.extend(e.new_token_ids)
-            mine = self._drafts(tokens, e.num_draft_tokens)
+            mine = [] if e.backup else self._drafts(tokens, e.num_draft_tokens)
             if other and mine:  # the answer only: the push assumes the drafts verified
                 drafts += [*mine[:-1], (mine[-1] + 3) % VOCAB]
             else:
@@ -258,7 +263,7 @@ class FakeLink:
             block.committed_lengths.append(e.committed_length)
             block.num_draft_tokens.append(len(mine))
             block.q_forms.append(Q_NONE)  # type: ignore[arg-type]
-            if self.push and mine:  # the verdict the greedy target will give, and its chain
+            if self.push and (mine or e.backup):  # the verdict the greedy target will give
                 new: list[int] = []
                 for d in mine:
                     if d != next_token(tokens + new):
@@ -281,8 +286,10 @@ class FakeLink:
         block = common_pb2.DraftBlock()
         ids: list[int] = []
         keys: list[int] = []
-        push = draft_pb2.ProposeResponse(pushed=True)
+        push = draft_pb2.ProposeResponse(pushed=True, backup_miss_share=self.push_share)
         for rid, step, length, mine, key in chains:
+            if self.push_miss(rid, step):
+                key = (*key[:-1], (key[-1] + 1) % VOCAB)
             block.request_ids.append(rid)
             block.steps.append(step)
             block.committed_lengths.append(length)

@@ -303,6 +303,83 @@ def test_a_push_for_another_verdict_is_not_taken(runs: list[HubRun]) -> None:
     assert link.pushes and not link.sent and not any(s.draft_ahead_pushed for s in run.steps)
 
 
+def _partial(run: HubRun, link: FakeLink, n: int) -> tuple[list[target_pb2.ServeStep], list]:
+    """Runs a (every step's chain pushed) and b (its chain keyed by another verdict at even
+    steps) to n tokens: their greedy output, the steps that backed b up, and b's backup asks."""
+    run.admit("a", PROMPT, "draft", k=4, max_length=len(PROMPT) + n)
+    run.admit("b", PROMPT[:3], "draft", k=3, max_length=3 + n)
+    run.until_length("a", n)
+    run.until_length("b", n)
+    assert run.tokens["a"] == greedy(PROMPT, n)
+    assert run.tokens["b"] == greedy(PROMPT[:3], n)
+    backed = [s for s in run.steps if s.draft_ahead_push_backups]
+    flagged = [e for entries in link.sent for e in entries if e.backup]
+    return backed, flagged
+
+
+def test_a_miss_of_the_pushed_chains_is_backed_up_and_the_hits_keep_theirs(
+    runs: list[HubRun],
+) -> None:
+    """b misses the push at even steps, a hits: with a backup_miss_share above 1 / 2 the hub
+    verifies a's chain and b with no drafts (ProposeEntry.backup), without asking; the output
+    stays the greedy one, and each backup is counted among the misses and the backups."""
+    link = FakeLink("draft:1", push=True, push_share=0.75,
+                    push_miss=lambda rid, step: rid == "b" and step % 2 == 0)  # fmt: skip
+    run = _start(runs, link, draft_push_always=True)  # no asks to measure that way
+    backed, flagged = _partial(run, link, 60)
+    assert len(backed) >= 3 and len(flagged) == sum(s.draft_ahead_push_backups for s in backed)
+    assert all(e.request_id == "b" and e.num_draft_tokens > 0 for e in flagged)
+    for s in backed:
+        v = VerifyResponse.from_pb(s.verdicts)
+        ks = dict(zip(v.request_ids, v.num_draft_tokens, strict=True))
+        assert ks["b"] == 0 and ks["a"] > 0, ks
+        assert s.draft_ahead_pushed == s.draft_ahead_hits == 1
+        assert s.draft_ahead_misses == s.draft_ahead_backups == s.draft_ahead_push_backups == 1
+    # the first two steps ask (nothing pushed yet; b admitted); later only b alone, once a is
+    # done: one miss of one ask is over the share, so that step asks
+    assert all([e.request_id for e in p] == ["b"] for p in link.proposes[2:]), link.proposes
+
+
+@pytest.mark.parametrize(
+    ("share", "fixed"), [(0.5, False), (0.0, False), (float("nan"), False), (10.0, True)],
+    ids=["share-too-low", "share-zero", "share-nan", "seeded"],
+)  # fmt: skip
+def test_a_miss_that_does_not_pay_or_has_a_fixed_k_asks(
+    runs: list[HubRun], share: float, fixed: bool
+) -> None:
+    """One miss of two asks backs up only where 1 < share x 2, and never a request with a
+    fixed k (its output must not depend on hits): else the step asks and waits."""
+    link = FakeLink("draft:1", push=True, push_share=share,
+                    push_miss=lambda rid, step: rid == "b" and step % 2 == 0)  # fmt: skip
+    run = _start(runs, link, draft_push_always=True)  # no asks to measure that way
+    n = 20
+    run.admit("a", PROMPT, "draft", k=4, max_length=len(PROMPT) + n)
+    run.admit("b", PROMPT[:3], "draft", k=3, max_length=3 + n, fixed=fixed)
+    run.until_length("a", n)
+    run.until_length("b", n)
+    assert run.tokens["a"] == greedy(PROMPT, n)
+    assert run.tokens["b"] == greedy(PROMPT[:3], n)
+    assert not any(s.draft_ahead_push_backups for s in run.steps)
+    assert not any(e.backup for entries in link.sent for e in entries)
+    assert len(link.proposes) >= 4, "the steps with a miss asked"
+
+
+def test_an_ask_without_any_chain_in_the_push_is_asked_for() -> None:
+    """A request the push holds no chain of (just admitted, or left out of the pass ahead by
+    its budget) is drafted now by the draft: `_from_push` gives up rather than back it up,
+    so it is never held at k = 0 step after step."""
+    from specdec.pb import draft_pb2
+    from target_service.hub_draft import _from_push
+
+    push = draft_pb2.ProposeResponse(pushed=True, backup_miss_share=10.0)
+    entry = draft_pb2.ProposeEntry(request_id="a", step=3, new_token_ids=[5],
+                                   committed_length=9, num_draft_tokens=2)  # fmt: skip
+    assert _from_push(push, [entry], 8) is None
+    entry.num_draft_tokens = 0  # an ask for no drafts needs no chain
+    found = _from_push(push, [entry], 8)
+    assert found is not None and found[1] == [] and found[0][0].draft_token_ids == ()
+
+
 def test_an_answer_other_than_the_push_is_counted_and_the_output_kept(runs: list[HubRun]) -> None:
     """The draft answers a block sent without waiting with other drafts than those it pushed
     and the target verified (a chain dropped in between): counted and logged; its KV then
@@ -369,8 +446,8 @@ def test_a_malformed_push_is_refused_as_such() -> None:
                                    num_draft_tokens=1)  # fmt: skip
     good = draft_pb2.ProposeResponse(block=block.to_pb(), pushed=True, verdict_lengths=[1],
                                      verdict_token_ids=(9).to_bytes(4, "little"))  # fmt: skip
-    chosen = _from_push(good, [entry], 64)
-    assert chosen is not None and chosen[0].draft_token_ids == (5,)
+    found = _from_push(good, [entry], 64)
+    assert found is not None and found[0][0].draft_token_ids == (5,) and found[1] == []
     for bad in (
         draft_pb2.ProposeResponse(block=block.to_pb(), pushed=True, verdict_lengths=[1],
                                   verdict_token_ids=b"\x09\x00\x00"),

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specdec.pb.specdec.v1 import common_pb2 as specdec_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\x9b\x01\n\x0cProposeEntry\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10\x63ommitted_length\x18\x04 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\x12\x1e\n\x16\x66ixed_num_draft_tokens\x18\x06 \x01(\x08\"e\n\x0cProposeBlock\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.specdec.v1.ProposeEntry\x12\x15\n\rtarget_step_s\x18\x02 \x01(\x01\x12\x13\n\x0bpush_chains\x18\x03 \x01(\x08\"\xd7\x02\n\x0fProposeResponse\x12%\n\x05\x62lock\x18\x01 \x01(\x0b\x32\x16.specdec.v1.DraftBlock\x12(\n\x06\x65rrors\x18\x02 \x03(\x0b\x32\x18.specdec.v1.ProposeError\x12&\n\x06timing\x18\x03 \x01(\x0b\x32\x16.specdec.v1.StepTiming\x12\x18\n\x10\x64raft_ahead_hits\x18\x04 \x01(\r\x12\x1a\n\x12\x64raft_ahead_misses\x18\x05 \x01(\r\x12\x15\n\rdraft_ahead_s\x18\x06 \x01(\x01\x12\x1b\n\x13\x64raft_ahead_backups\x18\x07 \x01(\r\x12\x0e\n\x06pushed\x18\x08 \x01(\x08\x12\x17\n\x0fverdict_lengths\x18\t \x03(\r\x12\x19\n\x11verdict_token_ids\x18\n \x01(\x0c\x12\x1d\n\x15\x61ny_verdict_of_length\x18\x0b \x03(\x08\"K\n\x0cProposeError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x18.specdec.v1.RequestError2\x9e\x02\n\x0c\x44raftService\x12<\n\x05\x41\x64mit\x12\x18.specdec.v1.AdmitRequest\x1a\x19.specdec.v1.AdmitResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.specdec.v1.GetModelInfoRequest\x1a\x15.specdec.v1.ModelInfo\x12\x44\n\x07Propose\x12\x18.specdec.v1.ProposeBlock\x1a\x1b.specdec.v1.ProposeResponse(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x16specdec/v1/draft.proto\x12\nspecdec.v1\x1a\x17specdec/v1/common.proto\"\xab\x01\n\x0cProposeEntry\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04step\x18\x02 \x01(\x04\x12\x15\n\rnew_token_ids\x18\x03 \x03(\x05\x12\x18\n\x10\x63ommitted_length\x18\x04 \x01(\r\x12\x18\n\x10num_draft_tokens\x18\x05 \x01(\r\x12\x1e\n\x16\x66ixed_num_draft_tokens\x18\x06 \x01(\x08\x12\x0e\n\x06\x62\x61\x63kup\x18\x07 \x01(\x08\"e\n\x0cProposeBlock\x12)\n\x07\x65ntries\x18\x01 \x03(\x0b\x32\x18.specdec.v1.ProposeEntry\x12\x15\n\rtarget_step_s\x18\x02 \x01(\x01\x12\x13\n\x0bpush_chains\x18\x03 \x01(\x08\"\xf2\x02\n\x0fProposeResponse\x12%\n\x05\x62lock\x18\x01 \x01(\x0b\x32\x16.specdec.v1.DraftBlock\x12(\n\x06\x65rrors\x18\x02 \x03(\x0b\x32\x18.specdec.v1.ProposeError\x12&\n\x06timing\x18\x03 \x01(\x0b\x32\x16.specdec.v1.StepTiming\x12\x18\n\x10\x64raft_ahead_hits\x18\x04 \x01(\r\x12\x1a\n\x12\x64raft_ahead_misses\x18\x05 \x01(\r\x12\x15\n\rdraft_ahead_s\x18\x06 \x01(\x01\x12\x1b\n\x13\x64raft_ahead_backups\x18\x07 \x01(\r\x12\x0e\n\x06pushed\x18\x08 \x01(\x08\x12\x17\n\x0fverdict_lengths\x18\t \x03(\r\x12\x19\n\x11verdict_token_ids\x18\n \x01(\x0c\x12\x1d\n\x15\x61ny_verdict_of_length\x18\x0b \x03(\x08\x12\x19\n\x11\x62\x61\x63kup_miss_share\x18\x0c \x01(\x01\"K\n\x0cProposeError\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\'\n\x05\x65rror\x18\x02 \x01(\x0b\x32\x18.specdec.v1.RequestError2\x9e\x02\n\x0c\x44raftService\x12<\n\x05\x41\x64mit\x12\x18.specdec.v1.AdmitRequest\x1a\x19.specdec.v1.AdmitResponse\x12\x42\n\x07Release\x12\x1a.specdec.v1.ReleaseRequest\x1a\x1b.specdec.v1.ReleaseResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.specdec.v1.GetModelInfoRequest\x1a\x15.specdec.v1.ModelInfo\x12\x44\n\x07Propose\x12\x18.specdec.v1.ProposeBlock\x1a\x1b.specdec.v1.ProposeResponse(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,13 +33,13 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specdec.v1.draft_pb2', _glo
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_PROPOSEENTRY']._serialized_start=64
-  _globals['_PROPOSEENTRY']._serialized_end=219
-  _globals['_PROPOSEBLOCK']._serialized_start=221
-  _globals['_PROPOSEBLOCK']._serialized_end=322
-  _globals['_PROPOSERESPONSE']._serialized_start=325
-  _globals['_PROPOSERESPONSE']._serialized_end=668
-  _globals['_PROPOSEERROR']._serialized_start=670
-  _globals['_PROPOSEERROR']._serialized_end=745
-  _globals['_DRAFTSERVICE']._serialized_start=748
-  _globals['_DRAFTSERVICE']._serialized_end=1034
+  _globals['_PROPOSEENTRY']._serialized_end=235
+  _globals['_PROPOSEBLOCK']._serialized_start=237
+  _globals['_PROPOSEBLOCK']._serialized_end=338
+  _globals['_PROPOSERESPONSE']._serialized_start=341
+  _globals['_PROPOSERESPONSE']._serialized_end=711
+  _globals['_PROPOSEERROR']._serialized_start=713
+  _globals['_PROPOSEERROR']._serialized_end=788
+  _globals['_DRAFTSERVICE']._serialized_start=791
+  _globals['_DRAFTSERVICE']._serialized_end=1077
 # @@protoc_insertion_point(module_scope)

@@ -125,7 +125,7 @@ class ServeStarted(_message.Message):
     def __init__(self, target: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ..., draft: _Optional[_Union[_common_pb2.ModelInfo, _Mapping]] = ...) -> None: ...
 
 class ServeStep(_message.Message):
-    __slots__ = ("verdicts", "draft_s", "transport_s", "verify_s", "sampler_s", "step_s", "draft_up", "graphed", "draft_ahead_hits", "draft_ahead_misses", "proposers", "draft_fallback", "num_fallback_requests", "draft_ahead_s", "draft_ahead_backups", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "draft_ahead_pushed")
+    __slots__ = ("verdicts", "draft_s", "transport_s", "verify_s", "sampler_s", "step_s", "draft_up", "graphed", "draft_ahead_hits", "draft_ahead_misses", "proposers", "draft_fallback", "num_fallback_requests", "draft_ahead_s", "draft_ahead_backups", "prefix_cache_queried_tokens", "prefix_cache_hit_tokens", "draft_ahead_pushed", "draft_ahead_push_backups")
     VERDICTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_S_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_S_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class ServeStep(_message.Message):
     PREFIX_CACHE_QUERIED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_CACHE_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_AHEAD_PUSHED_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_AHEAD_PUSH_BACKUPS_FIELD_NUMBER: _ClassVar[int]
     verdicts: VerifyResponse
     draft_s: float
     transport_s: float
@@ -162,7 +163,8 @@ class ServeStep(_message.Message):
     prefix_cache_queried_tokens: int
     prefix_cache_hit_tokens: int
     draft_ahead_pushed: int
-    def __init__(self, verdicts: _Optional[_Union[VerifyResponse, _Mapping]] = ..., draft_s: _Optional[float] = ..., transport_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., sampler_s: _Optional[float] = ..., step_s: _Optional[float] = ..., draft_up: _Optional[bool] = ..., graphed: _Optional[bool] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., proposers: _Optional[_Iterable[_Union[_generate_pb2.Proposer, str]]] = ..., draft_fallback: _Optional[_Union[DraftFallback, str]] = ..., num_fallback_requests: _Optional[int] = ..., draft_ahead_s: _Optional[float] = ..., draft_ahead_backups: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., draft_ahead_pushed: _Optional[int] = ...) -> None: ...
+    draft_ahead_push_backups: int
+    def __init__(self, verdicts: _Optional[_Union[VerifyResponse, _Mapping]] = ..., draft_s: _Optional[float] = ..., transport_s: _Optional[float] = ..., verify_s: _Optional[float] = ..., sampler_s: _Optional[float] = ..., step_s: _Optional[float] = ..., draft_up: _Optional[bool] = ..., graphed: _Optional[bool] = ..., draft_ahead_hits: _Optional[int] = ..., draft_ahead_misses: _Optional[int] = ..., proposers: _Optional[_Iterable[_Union[_generate_pb2.Proposer, str]]] = ..., draft_fallback: _Optional[_Union[DraftFallback, str]] = ..., num_fallback_requests: _Optional[int] = ..., draft_ahead_s: _Optional[float] = ..., draft_ahead_backups: _Optional[int] = ..., prefix_cache_queried_tokens: _Optional[int] = ..., prefix_cache_hit_tokens: _Optional[int] = ..., draft_ahead_pushed: _Optional[int] = ..., draft_ahead_push_backups: _Optional[int] = ...) -> None: ...
 
 class ServeAdmitted(_message.Message):
     __slots__ = ("request_id", "committed_length", "next_step", "error", "prefill_s", "verdicts")
