@@ -199,6 +199,25 @@ def spread(
     return found
 
 
+def spread_order(
+    chances: list[list[tuple[float, Hypothesis]]],
+) -> list[tuple[int, Hypothesis]]:
+    """(request index, hypothesis) of every request's `spread`, in the order a pass drafts
+    them: each request's likeliest first (a request left without a chain drafts after its
+    verdict, and a step of pushed chains then asks), then all the others by chance.
+
+    >>> h = [Hypothesis(0, t) for t in range(4)]
+    >>> [(i, x.token) for i, x in spread_order([[(0.5, h[0]), (0.4, h[1])], [(0.1, h[2])]])]
+    [(0, 0), (1, 2), (0, 1)]
+    """
+    keyed = []
+    for i, mine in enumerate(chances):
+        for n, (p, hyp) in enumerate(sorted(mine, key=lambda x: -x[0])):
+            keyed.append(((min(n, 1), -p, i), hyp))
+    keyed.sort(key=lambda x: x[0])
+    return [(key[2], hyp) for key, hyp in keyed]
+
+
 def synthetic_hit(
     chains: dict[tuple[int, ...], Chain],
     verdict: tuple[int, ...],

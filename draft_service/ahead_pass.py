@@ -108,29 +108,25 @@ class AheadPass:
         runner = self.runner
         assert runner is not None
         self.seconds += self._bonus_guesses(ready)
-        spread = self.config.draft_ahead_spread
-        # (rank, request) order: every request's first guess before any second; with the
-        # spread (-chance, request) order, as many as without
-        ranked: list[tuple[float, int, ahead.Hypothesis]] = []
-        fixed = 0
+        ranked = []  # (rank, request) order: every request's first guess before any second
+        chances = []  # with the spread: each request's hypotheses and their chances
         for i, (_, req) in enumerate(ready):
             req.chains_step = req.next_step
             found = ahead.hypotheses(req.guesses, req.drafts, self.config.draft_ahead)
             if req.drafts:  # a backup's verdict accepts nothing, whatever the counts say
                 found = self._accepted.likely(found)
-            fixed += len(found)
-            if spread:
-                chances = ahead.spread(req.guesses, req.drafts, self._accepted, self._ranks)
-                ranked += [(-p, i, h) for p, h in chances]
-            else:
-                ranked += [(rank, i, h) for rank, h in enumerate(found)]
-        budget = min(self._budget(), fixed)
+            ranked += [(rank, i, h) for rank, h in enumerate(found)]
+            if self.config.draft_ahead_spread:
+                chances.append(ahead.spread(req.guesses, req.drafts, self._accepted, self._ranks))
         ranked.sort(key=lambda x: (x[0], x[1]))
-        chosen = ranked[:budget]
+        order = [(i, h) for _, i, h in ranked]
+        if self.config.draft_ahead_spread:  # as many as without, the likeliest of all ranks
+            order = ahead.spread_order(chances)[: len(order)]
+        chosen = order[: self._budget()]
         if not chosen:
             return 0
         ids, branches, forks = [], [], []
-        for _, i, h in chosen:
+        for i, h in chosen:
             rid, req = ready[i]
             bid = ahead.branch_id(rid, h)
             runner.add_request(bid)
@@ -145,11 +141,11 @@ class AheadPass:
         clock.mark()
         runner.fork(forks)
         clock.mark()
-        ks = [ready[i][1].k for _, i, _ in chosen]
+        ks = [ready[i][1].k for i, _ in chosen]
         drafted, q, sampled, guesses, times = self._drafter.drafts(ids, branches, ks, True, "ahead")
         self.seconds += clock.seconds(0, 1) + times.forward_s  # read after the drafts' sync
         tensors, start = q_tensors(q) or (), 0
-        for n, (_, i, h) in enumerate(chosen):
+        for n, (i, h) in enumerate(chosen):
             req = ready[i][1]
             rows = None
             if sampled[n]:

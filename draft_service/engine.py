@@ -225,8 +225,6 @@ class DraftEngine:
             before = (self.ahead_hits, self.ahead_misses)
             if target_step_s > 0:
                 self._step_s = target_step_s
-            if any(a.backup for a in ok):
-                self._backup.backed_up()
             for a in ok:
                 req = self._requests[a.request_id]
                 if req.drafts and a.step == req.next_step:  # a verdict on drafts: tokens committed
@@ -252,6 +250,8 @@ class DraftEngine:
                     return Proposal(self._draft_ngram(ok), errors, StepTimes(), *ahead)
                 block, times, backups = self._draft_model(ok, hits, missed, applied,
                                                           target_step_s)  # fmt: skip
+                if any(a.backup for a in ok):  # the hub backed these up: counted once done
+                    self._backup.backed_up()
                 self.ahead_backups += backups
                 return Proposal(block, errors, times, *ahead, backups)
             except BaseException:

@@ -244,6 +244,24 @@ def test_the_spread_ranks_hypotheses_by_their_chance() -> None:
     assert [(h.accepted, h.token) for h in fixed] == [(2, 5), (2, 2)], "F = 2 misses rank 2"
 
 
+def test_the_spread_gives_every_request_a_chain_before_any_a_second() -> None:
+    """Backups' guesses (their count certain: chance 0.5, 0.25, ...) outrank a drafting
+    request's (P(j) x P(rank), here 0.15 at best); with a slot per request every request
+    still gets its likeliest, so none is left to draft after its verdict."""
+    counts, ranks = ahead.AcceptedCounts(min_seen=4), ahead.GuessRanks()
+    for _ in range(10):
+        counts.add(1)
+        counts.add(2)
+        counts.add(3)
+    top = [[7, 3, 8, 6, 0], [9, 4, 1, 0, 2], [5, 2, 6, 3, 1], [4, 8, 0, 2, 7]]
+    backups = [ahead.spread(top[:1], [], counts, ranks) for _ in range(4)]
+    drafting = [ahead.spread(top, [7, 9, 5], counts, ranks) for _ in range(4)]
+    assert max(p for p, _ in drafting[0]) < min(p for p, _ in backups[0][:2])
+    order = ahead.spread_order(backups + drafting)
+    assert sorted(i for i, _ in order[:8]) == list(range(8)), "one each first"
+    assert [i for i, _ in order[8:12]] == [0, 1, 2, 3], "then the likeliest: backups' seconds"
+
+
 def test_the_spread_drafts_as_many_hypotheses_as_the_fixed_fanout(
     checkpoints: tuple[Path, Path],
 ) -> None:
@@ -441,7 +459,7 @@ def test_the_miss_share_is_where_backups_pay() -> None:
 
     gen = random.Random(3)
     for _ in range(500):
-        choice = ahead.BackupChoice(gen.uniform(1.01, 5.0), gen.uniform(1e-4, 0.02))
+        choice = ahead.BackupChoice(gen.uniform(0.5, 5.0), gen.uniform(1e-4, 0.02))
         step_s, asks = gen.uniform(1e-3, 0.03), gen.randint(1, 64)
         missed = gen.randint(1, asks)
         share = choice.miss_share(step_s)

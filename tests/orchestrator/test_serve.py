@@ -9,6 +9,8 @@ never emit them).
 from __future__ import annotations
 
 import functools
+import os
+import signal
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -261,13 +263,21 @@ def test_cancel_disconnect_and_deadline_free_both_services(stack: Stack) -> None
     gone = generate_pb2_grpc.GenerateServiceStub(channel).Generate(long(request_id="gone"))
     next(gone)
     channel.close()
-    # 250 tokens at k = 1 take about 0.6 s on a 2-core CPU (0.5 s for 200): a deadline a
-    # quarter of that passes while the request runs (its services serve in Ray's processes,
-    # out of reach of the in-process slowdown test_http_hostile uses)
-    with pytest.raises(grpc.RpcError) as err:
-        stream(
-            stack.stub, request(list(PROMPTS[0]), 250, "draft", 1, request_id="late"), timeout=0.15
-        )
+    # the deadline must pass while the request runs, on any machine: once it streams, its
+    # target is stopped (SIGSTOP) until the call has failed, so it cannot finish first
+    target_pid = ray.get(stack.orchestrator.placement.pairs[0].target.pid.remote(), timeout=30)
+    stopped = False
+    try:
+        with pytest.raises(grpc.RpcError) as err:
+            late = stack.stub.Generate(long(request_id="late"), timeout=2.0)
+            next(late)
+            os.kill(target_pid, signal.SIGSTOP)
+            stopped = True
+            for _ in late:
+                pass
+    finally:
+        if stopped:
+            os.kill(target_pid, signal.SIGCONT)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     sched = stack.orchestrator.scheduler
     assert sched is not None

@@ -304,13 +304,14 @@ def test_a_push_for_another_verdict_is_not_taken(runs: list[HubRun]) -> None:
 
 
 def _partial(run: HubRun, link: FakeLink, n: int) -> tuple[list[target_pb2.ServeStep], list]:
-    """Runs a (every step's chain pushed) and b (its chain keyed by another verdict at even
-    steps) to n tokens: their greedy output, the steps that backed b up, and b's backup asks."""
-    run.admit("a", PROMPT, "draft", k=4, max_length=len(PROMPT) + n)
+    """Runs a (every step's chain pushed) to 3n tokens and b (its chain keyed by another
+    verdict at even steps) to n, so that a runs through all of b's steps however late b's
+    admission lands: their greedy output, the steps that backed b up, and b's backup asks."""
+    run.admit("a", PROMPT, "draft", k=4, max_length=len(PROMPT) + 3 * n)
     run.admit("b", PROMPT[:3], "draft", k=3, max_length=3 + n)
-    run.until_length("a", n)
+    run.until_length("a", 3 * n)
     run.until_length("b", n)
-    assert run.tokens["a"] == greedy(PROMPT, n)
+    assert run.tokens["a"] == greedy(PROMPT, 3 * n)
     assert run.tokens["b"] == greedy(PROMPT[:3], n)
     backed = [s for s in run.steps if s.draft_ahead_push_backups]
     flagged = [e for entries in link.sent for e in entries if e.backup]
@@ -335,9 +336,9 @@ def test_a_miss_of_the_pushed_chains_is_backed_up_and_the_hits_keep_theirs(
         assert ks["b"] == 0 and ks["a"] > 0, ks
         assert s.draft_ahead_pushed == s.draft_ahead_hits == 1
         assert s.draft_ahead_misses == s.draft_ahead_backups == s.draft_ahead_push_backups == 1
-    # the first two steps ask (nothing pushed yet; b admitted); later only b alone, once a is
-    # done: one miss of one ask is over the share, so that step asks
-    assert all([e.request_id for e in p] == ["b"] for p in link.proposes[2:]), link.proposes
+    # the first two steps ask (nothing pushed yet; b admitted); a alone after b hits: no more
+    assert len(link.proposes) <= 2, link.proposes
+    assert run.hub._draft.push_mismatches == 0, "the answers were what the target verified"
 
 
 @pytest.mark.parametrize(
@@ -361,7 +362,10 @@ def test_a_miss_that_does_not_pay_or_has_a_fixed_k_asks(
     assert run.tokens["b"] == greedy(PROMPT[:3], n)
     assert not any(s.draft_ahead_push_backups for s in run.steps)
     assert not any(e.backup for entries in link.sent for e in entries)
-    assert len(link.proposes) >= 4, "the steps with a miss asked"
+    # b's chains are keyed wrong for its even steps: those steps asked, a's hit or not
+    missed = [p for p in link.proposes[2:] if any(e.request_id == "b" and e.step % 2 == 0
+                                                  for e in p)]  # fmt: skip
+    assert len(missed) >= 2, link.proposes
 
 
 def test_an_ask_without_any_chain_in_the_push_is_asked_for() -> None:
