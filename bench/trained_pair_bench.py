@@ -121,6 +121,8 @@ def report(result: dict[str, Any]) -> str:
     s = result["settings"]
     t = result["training"]
     saguaro = f", Saguaro scale {s['saguaro_scale']:g}" if s["saguaro_scale"] != 1 else ""
+    if s.get("spread"):
+        saguaro += ", fan-out spread"
     lines = [
         f"Trained pair through `specdec serve` ({result['machine']}, commit {result['commit']}, "
         f"{result['date']}; placement {s['placement']}): target "
@@ -159,6 +161,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-draft-tokens", type=int, default=4)
     parser.add_argument("--draft-ahead", type=int, default=2)
     parser.add_argument("--saguaro-scale", type=float, default=1.0)
+    parser.add_argument("--spread", action="store_true",
+                        help="the draft-ahead rows with the fan-out spread "
+                             "(--draft-ahead-spread)")  # fmt: skip
     parser.add_argument("--target-steps", type=int, default=TRAINED.target_steps)
     parser.add_argument("--draft-steps", type=int, default=TRAINED.draft_steps)
     parser.add_argument("--timeout-s", type=float, default=600.0)
@@ -197,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         extra = ["--draft-ahead", str(args.draft_ahead)] if ahead else []
         if ahead and args.saguaro_scale != 1:
             extra += ["--saguaro-scale", str(args.saguaro_scale)]
+        if ahead and args.spread:
+            extra += ["--draft-ahead-spread"]
         name = "serve_trained_ahead" if ahead else "serve_trained"
         with serving(s, None, log_dir, args.timeout_s, placement=placement, extra=extra,
                      name=name) as serve:  # fmt: skip

@@ -1,6 +1,7 @@
 """bench/trained_pair_bench.py on the CPU with the demo's tiny pair (trained here, cached), through
 `specdec serve` with real acceptance: every config at each temperature and batch, draft tokens
-accepted, and draft-ahead's asks answered from chains at temperature 0; bad flags refused."""
+accepted, and draft-ahead's asks answered from chains at temperature 0 (with the fan-out spread,
+which `specdec serve --draft-ahead-spread` turns on); bad flags refused."""
 
 import json
 from pathlib import Path
@@ -13,7 +14,8 @@ from bench import trained_pair_bench
 def test_smoke_has_every_row_with_real_acceptance(tmp_path: Path) -> None:
     out = tmp_path / "out"
     argv = ["--smoke", "--out", str(out), "--cache", str(tmp_path / "cache"),
-            "--temperatures", "0", "0.7", "--batches", "1", "2", "--timeout-s", "300"]  # fmt: skip
+            "--temperatures", "0", "0.7", "--batches", "1", "2", "--timeout-s", "300",
+            "--spread"]  # fmt: skip
     assert trained_pair_bench.main(argv) == 0
     r = json.loads((out / "trained_pair_cpu.json").read_text())
     rows = {(row["config"], row["temperature"], row["batch"]): row for row in r["rows"]}
@@ -27,7 +29,8 @@ def test_smoke_has_every_row_with_real_acceptance(tmp_path: Path) -> None:
             assert row["acceptance_length"] is not None and row["acceptance_length"] > 1.0, key
     assert rows[("ahead", 0.0, 1)]["asks"] > 0 and rows[("ahead", 0.0, 1)]["hit_rate"] > 0
     assert r["training"]["target"]["parameters"] > r["training"]["draft"]["parameters"]
-    assert "x target-only" in (out / "trained_pair_cpu.md").read_text()
+    md = (out / "trained_pair_cpu.md").read_text()
+    assert "x target-only" in md and "fan-out spread" in md and r["settings"]["spread"]
 
 
 def test_bad_flags_are_refused(tmp_path: Path) -> None:

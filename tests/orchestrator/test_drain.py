@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -33,7 +34,10 @@ from tests.orchestrator.inprocess import api_on
 STREAMS = 40  # of each kind
 PROMPT = [5, 6, 7, 8]
 TOKENS = 120  # proposer off: one step a token, so the streams outlast the drain
-DRAIN_S = 2.0
+DRAIN_S = 3.0
+# each step at least this long, so that the streams outlast the drain on any machine: after
+# their first token, 119 steps take at least 3.6 s
+STEP_S = 0.03
 GRACE_S = 60.0  # a bound, not a wait: the stop ends as soon as the last stream does
 
 
@@ -60,6 +64,14 @@ def served(checkpoints: tuple[Path, Path]) -> Iterator[Orchestrator]:
         drain_s=DRAIN_S,
     )  # fmt: skip
     with local_pair(draft_config, target_config) as pair, api_on(pair, config) as orchestrator:
+        engine = pair.target_engine
+        verify_timed = engine.verify_timed
+
+        def slowed(*args: Any, **kw: Any) -> Any:
+            time.sleep(STEP_S)
+            return verify_timed(*args, **kw)
+
+        engine.verify_timed = slowed  # type: ignore[method-assign]
         yield orchestrator
 
 

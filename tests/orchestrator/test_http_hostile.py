@@ -256,7 +256,9 @@ def test_health_and_streams_go_on_while_20_mb_bodies_arrive(rig: Rig) -> None:
         for _ in range(3):
             _send_whole(rig.port, "/v1/completions", ids)
     health_s, gap_s = watch.worst()
-    assert health_s < 0.5 and gap_s < 2.0, (health_s, gap_s)
+    # a 20 MB body read or parsed on the event loop holds /health for seconds; 0.51 s has been
+    # seen without one on 2 loaded cores
+    assert health_s < 1.0 and gap_s < 2.0, (health_s, gap_s)
 
 
 def test_cpu_work_runs_off_the_event_loop(rig: Rig) -> None:
