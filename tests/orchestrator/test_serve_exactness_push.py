@@ -13,6 +13,11 @@ run that answered at least 50 asks from pushes; mutant, rejected by the same sta
 tokens against the target at another temperature. Greedy output with pushes equals target-only
 greedy, and seeded sampled output is the same with pushes on and off.
 
+Partial pushes (a step's misses of the pushed chains backed up by the hub while its hits take
+their chains, `draft_ahead_backup` "always", with the fan-out spread): the same PIT, and seeded
+requests in the same batches keep the output they get alone through a pair without pushes
+(mutant tried: the hub backing up a seeded request's miss too; that test fails).
+
 Code mutants tried on the pushed path (`hub_draft._from_push`): q's rows reversed is refused by
 the target's check of q (a draft token of probability 0); q cubed and renormalised is caught by
 the seeded test (other tokens than with pushes off), not by the PIT alone (p = 0.069: the
@@ -103,30 +108,61 @@ def test_every_token_follows_target_with_pushed_chains(served: Served) -> None:
     assert wrong < REJECT_BELOW, wrong
 
 
-def test_every_token_follows_target_with_push_backups_and_the_spread(
-    tmp_path_factory: pytest.TempPathFactory,
-) -> None:
+@pytest.fixture(scope="module")
+def with_backups(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
     """Misses of the pushed chains backed up (draft_ahead_backup "always": the push's
     backup_miss_share is infinite, so a step's hits keep their chains and its misses are
-    verified with no drafts, ProposeEntry.backup), with the fan-out spread on, two requests in
-    flight: the tokens follow the target by the same PIT, at least 50 asks of each kind."""
-    prompts = [list(CASE.prompt)] * 180
+    verified with no drafts, ProposeEntry.backup), with the fan-out spread on."""
     with serving_ahead(tmp_path_factory.mktemp("push_backups"), 4,
                        target={"draft_push_always": True}, draft_ahead_backup="always",
                        draft_ahead_spread=True) as served:  # fmt: skip
-        before = _total(served.orchestrator, "specdec:draft_ahead_push_backups_total")
-        tokens, (_, misses, pushed) = _run(served, prompts, 2, temperature=CASE.temperature,
-                                              proposer="draft")  # fmt: skip
-        backed = _total(served.orchestrator, "specdec:draft_ahead_push_backups_total") - before
-        print(f"{backed:.0f} misses of pushes backed up")
-        assert pushed >= 50, f"only {pushed:.0f} asks were answered from pushed chains"
-        assert 50 <= backed <= misses, (backed, misses)
-        exact = pit_against_target(served, CASE, tokens, CASE.temperature, seed=19)
-        print(f"PIT of {tokens[:, 1:].size} tokens: p-value {exact:.3g}")
-        assert exact > REJECT_BELOW, exact
-        wrong = pit_against_target(served, CASE, tokens, CASE.temperature * 2, seed=19)
-        print(f"against the target at temperature {CASE.temperature * 2:g}: p-value {wrong:.3g}")
-        assert wrong < REJECT_BELOW, wrong
+        yield served
+
+
+def _push_backups(served: Served) -> float:
+    return _total(served.orchestrator, "specdec:draft_ahead_push_backups_total")
+
+
+def test_every_token_follows_target_with_push_backups_and_the_spread(
+    with_backups: Served,
+) -> None:
+    """Two requests in flight through `with_backups`: the tokens follow the target by the same
+    PIT, with at least 50 asks answered from pushes and 50 misses of them backed up."""
+    served = with_backups
+    before = _push_backups(served)
+    tokens, (_, misses, pushed) = _run(served, [list(CASE.prompt)] * 180, 2,
+                                       temperature=CASE.temperature, proposer="draft")  # fmt: skip
+    backed = _push_backups(served) - before
+    print(f"{backed:.0f} misses of pushes backed up")
+    assert pushed >= 50, f"only {pushed:.0f} asks were answered from pushed chains"
+    assert 50 <= backed <= misses, (backed, misses)
+    exact = pit_against_target(served, CASE, tokens, CASE.temperature, seed=19)
+    print(f"PIT of {tokens[:, 1:].size} tokens: p-value {exact:.3g}")
+    assert exact > REJECT_BELOW, exact
+    wrong = pit_against_target(served, CASE, tokens, CASE.temperature * 2, seed=19)
+    print(f"against the target at temperature {CASE.temperature * 2:g}: p-value {wrong:.3g}")
+    assert wrong < REJECT_BELOW, wrong
+
+
+def test_seeded_requests_beside_backed_up_ones_keep_their_output(
+    with_backups: Served, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """Seeded sampled requests in batches whose unseeded requests are backed up: a seeded
+    request's miss is never backed up (its k is fixed), so its tokens are those it gets alone
+    through a pair that never takes a push."""
+    n = 96
+    seeds = {i: 900 + i for i in range(0, n, 4)}  # one request in four seeded
+    before = _push_backups(with_backups)
+    mixed, _ = _run(with_backups, [list(CASE.prompt)] * n, 4, temperature=CASE.temperature,
+                    proposer="draft", seed=seeds.get)  # fmt: skip
+    backed = _push_backups(with_backups) - before
+    print(f"{backed:.0f} misses of pushes backed up")
+    assert backed >= 5, "the unseeded requests were backed up"
+    with serving_ahead(tmp_path_factory.mktemp("nopush_seeded"), 4,
+                       target={"draft_push_chains": False}) as off:  # fmt: skip
+        alone, _ = _run(off, [list(CASE.prompt)] * len(seeds), 1, temperature=CASE.temperature,
+                        proposer="draft", seed=lambda i: 900 + 4 * i)  # fmt: skip
+    assert np.array_equal(mixed[0::4], alone)
 
 
 def test_greedy_output_with_pushed_chains_is_target_only_greedy(served: Served) -> None:
