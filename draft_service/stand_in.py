@@ -38,7 +38,7 @@ from specdec.runner.timing import StepClock
 
 Head = Callable[..., tuple[torch.Tensor, ...]]
 GRAPHED_TOKENS = (1, 2)  # tokens per request of the graphs the draft replays (GRAPHED_TAIL)
-WIDTH = 64  # columns of the stand-in's logits: more than any draft-ahead guess count (<= 17)
+WIDTH = 64  # columns of the stand-in's logits: more than any draft-ahead guess count (<= 33)
 SPIN_S = 100e-6  # the end of each wait is spun: time.sleep overshoots by tens of microseconds
 WARMUP_CALLS = 3
 
