@@ -4,6 +4,7 @@ started by `bench.local` instead of Ray: the same server, scheduler and hub stre
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -12,6 +13,7 @@ from bench.local import LocalPair
 from orchestrator.config import ServeConfig
 from orchestrator.launch.placement import PairPlacement
 from orchestrator.server import Orchestrator
+from target_service.engine import TargetEngine
 
 
 @contextmanager
@@ -31,3 +33,21 @@ def api_on(pair: LocalPair, config: ServeConfig) -> Iterator[Orchestrator]:
         yield orchestrator
     finally:
         orchestrator.stop(0.5)
+
+
+@contextmanager
+def slow_steps(engine: TargetEngine, step_s: float) -> Iterator[None]:
+    """Every verification step of `engine` (the hub's `verify_timed`) takes at least step_s
+    while this is open: a request of n tokens at k = 0 then runs for at least n * step_s on any
+    machine, however fast, for tests that need it still running after some event."""
+    verify_timed = engine.verify_timed
+
+    def slowed(*args: Any, **kw: Any) -> Any:
+        time.sleep(step_s)
+        return verify_timed(*args, **kw)
+
+    engine.verify_timed = slowed  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del engine.verify_timed  # the class's method again

@@ -16,7 +16,6 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import grpc
 import pytest
@@ -29,7 +28,7 @@ from specdec.client import Client, SpecdecClientError
 from specdec.serving.server import stop_on_signal
 from target_service.config import TargetConfig
 from tests.draft_service.models import model_draft, runner_config
-from tests.orchestrator.inprocess import api_on
+from tests.orchestrator.inprocess import api_on, slow_steps
 
 STREAMS = 40  # of each kind
 PROMPT = [5, 6, 7, 8]
@@ -63,15 +62,11 @@ def served(checkpoints: tuple[Path, Path]) -> Iterator[Orchestrator]:
         host="127.0.0.1", port=0, metrics_port=None, http_port=0, grace_s=GRACE_S,
         drain_s=DRAIN_S,
     )  # fmt: skip
-    with local_pair(draft_config, target_config) as pair, api_on(pair, config) as orchestrator:
-        engine = pair.target_engine
-        verify_timed = engine.verify_timed
-
-        def slowed(*args: Any, **kw: Any) -> Any:
-            time.sleep(STEP_S)
-            return verify_timed(*args, **kw)
-
-        engine.verify_timed = slowed  # type: ignore[method-assign]
+    with (
+        local_pair(draft_config, target_config) as pair,
+        api_on(pair, config) as orchestrator,
+        slow_steps(pair.target_engine, STEP_S),
+    ):
         yield orchestrator
 
 

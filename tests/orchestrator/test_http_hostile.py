@@ -18,7 +18,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +37,7 @@ from orchestrator.web.server import HttpServer
 from specdec.limits import MAX_SEED
 from target_service.engine import TargetEngine
 from tests.draft_service.models import build_checkpoints, model_draft, services
-from tests.orchestrator.inprocess import api_on
+from tests.orchestrator.inprocess import api_on, slow_steps
 from tests.orchestrator.test_serve import eventually
 
 MB = 1 << 20
@@ -63,22 +63,9 @@ class Rig:
     port: int  # the HTTP API with the gRPC port's limit
     big_port: int  # the same API with BIG_LIMIT
 
-    @contextmanager
-    def slow_steps(self, step_s: float) -> Iterator[None]:
-        """Every verification step takes at least step_s while this is open: a request of n
-        tokens then runs for at least n * step_s / (k + 1) on any machine."""
-        engine = self.target_engine
-        verify_timed = engine.verify_timed
-
-        def slowed(*args: Any, **kw: Any) -> Any:
-            time.sleep(step_s)
-            return verify_timed(*args, **kw)
-
-        engine.verify_timed = slowed  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            del engine.verify_timed  # the class's method again
+    def slow_steps(self, step_s: float) -> AbstractContextManager[None]:
+        """Every verification step takes at least step_s while this is open (`slow_steps`)."""
+        return slow_steps(self.target_engine, step_s)
 
     @property
     def limit(self) -> int:
