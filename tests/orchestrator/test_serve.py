@@ -282,7 +282,10 @@ def test_cancel_disconnect_and_deadline_free_both_services(stack: Stack) -> None
     sched = stack.orchestrator.scheduler
     assert sched is not None
     eventually(lambda: sched.snapshot()[:2] == (0, 0))
-    time.sleep(0.5)  # releases are applied at the hub's next step boundary
+    # releases are applied at the hub's next step boundary, in order with the controls after
+    # them: once a later request has run there, they were (the stopped target delays them)
+    stream(stack.stub, request(list(PROMPTS[0]), 2, "draft", 1))
+    time.sleep(0.5)  # and the hub's release to the draft is on its way
     assert _held(stack, ["cancelled", "gone", "late"]) == 0
     errors = {
         dict(labels)["code"]: value - before.get((name, labels), 0.0)
