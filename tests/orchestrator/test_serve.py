@@ -382,16 +382,26 @@ def test_killed_draft_restarts_and_speculation_resumes(stack: Stack) -> None:
     pair = stack.orchestrator.placement.pairs[0]
     outputs: list[tuple[list[int], list[Any]]] = []
     stop = threading.Event()
+    live: dict[int, int] = {}  # each worker's tokens so far in its request in flight
 
-    def keep_generating() -> None:
+    def keep_generating(worker: int) -> None:
         while not stop.is_set():
-            tokens, steps, _ = stream(stack.stub, request(prompt, 200, "draft", 3))
+            tokens: list[int] = []
+            steps: list[Any] = []
+            # k = 1: about 100 steps a request, so that one in flight spans the kill
+            for r in stack.stub.Generate(request(prompt, 200, "draft", 1)):
+                tokens += r.token_ids
+                steps += r.steps
+                live[worker] = len(tokens)
+            live[worker] = 0
+            assert [s.step for s in steps] == list(range(len(steps))), "steps in order"
             outputs.append((tokens, steps))
 
-    workers = [threading.Thread(target=keep_generating) for _ in range(2)]
+    workers = [threading.Thread(target=keep_generating, args=(i,)) for i in range(2)]
     for w in workers:
         w.start()
-    time.sleep(0.5)
+    # killed while a request that drafts is well inside its 200 tokens, not between two
+    eventually(lambda: any(20 <= n <= 60 for n in live.values()), timeout_s=60)
     assert pair.draft is not None
     ray.kill(pair.draft, no_restart=False)
     info = lambda: stack.stub.GetModelInfo(pb.GetServedModelInfoRequest()).models[0]
