@@ -16,6 +16,7 @@ import logging
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -427,8 +428,12 @@ class Orchestrator:
     def wait(self) -> None:
         self.server.wait()
 
-    def serve_until_signal(self) -> None:
-        """Blocks until SIGTERM or SIGINT, then stops gracefully."""
+    def serve_until_signal(self, announce: Callable[[], object] = lambda: None) -> None:
+        """Blocks until SIGTERM or SIGINT, then stops gracefully. `announce` (saying it serves)
+        runs once the handler is ours: until then it is Ray's (set by ray.init), which exits at
+        once (a crash inside Ray, exit code 139, for a SIGTERM sent as soon as the announcement
+        was read)."""
         stop_on_signal(self.stop, self.config.grace_s)
+        announce()
         self.server.wait()
         self._done.wait()

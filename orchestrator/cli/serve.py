@@ -280,7 +280,6 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"{PROG} serve: {e}", file=sys.stderr)
         return 2
     from orchestrator.server import Orchestrator  # Ray is imported only to serve
-    from specdec.serving.server import stop_on_signal
 
     orchestrator = Orchestrator(config)
     try:
@@ -288,14 +287,13 @@ def run_serve(args: argparse.Namespace) -> int:
     except (ValueError, RuntimeError) as e:
         print(f"{PROG} serve: {e}", file=sys.stderr)
         return 2
-    # SIGTERM stops gracefully from the moment "serving" is announced: until the handler is
-    # ours, it is Ray's (set by ray.init), which exits at once (a crash inside Ray, seen as exit
-    # code 139, for a SIGTERM sent as soon as the line was read)
-    stop_on_signal(orchestrator.stop, config.grace_s)
-    print(f"{PROG}: serving {config.model_name} on {config.host}:{port}", flush=True)
-    if orchestrator.http_url is not None:
-        print(f"{PROG}: OpenAI-compatible HTTP API on {orchestrator.http_url}", flush=True)
-    orchestrator.serve_until_signal()
+
+    def announce() -> None:
+        print(f"{PROG}: serving {config.model_name} on {config.host}:{port}", flush=True)
+        if orchestrator.http_url is not None:
+            print(f"{PROG}: OpenAI-compatible HTTP API on {orchestrator.http_url}", flush=True)
+
+    orchestrator.serve_until_signal(announce)
     if orchestrator.ray_stuck:  # Ray's exit handler would wait 60 s for its stopped GCS
         logging.shutdown()
         sys.stdout.flush()

@@ -211,8 +211,9 @@ def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> list[DemoRun]:
             runs.append(DemoRun(figures_between(before, scrape(url), proposer), texts, usages))
         report([r.figures for r in runs], url, args.num_draft_tokens, out)
         if args.serve:
-            out.write(f"serving until Ctrl-C: the client API on {address}, metrics at {url}\n")
-            orchestrator.serve_until_signal()
+            orchestrator.serve_until_signal(lambda: out.write(
+                f"serving until Ctrl-C: the client API on {address}, metrics at {url}\n"
+            ))  # fmt: skip
     finally:
         orchestrator.stop(1.0)
     return runs
