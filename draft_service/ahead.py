@@ -66,6 +66,14 @@ def branch_id(request_id: str, h: Hypothesis) -> str:
     return f"{request_id}{BRANCH_MARK}{h.accepted}:{h.token}"
 
 
+def guesses_at(ids: list[int], drafts: list[int], accepted: int) -> list[int]:
+    """The guesses, best first, of the token a verdict that accepts `accepted` of `drafts`
+    adds: the draft's best `ids` at that position but the draft it rejected (a rejection does
+    not add the token it rejected; after all of them nothing was rejected)."""
+    rejected = drafts[accepted] if accepted < len(drafts) else None
+    return [t for t in ids if t != rejected]
+
+
 def hypotheses(
     top: list[list[int]],  # [m][F + 1]: the draft's best ids at positions n .. n + m - 1
     drafts: list[int],  # [k]
@@ -81,8 +89,7 @@ def hypotheses(
     # a verdict accepts at most every draft: rows past that would fork past what the KV holds
     # and give verdict keys that collide with the real counts' (a leaked slot each)
     for j, ids in enumerate(top[: len(drafts) + 1]):
-        rejected = drafts[j] if j < len(drafts) else None
-        per_count.append([t for t in ids if t != rejected][:fanout])
+        per_count.append(guesses_at(ids, drafts, j)[:fanout])
     return [
         Hypothesis(j, guesses[rank])
         for rank in range(fanout)
@@ -192,10 +199,8 @@ def spread(
         if drafts and not counts.wants(j):
             continue
         p_count = counts.probability(j, k) if drafts else 1.0
-        rejected = drafts[j] if j < k else None
-        guesses = [t for t in ids if t != rejected]
         found += [(p_count * ranks.probability(j, j == k, r), Hypothesis(j, t))
-                  for r, t in enumerate(guesses)]  # fmt: skip
+                  for r, t in enumerate(guesses_at(ids, drafts, j))]  # fmt: skip
     return found
 
 
@@ -308,14 +313,9 @@ class BackupChoice:
         return length * draft_s / ((step_s + draft_s) * (length - 1.0))
 
     def pays(self, asks: int, missed: int, step_s: float) -> bool:
-        """Whether `missed` of `asks` requests with drafts wanted should take the backup."""
-        length, draft_s = self.mean_committed, self.draft_s
-        if length is None or draft_s is None or step_s <= 0 or not 0 < missed <= asks:
-            return False
-        if self.backups_in_a_row >= REMEASURE_EVERY:
-            return False
-        backup = ((asks - missed) * length + missed) / step_s
-        pays = backup > asks * length / (step_s + draft_s)
+        """Whether `missed` of `asks` requests with drafts wanted should take the backup (the
+        rule above, as `miss_share` states it)."""
+        pays = 0 < missed <= asks and missed < self.miss_share(step_s) * asks
         self.backups_in_a_row += pays
         return pays
 

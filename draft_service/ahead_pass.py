@@ -212,8 +212,7 @@ class AheadPass:
         j = len(verdict) - 1
         if not self.config.draft_ahead_spread or j >= len(req.guesses) or j > len(req.drafts):
             return
-        rejected = req.drafts[j] if j < len(req.drafts) else None
-        guesses = [t for t in req.guesses[j] if t != rejected]
+        guesses = ahead.guesses_at(req.guesses[j], req.drafts, j)
         token = verdict[-1]
         self._ranks.add(j, j == len(req.drafts), guesses.index(token) if token in guesses else None)
 

@@ -452,18 +452,21 @@ def test_backup_choice_weighs_tokens_per_second() -> None:
 
 
 def test_the_miss_share_is_where_backups_pay() -> None:
-    """misses < miss_share x asks exactly where `pays` holds: the hub decides by the share
-    for pushed chains what the draft decides for asked ones."""
+    """misses < miss_share x asks exactly where a backup commits more tokens per second,
+    ((B - m) L + m) / T_step > B L / (T_step + T_draft): the hub decides by the share for
+    pushed chains what the draft decides (`pays`) for asked ones."""
     import math
     import random
 
     gen = random.Random(3)
     for _ in range(500):
-        choice = ahead.BackupChoice(gen.uniform(0.5, 5.0), gen.uniform(1e-4, 0.02))
+        length, draft_s = gen.uniform(0.5, 5.0), gen.uniform(1e-4, 0.02)
+        choice = ahead.BackupChoice(length, draft_s)
         step_s, asks = gen.uniform(1e-3, 0.03), gen.randint(1, 64)
         missed = gen.randint(1, asks)
-        share = choice.miss_share(step_s)
-        assert (missed < share * asks) == choice.pays(asks, missed, step_s), (choice, step_s)
+        faster = ((asks - missed) * length + missed) / step_s > asks * length / (step_s + draft_s)
+        assert (missed < choice.miss_share(step_s) * asks) == faster, (choice, step_s)
+        assert choice.pays(asks, missed, step_s) == faster, (choice, step_s)
     assert ahead.BackupChoice().miss_share(0.007) == 0.0, "nothing measured: never"
     assert ahead.BackupChoice(3.0, 0.005).miss_share(0.0) == 0.0, "step time unknown: never"
     assert ahead.BackupChoice(1.0, 0.005).miss_share(0.007) == math.inf, "L = 1: always"
