@@ -52,6 +52,9 @@ PLACEHOLDER = -1
 Q_NONE, Q_DENSE, Q_SPARSE = int(QForm.NONE), int(QForm.DENSE), int(QForm.SPARSE)
 Q_SUM_TOLERANCE = 1e-4
 SPARSE_PAD_ID = 2**31 - 1  # padding id after sorting a sparse support (sorts last)
+# the sparse support width the race kernel is compiled for at least (a power of two): one
+# compile serves every support up to the draft's default support_size (32)
+MIN_SUPPORT_P2 = 32
 
 # Status codes; target_service.rejection_sampler.SampleStatus names them.
 OK, NONFINITE_LOGITS, INVALID_DRAFT_PROBS, DRAFT_PROBS_NOT_NORMALIZED = 0, 1, 2, 3
@@ -136,7 +139,10 @@ def _uniform(bits):
     return (bits >> 8).to(tl.float32) * (1.0 / 16777216.0)
 
 
-@triton.jit
+# Integer arguments that vary from block to block are not specialised on (Triton specialises an
+# int on == 1 and on divisibility by 16 by default): each specialisation is one more compile,
+# of about a second on an H200, in the middle of serving the first block that needs it.
+@triton.jit(do_not_specialize=["B"])
 def _row_stats_kernel(
     logits_ptr,  # [R, >= V] float32 | bf16 | fp16
     logits_stride,
@@ -220,7 +226,7 @@ def _row_argmax(part_amax_val_ptr, part_amax_idx_ptr, row, n_splits, NUM_SPLITS:
     return tl.min(tl.where(vals == tl.max(vals, 0), idx, 2147483647), 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["Vq", "S", "n_splits", "n_race", "max_k", "rates_width"])
 def _decide_sample_kernel(
     logits_ptr,  # [R, >= V]
     logits_stride,
@@ -566,6 +572,11 @@ class LaunchShape:
     race_warps: int = 0  # 0: same as num_warps
     race_stages: int = 0  # 0: same as num_stages
     pdl: bool = True  # programmatic dependent launch of the race where the GPU has it
+    # the widest split counts this device's shapes reach: the kernels' NUM_SPLITS and
+    # RACE_SPLITS (powers of two) are at least these, so that a block's rows and batch, which
+    # pick the split counts, do not pick a compile too
+    min_stats_splits: int = 1
+    min_race_splits: int = 1
 
     def __post_init__(self) -> None:
         # Philox serves four ids per call (_vocab_bits): every block must start at a
@@ -612,12 +623,17 @@ def launch_shape(
         splits = max(1, min(triton.cdiv(per_sm * sms, programs), triton.cdiv(width, blk), cap))
         return triton.cdiv(triton.cdiv(width, splits), blk) * blk
 
-    stats = split(rows, programs_per_sm, block, 64)
+    stats_cap = 64
+    stats = split(rows, programs_per_sm, block, stats_cap)
     # small batches want more race splits (batch 1: 256; 64 from batch 4 on; H200 sweep)
-    race = split(batch, race_programs_per_sm, race_block, race_max_splits or max(64, 256 // batch))
+    race_cap = race_max_splits or max(64, 256 // batch)
+    race = split(batch, race_programs_per_sm, race_block, race_cap)
+    widest = (min(stats_cap, triton.cdiv(width, block)),
+              min(race_max_splits or 256, triton.cdiv(width, race_block)))  # fmt: skip
     return LaunchShape(
-        block, stats, race, num_warps, num_stages, race_block, race_warps, race_stages
-    )
+        block, stats, race, num_warps, num_stages, race_block, race_warps, race_stages,
+        min_stats_splits=widest[0], min_race_splits=widest[1],
+    )  # fmt: skip
 
 
 def rejection_sample_triton(
@@ -630,9 +646,9 @@ def rejection_sample_triton(
     width = max(x.vocab_size, x.q_vocab)
     shape = shape or launch_shape(rows, batch, width, device)
     n_splits = triton.cdiv(x.vocab_size, shape.stats_split)
-    num_splits = triton.next_power_of_2(n_splits)
+    num_splits = triton.next_power_of_2(max(n_splits, shape.min_stats_splits))
     n_race = triton.cdiv(width if x.q_mode == Q_DENSE else x.vocab_size, shape.race_split)
-    race_splits = triton.next_power_of_2(n_race)
+    race_splits = triton.next_power_of_2(max(n_race, shape.min_race_splits))
     # One buffer for the split partials: max, sum, argmax value, argmax id, bad. Padded splits
     # (>= n_splits) are never read: loads are masked, so no fill kernels are needed.
     parts = torch.empty((5, rows, num_splits), dtype=torch.float32, device=device)
@@ -643,6 +659,9 @@ def rejection_sample_triton(
     q_ids = x.q_ids if x.q_ids is not None else dummy_i
     draft_ids = x.draft_ids if x.draft_ids.numel() else dummy_i  # no null pointers
     sparse_width = q.shape[1] if x.q_mode == Q_SPARSE else 1
+    support_p2 = (
+        max(MIN_SUPPORT_P2, triton.next_power_of_2(sparse_width)) if x.q_mode == Q_SPARSE else 1
+    )
     done = torch.empty(batch, dtype=torch.int32, device=device)
     pdl = shape.pdl and pdl_enabled(device)
     _row_stats_kernel[(rows, n_splits)](
@@ -672,7 +691,7 @@ def rejection_sample_triton(
         shape.race_split, n_splits, n_race, x.max_k, rates_width, Q_SUM_TOLERANCE,
         NUM_SPLITS=num_splits,
         RACE_SPLITS=race_splits, BLOCK=shape.race_block or shape.block,
-        S_P2=triton.next_power_of_2(sparse_width), Q_MODE=x.q_mode,
+        S_P2=support_p2, Q_MODE=x.q_mode,
         SYNTHETIC=x.synthetic_rates is not None, num_warps=shape.race_warps or shape.num_warps,
         num_stages=shape.race_stages or shape.num_stages,
         K_P2=triton.next_power_of_2(x.max_k + 1), Q_ROWS=triton.next_power_of_2(max(x.max_k, 1)),

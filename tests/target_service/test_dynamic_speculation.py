@@ -208,3 +208,35 @@ def test_the_target_warms_up_every_k_it_may_run() -> None:
     # lone request without drafts (a backup at batch 1: a one-token graph of its own)
     assert engine.verified == [[1], [1, 0], [2], [2, 0], [3], [3, 0], [4], [4, 0], [0]]
     assert not engine.held
+
+
+def test_on_a_gpu_the_target_also_warms_up_each_q_form() -> None:
+    """With the vocabulary size (a GPU's warm-up), each k is verified with no q, a sparse q and
+    a dense q over the vocabulary: each q form is a sampler variant of its own."""
+    from target_service.server import warm_up
+
+    class Engine:
+        def __init__(self) -> None:
+            self.held: set[str] = set()
+            self.verified: list[tuple[list[int], list[int], int | None]] = []
+
+        def admit(self, adm: object) -> None:
+            self.held.add(adm.request_id)  # type: ignore[attr-defined]
+
+        def verify(self, block: object) -> None:
+            dense = block.dense  # type: ignore[attr-defined]
+            width = None if dense is None else dense.probs.shape[1]
+            self.verified.append((list(block.num_draft_tokens), list(block.q_forms), width))  # type: ignore[attr-defined]
+
+        def release(self, ids: list[str]) -> None:
+            self.held -= set(ids)
+
+    engine = Engine()
+    warm_up(engine, range(1, 3), vocab_size=50)  # type: ignore[arg-type]
+    none, sparse, dense = 0, 2, 1  # specdec.v1.QForm
+    assert engine.verified == [
+        ([1], [none], None), ([1, 0], [none, none], None), ([1], [sparse], None),
+        ([1], [dense], 50), ([2], [none], None), ([2, 0], [none, none], None),
+        ([2], [sparse], None), ([2], [dense], 50), ([0], [none], None),
+    ]  # fmt: skip
+    assert not engine.held

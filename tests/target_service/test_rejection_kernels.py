@@ -93,6 +93,22 @@ def test_vocabulary_splits_combine_exactly(q_form: str, device: torch.device) ->
     assert_same(single, tri)
 
 
+@pytest.mark.parametrize("q_form", ["dense", "sparse", "none"])
+def test_kernels_compiled_wider_than_the_block_needs_give_the_same_answer(
+    q_form: str, device: torch.device
+) -> None:
+    """The split widths a GPU compiles for (LaunchShape.min_stats_splits / min_race_splits,
+    one compile for every batch) and a sparse support narrower than MIN_SUPPORT_P2 leave the
+    answer bit for bit: the extra lanes are masked."""
+    b = random_batch(ks(6, 4, 21), 300, q_form, seed=21, greedy_fraction=0.3)
+    narrow = kernels.LaunchShape(32, 64, 96)
+    wide = kernels.LaunchShape(32, 64, 96, min_stats_splits=16, min_race_splits=32)
+    ref, tri = run_both(b, device, shape=narrow)
+    assert_same(ref, tri)
+    _, widened = run_both(b, device, shape=wide)
+    assert_same(tri, widened)
+
+
 def test_bf16_logits_and_padded_vocabulary(device: torch.device) -> None:
     b = random_batch(ks(8, 4, 9), 260, "dense", seed=9, dtype=torch.bfloat16)
     b.logits[:, 256:] = 80.0  # padding columns must never win, even as the raw argmax
