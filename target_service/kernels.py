@@ -139,10 +139,16 @@ def _uniform(bits):
     return (bits >> 8).to(tl.float32) * (1.0 / 16777216.0)
 
 
-# Integer arguments that vary from block to block are not specialised on (Triton specialises an
-# int on == 1 and on divisibility by 16 by default): each specialisation is one more compile,
-# of about a second on an H200, in the middle of serving the first block that needs it.
-@triton.jit(do_not_specialize=["B"])
+# Arguments that vary from block to block are not specialised on: Triton specialises an int on
+# == 1 and on divisibility by 16, and a pointer on 16-byte alignment (the small per-request
+# inputs are views into one upload, at offsets that follow the batch). Each specialisation is
+# one more compile, of about a second on an H200, in the middle of serving the first block that
+# needs it. The vocabulary-wide rows (logits, dense q, the split partials) keep theirs.
+@triton.jit(
+    do_not_specialize=["B"],
+    do_not_specialize_on_alignment=["thr_ptr", "row_req_ptr", "inv_temp_ptr", "greedy_ptr",
+                                    "done_ptr"],
+)  # fmt: skip
 def _row_stats_kernel(
     logits_ptr,  # [R, >= V] float32 | bf16 | fp16
     logits_stride,
@@ -226,7 +232,14 @@ def _row_argmax(part_amax_val_ptr, part_amax_idx_ptr, row, n_splits, NUM_SPLITS:
     return tl.min(tl.where(vals == tl.max(vals, 0), idx, 2147483647), 0)
 
 
-@triton.jit(do_not_specialize=["Vq", "S", "n_splits", "n_race", "max_k", "rates_width"])
+@triton.jit(
+    do_not_specialize=["Vq", "S", "n_splits", "n_race", "max_k", "rates_width"],
+    do_not_specialize_on_alignment=[
+        "thr_ptr", "num_draft_ptr", "row_start_ptr", "draft_start_ptr", "draft_ids_ptr",
+        "inv_temp_ptr", "greedy_ptr", "seed_ptr", "position_ptr", "status_in_ptr", "rates_ptr",
+        "q_ids_ptr", "done_ptr",
+    ],
+)  # fmt: skip
 def _decide_sample_kernel(
     logits_ptr,  # [R, >= V]
     logits_stride,
@@ -646,15 +659,18 @@ def rejection_sample_triton(
     width = max(x.vocab_size, x.q_vocab)
     shape = shape or launch_shape(rows, batch, width, device)
     n_splits = triton.cdiv(x.vocab_size, shape.stats_split)
-    num_splits = triton.next_power_of_2(max(n_splits, shape.min_stats_splits))
+    # at least 4 splits: each partials buffer below then starts 16-byte aligned at any row count
+    num_splits = triton.next_power_of_2(max(n_splits, shape.min_stats_splits, 4))
     n_race = triton.cdiv(width if x.q_mode == Q_DENSE else x.vocab_size, shape.race_split)
-    race_splits = triton.next_power_of_2(max(n_race, shape.min_race_splits))
+    race_splits = triton.next_power_of_2(max(n_race, shape.min_race_splits, 4))
     # One buffer for the split partials: max, sum, argmax value, argmax id, bad. Padded splits
     # (>= n_splits) are never read: loads are masked, so no fill kernels are needed.
     parts = torch.empty((5, rows, num_splits), dtype=torch.float32, device=device)
     pmax, psum, pval = parts[0], parts[1], parts[2]
     pidx, pbad = parts[3].view(torch.int32), parts[4].view(torch.int32)
-    dummy_f, dummy_i = x.thresholds, x.row_req  # never read: placeholders for absent inputs
+    # never read: placeholders for absent inputs (fresh, so aligned as the real ones are)
+    dummy_f = torch.empty(4, dtype=torch.float32, device=device)
+    dummy_i = dummy_f.view(torch.int32)
     q = x.q_probs if x.q_probs is not None else dummy_f
     q_ids = x.q_ids if x.q_ids is not None else dummy_i
     draft_ids = x.draft_ids if x.draft_ids.numel() else dummy_i  # no null pointers
@@ -662,6 +678,8 @@ def rejection_sample_triton(
     support_p2 = (
         max(MIN_SUPPORT_P2, triton.next_power_of_2(sparse_width)) if x.q_mode == Q_SPARSE else 1
     )
+    # read only for dense q; one value otherwise (a sparse support's width would specialise it)
+    q_stride = q.stride(0) if x.q_mode == Q_DENSE else 0
     done = torch.empty(batch, dtype=torch.int32, device=device)
     pdl = shape.pdl and pdl_enabled(device)
     _row_stats_kernel[(rows, n_splits)](
@@ -686,7 +704,7 @@ def rejection_sample_triton(
     _decide_sample_kernel[(batch, n_race)](
         x.logits, x.logits.stride(0), x.thresholds, x.num_draft, x.row_start, x.draft_start,
         draft_ids, x.inv_temperature, x.greedy, x.seed, x.position, x.status_in, rates,
-        q, q.stride(0), q_ids, pmax, psum, pval, pidx, pbad, done, race, q_parts, q_mins,
+        q, q_stride, q_ids, pmax, psum, pval, pidx, pbad, done, race, q_parts, q_mins,
         token_ids, num_committed, accepted, status, x.vocab_size, x.q_vocab, sparse_width,
         shape.race_split, n_splits, n_race, x.max_k, rates_width, Q_SUM_TOLERANCE,
         NUM_SPLITS=num_splits,
