@@ -442,11 +442,14 @@ def _side_by_side(result: dict[str, Any]) -> list[str]:
         "Side by side (bound = committed tokens per step / the in-process target forward of the "
         "step: decode for target-only, the (k + 1)-token verify else; GPU busy = the union of "
         "the services' timed device work (forwards, sampler) over the window, from "
-        "SPECDEC_GPU_TRACE; TPOT p99 over every response's wait per token it brought):",
+        "SPECDEC_GPU_TRACE; host = the share of the window the services' host threads spent "
+        "on the critical path between device steps: the hub waiting for drafts, the draft "
+        "answering an ask and running its pass ahead (launches, syncs, bookkeeping and the "
+        "device time inside it); TPOT p99 over every response's wait per token it brought):",
         "",
         "| placement | config | batch | tokens/s | x target-only | achieved / bound "
-        "| TPOT ms median | TPOT ms p99 | hub step ms | GPU busy |",
-        "|---" * 10 + "|",
+        "| TPOT ms median | TPOT ms p99 | hub step ms | GPU busy | host |",
+        "|---" * 11 + "|",
     ]
     for r in rows:
         gain = r["tokens_per_s"] / base[r["batch"]] if r["batch"] in base else float("nan")
@@ -455,12 +458,13 @@ def _side_by_side(result: dict[str, Any]) -> list[str]:
         achieved = "-" if dynamic else f"{r['tokens_per_s'] / bound_tokens_per_s(result, r):.2f}"
         busy = r.get("gpus", {}).get("busy", {})
         shown = ", ".join(f"{g} {f:.0%}" for g, f in busy.items()) or "-"
+        host = ", ".join(f"{n} {f:.0%}" for n, f in r.get("gpus", {}).get("host", {}).items())
         p99 = r.get("tpot_ms_p99")
         lines.append(
             f"| {r.get('placement', '-')} | {config_label(r['config'])} | {r['batch']} "
             f"| {_f(r['tokens_per_s'])} | {gain:.2f} | {achieved} "
             f"| {_f(r['tpot_ms_median'])} | {_f(p99) if p99 is not None else '-'} "
-            f"| {_f(r['hub_ms']['step'])} | {shown} |"
+            f"| {_f(r['hub_ms']['step'])} | {shown} | {host or '-'} |"
         )
     return lines
 

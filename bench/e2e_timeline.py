@@ -20,7 +20,9 @@ from typing import Any
 
 DRAFT_SPANS, TARGET_SPANS = {"draft", "ahead"}, {"verify", "sampler", "prefill"}
 TIMELINE_S = 1.0
-COLORS = {"draft": "C0", "ahead": "C9", "verify": "C3", "sampler": "C1", "prefill": "C5"}
+COLORS = {"draft": "C0", "ahead": "C9", "verify": "C3", "sampler": "C1", "prefill": "C5",
+          "host:wait for drafts": "0.55", "host:answer": "C2", "host:pass ahead": "C4"}  # fmt: skip
+HOST = "host:"  # host spans (`specdec.runner.trace.Trace.host`): a lane of their own, not busy
 
 
 def read(directory: Path) -> list[dict[str, Any]]:
@@ -46,16 +48,28 @@ def lanes(processes: list[dict[str, Any]]) -> dict[str, list[list[Any]]]:
     services without a GPU (the draft stand-in's, on a GPU machine)."""
     by_gpu: dict[str, list[list[Any]]] = {}
     for p in processes:
-        by_gpu.setdefault(p["gpu"], []).extend(p["spans"])
+        by_gpu.setdefault(p["gpu"], []).extend(s for s in p["spans"] if not s[0].startswith(HOST))
     number = {gpu: i for i, gpu in enumerate(sorted(g for g in by_gpu if g != "cpu"))}
     out = {}
     for gpu, spans in by_gpu.items():
-        names = {s[0] for s in spans}
-        roles = [r for r, kinds in (("draft", DRAFT_SPANS), ("target", TARGET_SPANS))
-                 if names & kinds]  # fmt: skip
-        where = "CPU" if gpu == "cpu" else f"GPU {number[gpu]}"
-        out[f"{where} ({' + '.join(roles) or 'idle'})"] = sorted(spans, key=lambda s: s[1])
+        out[f"{_where(gpu, number)} ({_roles(spans)})"] = sorted(spans, key=lambda s: s[1])
+    for p in processes:  # each process's host spans under its device's lane
+        host = [s for s in p["spans"] if s[0].startswith(HOST)]
+        if host:
+            mine = [s for s in p["spans"] if not s[0].startswith(HOST)]
+            lane = f"host of {_roles(mine)} ({_where(p['gpu'], number)})"
+            out.setdefault(lane, []).extend(sorted(host, key=lambda s: s[1]))
     return out
+
+
+def _where(gpu: str, number: dict[str, int]) -> str:
+    return "CPU" if gpu == "cpu" else f"GPU {number[gpu]}"
+
+
+def _roles(spans: list[list[Any]]) -> str:
+    names = {s[0] for s in spans}
+    roles = [r for r, kinds in (("draft", DRAFT_SPANS), ("target", TARGET_SPANS)) if names & kinds]
+    return " + ".join(roles) or "idle"
 
 
 def busy(spans: list[list[Any]], t0: float, t1: float) -> float:
@@ -73,7 +87,15 @@ def window(directory: Path, t0: float, t1: float, keep_timeline: bool) -> dict[s
     """Busy fraction per GPU over (t0, t1) and, with `keep_timeline`, the spans of the
     window's first TIMELINE_S seconds (times from t0)."""
     found = lanes(read(directory))
-    out: dict[str, Any] = {"busy": {gpu: busy(s, t0, t1) for gpu, s in found.items()}}
+    out: dict[str, Any] = {
+        "busy": {gpu: busy(s, t0, t1) for gpu, s in found.items() if not gpu.startswith("host")},
+        # each host span's share of the window, e.g. "wait for drafts": the hub's waits
+        "host": {
+            name[len(HOST):]: busy([x for x in s if x[0] == name], t0, t1)
+            for lane, s in found.items() if lane.startswith("host")
+            for name in sorted({x[0] for x in s})
+        },
+    }  # fmt: skip
     if keep_timeline:
         end = min(t1, t0 + TIMELINE_S)
         out["timeline"] = {
@@ -105,10 +127,11 @@ def plot(
     for (ax_all, ax_zoom), r in zip(axes, rows, strict=True):
         timeline = r["gpus"]["timeline"]
         for ax, span_s in ((ax_all, TIMELINE_S), (ax_zoom, 0.06)):
-            for lane, spans in enumerate(timeline.values()):
+            for lane, (name, spans) in enumerate(timeline.items()):
                 bars = [(a * 1e3, (b - a) * 1e3) for _, a, b in spans if a < span_s]
                 colors = [COLORS.get(n, "k") for n, a, _ in spans if a < span_s]
-                ax.broken_barh(bars, (lane - 0.4, 0.8), facecolors=colors, linewidth=0)
+                high = 0.4 if name.startswith("host") else 0.8  # host lanes: thinner bars
+                ax.broken_barh(bars, (lane - high / 2, high), facecolors=colors, linewidth=0)
             ax.set_yticks(range(len(timeline)), list(timeline))
             ax.set_xlim(0, span_s * 1e3)
             ax.set_ylim(-0.6, len(timeline) - 0.4)

@@ -12,9 +12,10 @@ through `specdec serve` and the client at temperature 0 and above.
    served by `specdec serve` on the pair (split: draft and target on a GPU each; one GPU or
    the CPU: shared). No synthetic acceptance: every accepted token is the draft's.
    Reported per row: tokens/s over the window (from when every stream has --warmup
-   responses to when the first one finishes), over target-only's at the same temperature and
-   batch; the mean acceptance length L (1 + accepted / steps that drafted) and, drafting
-   ahead, the hit rate (asks answered from chains drafted ahead / asks), from /metrics.
+   responses to when the first one finishes; the median of --repeats windows of the same
+   streams, their range beside it), over target-only's at the same temperature and batch;
+   the mean acceptance length L (1 + accepted / steps that drafted) and, drafting ahead, the
+   hit rate (asks answered from chains drafted ahead / asks), from /metrics.
 
     PYTHONPATH=. python bench/trained_pair_bench.py --out bench/results       # GPU(s)
     PYTHONPATH=. python bench/trained_pair_bench.py --smoke --out /tmp/tp      # CPU, tiny pair
@@ -77,7 +78,7 @@ def _delta(before: dict[str, float], after: dict[str, float], name: str) -> floa
 
 def measure(
     serve: Serve, config: str, temperature: float, batch: int, prompts: list[str],
-    args: argparse.Namespace,
+    args: argparse.Namespace, repeat: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
     """B streams to --new-tokens each; the window's tokens/s, L and hit rate."""
     base: dict[str, Any] = {"max_tokens": args.new_tokens, "ignore_eos": True,
@@ -87,7 +88,7 @@ def measure(
         base["num_draft_tokens"] = args.num_draft_tokens
     requests = []
     for i in range(batch):
-        params = base | {"request_id": f"{config}-T{temperature:g}-b{batch}-{i}"}
+        params = base | {"request_id": f"{config}-T{temperature:g}-b{batch}-{i}-r{repeat}"}
         if temperature > 0:
             params["seed"] = 1000 + i
         requests.append((prompts[i % len(prompts)], params))
@@ -133,8 +134,9 @@ def report(result: dict[str, Any]) -> str:
         f"{s['draft_ahead']}{saguaro}"
         f"; real acceptance. Held-out prompts; {s['new_tokens']} new tokens per stream.",
         "",
-        "| T | config | batch | tokens/s | x target-only | L | draft-ahead hit rate (asks) |",
-        "|---|---|---|---|---|---|---|",
+        "| T | config | batch | tokens/s (median) | runs' range | x target-only | L "
+        "| draft-ahead hit rate (asks) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     base = {(r["temperature"], r["batch"]): r["tokens_per_s"]
             for r in result["rows"] if r["config"] == "target_only"}  # fmt: skip
@@ -142,8 +144,10 @@ def report(result: dict[str, Any]) -> str:
         ratio = r["tokens_per_s"] / base[(r["temperature"], r["batch"])]
         length = "" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
         hit = "" if r["hit_rate"] is None else f"{r['hit_rate']:.2f} ({r['asks']:.0f})"
+        runs = r.get("tokens_per_s_runs", [r["tokens_per_s"]])
         lines.append(f"| {r['temperature']:g} | {r['config']} | {r['batch']} | "
-                     f"{r['tokens_per_s']:.0f} | {ratio:.2f} | {length} | {hit} |")  # fmt: skip
+                     f"{r['tokens_per_s']:.0f} | {min(runs):.0f}-{max(runs):.0f} | {ratio:.2f} | "
+                     f"{length} | {hit} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -166,10 +170,15 @@ def main(argv: list[str] | None = None) -> int:
                              "(--draft-ahead-spread)")  # fmt: skip
     parser.add_argument("--target-steps", type=int, default=TRAINED.target_steps)
     parser.add_argument("--draft-steps", type=int, default=TRAINED.draft_steps)
+    parser.add_argument("--repeats", type=int, default=3,
+                        help="windows per row (the same streams); the median one's row is "
+                             "kept")  # fmt: skip
     parser.add_argument("--timeout-s", type=float, default=600.0)
     args = parser.parse_args(argv)
     if min(args.batches) < 1 or args.new_tokens < 2 * args.warmup or args.draft_ahead < 1:
         parser.error("--batches must be >= 1, --new-tokens >= 2 x --warmup, --draft-ahead >= 1")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
     if any(not 0 <= t <= 2 for t in args.temperatures):
         parser.error("--temperatures must be in [0, 2]")
     if not args.smoke and not torch.cuda.is_available():
@@ -210,7 +219,13 @@ def main(argv: list[str] | None = None) -> int:
             for config, temperature, batch in jobs:
                 if (config == "ahead") != ahead:
                     continue
-                row = measure(serve, config, temperature, batch, prompts, args)
+                # the same streams (same seeds) --repeats times: the median window's row
+                runs = [measure(serve, config, temperature, batch, prompts, args, r)
+                        for r in range(args.repeats)]  # fmt: skip
+                runs.sort(key=lambda row: row["tokens_per_s"])
+                row = runs[len(runs) // 2] | {
+                    "tokens_per_s_runs": [r["tokens_per_s"] for r in runs]
+                }
                 result["rows"].append(row)
                 bar.update()
     bar.close()

@@ -11,6 +11,7 @@ import grpc
 
 from draft_service.engine import DraftEngine, Push
 from specdec.pb import draft_pb2, draft_pb2_grpc
+from specdec.runner.trace import host_span, trace_of
 from specdec.serving.lifecycle import LifecycleServicer, step_timing
 from specdec.serving.messages import ErrorReason, ProposeEntry, RequestError
 
@@ -26,6 +27,7 @@ class DraftServicer(LifecycleServicer, draft_pb2_grpc.DraftServiceServicer):
 
     def __init__(self, engine: DraftEngine):
         self.engine = engine
+        self._trace = trace_of(getattr(engine, "runner", None))  # host spans, where tracing is on
 
     def Propose(
         self, request_iterator: Iterator[draft_pb2.ProposeBlock], context: grpc.ServicerContext
@@ -51,12 +53,16 @@ class DraftServicer(LifecycleServicer, draft_pb2_grpc.DraftServiceServicer):
                 draft_ahead_s=proposal.ahead_s, draft_ahead_backups=proposal.ahead_backups,
             )  # fmt: skip
             response.timing.CopyFrom(step_timing(proposal.times, time.perf_counter() - start))
+            host_span(self._trace, "answer", start)
             yield response
             # the target verifies this block meanwhile: draft its likely successors
+            start = time.perf_counter()
             self.engine.draft_ahead(proposal.block.request_ids)
-            if block.push_chains:  # and send them before they are asked for (an empty push
+            push = self._push(proposal.block.request_ids) if block.push_chains else None
+            host_span(self._trace, "pass ahead", start)
+            if push is not None:  # and send them before they are asked for (an empty push
                 # if there are none: the hub waits for one after each answer)
-                yield self._push(proposal.block.request_ids)
+                yield push
 
     def _push(self, request_ids: list[str]) -> draft_pb2.ProposeResponse:
         """The push of these requests' chains; empty if there are none, or if it would not fit

@@ -42,6 +42,7 @@ import grpc
 
 from specdec.errors import CacheFullError, InvalidInputError
 from specdec.pb import common_pb2, draft_pb2, target_pb2
+from specdec.runner.trace import host_span, trace_of
 from specdec.serving.blocks import Q_NONE, DraftBlock
 from specdec.serving.messages import AdmitRequest, ErrorReason, RequestError
 from specdec.serving.ngram import NgramConfig, propose_ngram
@@ -140,6 +141,7 @@ class Hub:
     ):
         """`open_link` connects to a draft service by address (default: gRPC, `DraftLink`)."""
         self.engine = engine
+        self._trace = trace_of(getattr(engine, "runner", None))  # host spans, where tracing is on
         self._on_end = on_end  # after every request is released and the draft link closed
         self._config = engine.config
         self._controls: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -507,6 +509,7 @@ class Hub:
             group.ahead_backups = response.draft_ahead_backups
         if answer is None and pushed is None:  # seeded requests sit out a stall's step too
             group.requests = [r for r in group.requests if not self._draft.waits_for_draft(r)]
+        host_span(self._trace, "wait for drafts", start)
         local = [r for r in group.requests if r.request_id not in served]
         self._append_local(group.block, local)
         # fallen back: draft requests that would have been drafted for (k > 0) but were not

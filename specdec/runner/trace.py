@@ -12,6 +12,10 @@ host time when the trace starts (one synchronisation, once per process). Event t
 float32 milliseconds from that anchor: about 8 us resolution after two minutes, 60 us after
 ten. On the CPU the marks are host times. Unset (the default), nothing is recorded and
 nothing is added to a step. `bench/e2e_timeline.py` reads the files.
+
+Host spans (`host`, named "host:<what>") mark where a service's host thread waited or worked
+on the critical path between device steps: the hub waiting for drafts, the draft answering an
+ask and running its pass ahead. They are perf_counter intervals placed on the same clock.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ class Trace:
         self.device = device
         self._anchor: torch.cuda.Event | None = None
         self._anchor_s = time.time() - time.perf_counter()  # CPU marks are perf_counter times
+        self._host_s = self._anchor_s  # perf_counter → Unix clock, for host spans on any device
         if device.type == "cuda":
             with torch.cuda.device(device):
                 torch.cuda.synchronize()
@@ -73,6 +78,23 @@ class Trace:
             a = self._anchor_s + self._anchor.elapsed_time(start) / 1e3
             b = self._anchor_s + self._anchor.elapsed_time(end) / 1e3
         self._file.write(json.dumps([name, round(a, 6), round(b, 6)]) + "\n")
+
+    def host(self, name: str, start: float, end: float) -> None:
+        """Writes the host span "host:`name`" between two perf_counter times."""
+        a, b = self._host_s + start, self._host_s + end
+        self._file.write(json.dumps([f"host:{name}", round(a, 6), round(b, 6)]) + "\n")
+
+
+def trace_of(runner: object) -> Trace | None:
+    """The trace of `runner`'s device where tracing is on (None otherwise, or without one)."""
+    device = getattr(runner, "device", None) if os.environ.get(ENV) else None
+    return Trace.for_device(device) if isinstance(device, torch.device) else None
+
+
+def host_span(trace: Trace | None, name: str, start: float) -> None:
+    """A host span from `start` (perf_counter) to now, where a trace is on."""
+    if trace is not None:
+        trace.host(name, start, time.perf_counter())
 
 
 def _describe(device: torch.device) -> dict[str, str]:

@@ -91,6 +91,14 @@ def test_smoke_through_serve_has_every_row(smoke: tuple[Path, dict[str, Any]]) -
             drafted = {"target_only": set(), "lockstep_L3": {"draft"}, "ahead_h1_L3": {"ahead"}}
             assert "verify" in names and names & {"draft", "ahead"} >= drafted[config]
             assert config != "target_only" or not names & {"draft", "ahead"}
+            # the services' host threads on the critical path: lanes of their own
+            lanes = {"host of target (CPU)", "host of draft (CPU)"}
+            assert config == "target_only" or lanes <= set(r["gpus"]["timeline"])
+        host = r["gpus"]["host"]  # shares of the window
+        if config != "target_only":  # the hub waited for drafts the draft answered
+            assert 0 < host["wait for drafts"] <= 1 and 0 < host["answer"] <= 1
+        if config == "ahead_h1_L3":
+            assert 0 < host["pass ahead"] <= 1
         assert r["hub_steps"] >= 2 and r["client_responses_median"] >= 2
         assert r["fallback_steps"] == 0  # else the bench exits 1 (fixture: returncode 0)
         per_step = r["tokens_per_step_per_request"]

@@ -36,7 +36,25 @@ def test_services_sharing_a_gpu_make_one_lane(tmp_path: Path) -> None:
     assert [s[0] for s in split["timeline"]["GPU 0 (draft)"]] == ["draft", "ahead"]
     _write(tmp_path, 2, "GPU-a", [["verify", 0.1, 0.4]])
     shared = e2e_timeline.window(tmp_path, 0.0, 1.0, keep_timeline=False)
-    assert shared == {"busy": {"GPU 0 (draft + target)": pytest.approx(0.5)}}
+    assert shared == {"busy": {"GPU 0 (draft + target)": pytest.approx(0.5)}, "host": {}}
+
+
+def test_host_spans_have_a_lane_of_their_own_and_count_in_no_gpu(tmp_path: Path) -> None:
+    _write(tmp_path, 1, "GPU-a", [["ahead", 0.0, 0.5], ["host:pass ahead", 0.0, 0.6],
+                                  ["host:answer", 0.6, 0.7]])  # fmt: skip
+    _write(tmp_path, 2, "GPU-b", [["verify", 0.1, 0.4], ["host:wait for drafts", 0.4, 0.7]])
+    w = e2e_timeline.window(tmp_path, 0.0, 1.0, keep_timeline=True)
+    assert w["busy"] == {"GPU 0 (draft)": pytest.approx(0.5), "GPU 1 (target)": pytest.approx(0.3)}
+    assert w["host"] == {
+        "answer": pytest.approx(0.1), "pass ahead": pytest.approx(0.6),
+        "wait for drafts": pytest.approx(0.3),
+    }  # fmt: skip
+    assert list(w["timeline"]) == [
+        "GPU 0 (draft)", "GPU 1 (target)", "host of draft (GPU 0)", "host of target (GPU 1)"
+    ]  # fmt: skip
+    assert [s[0] for s in w["timeline"]["host of draft (GPU 0)"]] == [
+        "host:pass ahead", "host:answer"
+    ]  # fmt: skip
 
 
 def test_gpus_are_numbered_among_gpus_and_a_service_without_one_is_the_cpu(

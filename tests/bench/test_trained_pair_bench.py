@@ -15,13 +15,16 @@ def test_smoke_has_every_row_with_real_acceptance(tmp_path: Path) -> None:
     out = tmp_path / "out"
     argv = ["--smoke", "--out", str(out), "--cache", str(tmp_path / "cache"),
             "--temperatures", "0", "0.7", "--batches", "1", "2", "--timeout-s", "300",
-            "--spread"]  # fmt: skip
+            "--spread", "--repeats", "2"]  # fmt: skip
     assert trained_pair_bench.main(argv) == 0
     r = json.loads((out / "trained_pair_cpu.json").read_text())
     rows = {(row["config"], row["temperature"], row["batch"]): row for row in r["rows"]}
     assert set(rows) == {(c, t, b) for c in trained_pair_bench.CONFIGS for t in (0.0, 0.7)
                          for b in (1, 2)}  # fmt: skip
     assert all(row["tokens_per_s"] > 0 for row in rows.values())
+    for row in rows.values():  # two windows of the same streams; the median one's row kept
+        runs = row["tokens_per_s_runs"]
+        assert len(runs) == 2 and runs == sorted(runs) and row["tokens_per_s"] == runs[1]
     for key, row in rows.items():
         if key[0] == "target_only":
             assert row["acceptance_length"] is None and row["hit_rate"] is None
@@ -34,6 +37,7 @@ def test_smoke_has_every_row_with_real_acceptance(tmp_path: Path) -> None:
 
 
 def test_bad_flags_are_refused(tmp_path: Path) -> None:
-    for bad in (["--batches", "0"], ["--temperatures", "3"], ["--draft-ahead", "0"]):
+    for bad in (["--batches", "0"], ["--temperatures", "3"], ["--draft-ahead", "0"],
+                ["--repeats", "0"]):  # fmt: skip
         with pytest.raises(SystemExit):
             trained_pair_bench.main(["--smoke", "--out", str(tmp_path), *bad])

@@ -69,3 +69,30 @@ def test_cuda_span(traced: Path) -> None:
     _check(traced, torch.device("cuda", torch.cuda.current_device()))
     [process] = e2e_timeline.read(traced)
     assert process["gpu"] != "cpu"
+
+
+def test_a_host_span_is_the_perf_counter_interval_on_the_same_clock(traced: Path) -> None:
+    class Runner:
+        device = torch.device("cpu")
+
+    t = trace.trace_of(Runner())
+    assert t is not None and trace.trace_of(object()) is None  # no device: no trace
+    before = time.time()
+    start = time.perf_counter()
+    time.sleep(0.01)
+    trace.host_span(t, "wait for drafts", start)
+    after = time.time()
+    [process] = e2e_timeline.read(traced)
+    [[name, a, b]] = process["spans"]
+    assert name == "host:wait for drafts"
+    assert before - 1e-3 <= a < b <= after + 1e-3 and b - a >= 0.01
+
+
+def test_no_host_span_without_a_trace(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(trace.ENV, raising=False)
+
+    class Runner:
+        device = torch.device("cpu")
+
+    assert trace.trace_of(Runner()) is None
+    trace.host_span(None, "answer", time.perf_counter())  # nothing to write, nothing raised
