@@ -8,9 +8,11 @@ through `specdec serve` and the client at temperature 0 and above.
    budget on the CPU.
 2. Rows: for each --temperatures and --batches, B concurrent streams of held-out source
    prompts (seeded where sampled), target-only, lock-step speculation and draft-ahead (F =
-   --draft-ahead guesses per position; with --saguaro-scale, Saguaro sampling as well), each
-   served by `specdec serve` on the pair (split: draft and target on a GPU each; one GPU or
-   the CPU: shared). No synthetic acceptance: every accepted token is the draft's.
+   --draft-ahead guesses per position; with --saguaro-scale, Saguaro sampling as well) and,
+   with --dynamic, lock-step under dynamic speculation (unseeded: a seeded sampled request
+   keeps its k), each served by `specdec serve` on the pair (split: draft and target on a
+   GPU each; one GPU or the CPU: shared). No synthetic acceptance: every accepted token is
+   the draft's.
    Reported per row: tokens/s over the window (from when every stream has --warmup
    responses to when the first one finishes; the median of --repeats windows of the same
    streams, their range beside it), over target-only's at the same temperature and batch;
@@ -52,7 +54,7 @@ TRAINED = DemoBudget(
     target=LlamaShape(12, 768, 12, 4, 2048), draft=LlamaShape(2, 512, 8, 4, 1536),
     target_steps=3000, draft_steps=1500, lr=1e-3,
 )  # fmt: skip
-CONFIGS = ("target_only", "lockstep", "ahead")
+CONFIGS = ("target_only", "lockstep", "ahead", "dynamic")
 
 
 def budget_for(args: argparse.Namespace) -> DemoBudget:
@@ -72,6 +74,22 @@ def _settings(args: argparse.Namespace, pair: Any, budget: DemoBudget) -> dict[s
     return s | {"draft_ahead": args.draft_ahead}
 
 
+def serve_starts(args: argparse.Namespace) -> list[tuple[str, list[str], tuple[str, ...]]]:
+    """(name, `specdec serve` flags, the configs it serves) per serve start: target-only and
+    lock-step; draft-ahead; with --dynamic, lock-step under dynamic speculation (its rows'
+    sampled requests unseeded, since a seeded sampled request keeps its k)."""
+    ahead = ["--draft-ahead", str(args.draft_ahead)]
+    if args.saguaro_scale != 1:
+        ahead += ["--saguaro-scale", str(args.saguaro_scale)]
+    if args.spread:
+        ahead += ["--draft-ahead-spread"]
+    starts = [("serve_trained", [], ("target_only", "lockstep")),
+              ("serve_trained_ahead", ahead, ("ahead",))]  # fmt: skip
+    if args.dynamic:
+        starts.append(("serve_trained_dynamic", ["--dynamic-speculation"], ("dynamic",)))
+    return starts
+
+
 def _delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
     return after.get(f"specdec:{name}", 0.0) - before.get(f"specdec:{name}", 0.0)
 
@@ -89,7 +107,7 @@ def measure(
     requests = []
     for i in range(batch):
         params = base | {"request_id": f"{config}-T{temperature:g}-b{batch}-{i}-r{repeat}"}
-        if temperature > 0:
+        if temperature > 0 and config != "dynamic":  # a seeded sampled request keeps its k
             params["seed"] = 1000 + i
         requests.append((prompts[i % len(prompts)], params))
     wait_idle(serve.metrics_url)
@@ -170,6 +188,9 @@ def main(argv: list[str] | None = None) -> int:
                              "(--draft-ahead-spread)")  # fmt: skip
     parser.add_argument("--target-steps", type=int, default=TRAINED.target_steps)
     parser.add_argument("--draft-steps", type=int, default=TRAINED.draft_steps)
+    parser.add_argument("--dynamic", action="store_true",
+                        help="also lock-step rows under dynamic speculation "
+                             "(--dynamic-speculation; sampled requests unseeded)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3,
                         help="windows per row (the same streams); the median one's row is "
                              "kept")  # fmt: skip
@@ -205,19 +226,15 @@ def main(argv: list[str] | None = None) -> int:
         "training": {k: v for k, v in pair.training.items() if k != "recipe"},
         "rows": [],
     }
-    jobs = [(c, t, b) for c in CONFIGS for t in args.temperatures for b in args.batches]
+    starts = serve_starts(args)
+    jobs = [(c, t, b) for _, _, configs in starts for c in configs
+            for t in args.temperatures for b in args.batches]  # fmt: skip
     bar = tqdm(total=len(jobs), desc="rows", unit="row")
-    for ahead in (False, True):
-        extra = ["--draft-ahead", str(args.draft_ahead)] if ahead else []
-        if ahead and args.saguaro_scale != 1:
-            extra += ["--saguaro-scale", str(args.saguaro_scale)]
-        if ahead and args.spread:
-            extra += ["--draft-ahead-spread"]
-        name = "serve_trained_ahead" if ahead else "serve_trained"
+    for name, extra, configs in starts:
         with serving(s, None, log_dir, args.timeout_s, placement=placement, extra=extra,
                      name=name) as serve:  # fmt: skip
             for config, temperature, batch in jobs:
-                if (config == "ahead") != ahead:
+                if config not in configs:
                     continue
                 # the same streams (same seeds) --repeats times: the median window's row
                 runs = [measure(serve, config, temperature, batch, prompts, args, r)

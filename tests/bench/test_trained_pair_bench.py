@@ -15,7 +15,7 @@ def test_smoke_has_every_row_with_real_acceptance(tmp_path: Path) -> None:
     out = tmp_path / "out"
     argv = ["--smoke", "--out", str(out), "--cache", str(tmp_path / "cache"),
             "--temperatures", "0", "0.7", "--batches", "1", "2", "--timeout-s", "300",
-            "--spread", "--repeats", "2"]  # fmt: skip
+            "--spread", "--repeats", "2", "--dynamic"]  # fmt: skip
     assert trained_pair_bench.main(argv) == 0
     r = json.loads((out / "trained_pair_cpu.json").read_text())
     rows = {(row["config"], row["temperature"], row["batch"]): row for row in r["rows"]}
@@ -28,6 +28,8 @@ def test_smoke_has_every_row_with_real_acceptance(tmp_path: Path) -> None:
     for key, row in rows.items():
         if key[0] == "target_only":
             assert row["acceptance_length"] is None and row["hit_rate"] is None
+        elif key[0] == "dynamic":  # its k is the target's choice, 0 included: no L to expect
+            assert row["hit_rate"] is None
         else:  # the tiny distilled draft guesses its target's greedy tokens often
             assert row["acceptance_length"] is not None and row["acceptance_length"] > 1.0, key
     assert rows[("ahead", 0.0, 1)]["asks"] > 0 and rows[("ahead", 0.0, 1)]["hit_rate"] > 0
