@@ -668,9 +668,11 @@ def rejection_sample_triton(
     parts = torch.empty((5, rows, num_splits), dtype=torch.float32, device=device)
     pmax, psum, pval = parts[0], parts[1], parts[2]
     pidx, pbad = parts[3].view(torch.int32), parts[4].view(torch.int32)
-    # never read: placeholders for absent inputs (fresh, so aligned as the real ones are)
-    dummy_f = torch.empty(4, dtype=torch.float32, device=device)
-    dummy_i = dummy_f.view(torch.int32)
+    # placeholders for absent inputs, one entry per row: the race loads q_ids' entry t of each
+    # draft token in every q form (only a sparse q uses it), so a shorter one is read past its
+    # end. thresholds is a fresh tensor (q_ptr keeps its alignment); row_req's is not
+    # specialised on
+    dummy_f, dummy_i = x.thresholds, x.row_req
     q = x.q_probs if x.q_probs is not None else dummy_f
     q_ids = x.q_ids if x.q_ids is not None else dummy_i
     draft_ids = x.draft_ids if x.draft_ids.numel() else dummy_i  # no null pointers
