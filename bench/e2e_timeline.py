@@ -23,6 +23,7 @@ TIMELINE_S = 1.0
 COLORS = {"draft": "C0", "ahead": "C9", "verify": "C3", "sampler": "C1", "prefill": "C5",
           "host:wait for drafts": "0.55", "host:answer": "C2", "host:pass ahead": "C4"}  # fmt: skip
 HOST = "host:"  # host spans (`specdec.runner.trace.Trace.host`): a lane of their own, not busy
+HOST_LANE = "host of "  # such a lane's name: "host of <roles> (<device>)"
 
 
 def read(directory: Path) -> list[dict[str, Any]]:
@@ -47,17 +48,18 @@ def lanes(processes: list[dict[str, Any]]) -> dict[str, list[list[Any]]]:
     run's GPUs in UUID order (not necessarily nvidia-smi's index); "CPU" holds the work of
     services without a GPU (the draft stand-in's, on a GPU machine)."""
     by_gpu: dict[str, list[list[Any]]] = {}
+    hosts = []  # (gpu, the process's device spans, its host spans)
     for p in processes:
-        by_gpu.setdefault(p["gpu"], []).extend(s for s in p["spans"] if not s[0].startswith(HOST))
+        device = [s for s in p["spans"] if not s[0].startswith(HOST)]
+        by_gpu.setdefault(p["gpu"], []).extend(device)
+        hosts.append((p["gpu"], device, [s for s in p["spans"] if s[0].startswith(HOST)]))
     number = {gpu: i for i, gpu in enumerate(sorted(g for g in by_gpu if g != "cpu"))}
     out = {}
     for gpu, spans in by_gpu.items():
         out[f"{_where(gpu, number)} ({_roles(spans)})"] = sorted(spans, key=lambda s: s[1])
-    for p in processes:  # each process's host spans under its device's lane
-        host = [s for s in p["spans"] if s[0].startswith(HOST)]
+    for gpu, device, host in hosts:  # each process's host spans after the device lanes
         if host:
-            mine = [s for s in p["spans"] if not s[0].startswith(HOST)]
-            lane = f"host of {_roles(mine)} ({_where(p['gpu'], number)})"
+            lane = f"{HOST_LANE}{_roles(device)} ({_where(gpu, number)})"
             out.setdefault(lane, []).extend(sorted(host, key=lambda s: s[1]))
     return out
 
@@ -88,11 +90,11 @@ def window(directory: Path, t0: float, t1: float, keep_timeline: bool) -> dict[s
     window's first TIMELINE_S seconds (times from t0)."""
     found = lanes(read(directory))
     out: dict[str, Any] = {
-        "busy": {gpu: busy(s, t0, t1) for gpu, s in found.items() if not gpu.startswith("host")},
+        "busy": {gpu: busy(s, t0, t1) for gpu, s in found.items() if not gpu.startswith(HOST_LANE)},
         # each host span's share of the window, e.g. "wait for drafts": the hub's waits
         "host": {
             name[len(HOST):]: busy([x for x in s if x[0] == name], t0, t1)
-            for lane, s in found.items() if lane.startswith("host")
+            for lane, s in found.items() if lane.startswith(HOST_LANE)
             for name in sorted({x[0] for x in s})
         },
     }  # fmt: skip
@@ -130,7 +132,7 @@ def plot(
             for lane, (name, spans) in enumerate(timeline.items()):
                 bars = [(a * 1e3, (b - a) * 1e3) for _, a, b in spans if a < span_s]
                 colors = [COLORS.get(n, "k") for n, a, _ in spans if a < span_s]
-                high = 0.4 if name.startswith("host") else 0.8  # host lanes: thinner bars
+                high = 0.4 if name.startswith(HOST_LANE) else 0.8  # host lanes: thinner bars
                 ax.broken_barh(bars, (lane - high / 2, high), facecolors=colors, linewidth=0)
             ax.set_yticks(range(len(timeline)), list(timeline))
             ax.set_xlim(0, span_s * 1e3)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from itertools import product
 from pathlib import Path
 from typing import Any
 
@@ -162,7 +163,7 @@ def report(result: dict[str, Any]) -> str:
         ratio = r["tokens_per_s"] / base[(r["temperature"], r["batch"])]
         length = "" if r["acceptance_length"] is None else f"{r['acceptance_length']:.2f}"
         hit = "" if r["hit_rate"] is None else f"{r['hit_rate']:.2f} ({r['asks']:.0f})"
-        runs = r.get("tokens_per_s_runs", [r["tokens_per_s"]])
+        runs = r["tokens_per_s_runs"]
         lines.append(f"| {r['temperature']:g} | {r['config']} | {r['batch']} | "
                      f"{r['tokens_per_s']:.0f} | {min(runs):.0f}-{max(runs):.0f} | {ratio:.2f} | "
                      f"{length} | {hit} |")  # fmt: skip
@@ -227,15 +228,12 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [],
     }
     starts = serve_starts(args)
-    jobs = [(c, t, b) for _, _, configs in starts for c in configs
-            for t in args.temperatures for b in args.batches]  # fmt: skip
-    bar = tqdm(total=len(jobs), desc="rows", unit="row")
+    rows = sum(len(configs) for *_, configs in starts) * len(args.temperatures) * len(args.batches)
+    bar = tqdm(total=rows, desc="rows", unit="row")
     for name, extra, configs in starts:
         with serving(s, None, log_dir, args.timeout_s, placement=placement, extra=extra,
                      name=name) as serve:  # fmt: skip
-            for config, temperature, batch in jobs:
-                if config not in configs:
-                    continue
+            for config, temperature, batch in product(configs, args.temperatures, args.batches):
                 # the same streams (same seeds) --repeats times: the median window's row
                 runs = [measure(serve, config, temperature, batch, prompts, args, r)
                         for r in range(args.repeats)]  # fmt: skip

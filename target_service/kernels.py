@@ -636,16 +636,16 @@ def launch_shape(
         splits = max(1, min(triton.cdiv(per_sm * sms, programs), triton.cdiv(width, blk), cap))
         return triton.cdiv(triton.cdiv(width, splits), blk) * blk
 
+    def race_cap(b: int) -> int:  # small batches want more race splits (H200 sweep)
+        return race_max_splits or max(64, 256 // b)  # batch 1: 256; 64 from batch 4 on
+
     stats_cap = 64
     stats = split(rows, programs_per_sm, block, stats_cap)
-    # small batches want more race splits (batch 1: 256; 64 from batch 4 on; H200 sweep)
-    race_cap = race_max_splits or max(64, 256 // batch)
-    race = split(batch, race_programs_per_sm, race_block, race_cap)
-    widest = (min(stats_cap, triton.cdiv(width, block)),
-              min(race_max_splits or 256, triton.cdiv(width, race_block)))  # fmt: skip
+    race = split(batch, race_programs_per_sm, race_block, race_cap(batch))
     return LaunchShape(
         block, stats, race, num_warps, num_stages, race_block, race_warps, race_stages,
-        min_stats_splits=widest[0], min_race_splits=widest[1],
+        min_stats_splits=min(stats_cap, triton.cdiv(width, block)),
+        min_race_splits=min(race_cap(1), triton.cdiv(width, race_block)),  # batch 1's: widest
     )  # fmt: skip
 
 

@@ -122,8 +122,8 @@ def _serve(config: TargetConfig, runner: ModelRunner) -> tuple[Server, TargetEng
         # speculation every step): on a GPU the sampler's kernels are specialised by powers of
         # two of k and k + 1, so each k is compiled before the first request; the CPU compiles
         # nothing, and under dynamic speculation each k is warmed up there as before
-        every_k = config.dynamic_speculation or engine.runner.device.type == "cuda"
         on_gpu = engine.runner.device.type == "cuda"
+        every_k = config.dynamic_speculation or on_gpu
         warm_up(engine, range(1, k_max + 1) if every_k else (1,),
                 engine.vocab_size if on_gpu else None)  # fmt: skip
         if config.draft_address is not None:

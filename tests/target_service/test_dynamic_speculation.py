@@ -14,6 +14,8 @@ import torch
 from bench.local import LocalPair
 from specdec.runner import ModelRunner
 from specdec.sampling_params import SamplingParams
+from specdec.serving.blocks import DraftBlock
+from specdec.serving.messages import AdmitRequest
 from target_service.speculation import MIN_DRAFTS, KChooser
 from target_service.synthetic import SyntheticAcceptance
 from tests.draft_service.models import TOKENIZER_VOCAB, greedy_reference
@@ -183,30 +185,34 @@ def test_the_hub_stops_drafting_what_is_never_accepted(checkpoints: tuple[Path, 
     assert tail.count(0) >= len(tail) - 3 and 4 in tail, ks
 
 
+class WarmUpEngine:
+    """What `warm_up` calls of a TargetEngine: the blocks it verifies, the requests it holds."""
+
+    def __init__(self) -> None:
+        self.held: set[str] = set()
+        self.blocks: list[DraftBlock] = []
+
+    def admit(self, adm: AdmitRequest) -> None:
+        self.held.add(adm.request_id)
+
+    def verify(self, block: DraftBlock) -> None:
+        self.blocks.append(block)
+
+    def release(self, ids: list[str]) -> None:
+        self.held -= set(ids)
+
+
 def test_the_target_warms_up_every_k_it_may_run() -> None:
     """Under dynamic speculation any k up to the limit can come: each is verified once before
     serving, so no request pays a compile (the sampler's kernels are compiled per k)."""
     from target_service.server import warm_up
 
-    class Engine:
-        def __init__(self) -> None:
-            self.held: set[str] = set()
-            self.verified: list[list[int]] = []
-
-        def admit(self, adm: object) -> None:
-            self.held.add(adm.request_id)  # type: ignore[attr-defined]
-
-        def verify(self, block: object) -> None:
-            self.verified.append(list(block.num_draft_tokens))  # type: ignore[attr-defined]
-
-        def release(self, ids: list[str]) -> None:
-            self.held -= set(ids)
-
-    engine = Engine()
+    engine = WarmUpEngine()
     warm_up(engine, range(1, 5))  # type: ignore[arg-type]
     # per k a block of k alone, then one mixing k with k = 0 (the sampler's gather); last a
     # lone request without drafts (a backup at batch 1: a one-token graph of its own)
-    assert engine.verified == [[1], [1, 0], [2], [2, 0], [3], [3, 0], [4], [4, 0], [0]]
+    verified = [b.num_draft_tokens for b in engine.blocks]
+    assert verified == [[1], [1, 0], [2], [2, 0], [3], [3, 0], [4], [4, 0], [0]]
     assert not engine.held
 
 
@@ -215,26 +221,14 @@ def test_on_a_gpu_the_target_also_warms_up_each_q_form() -> None:
     a dense q over the vocabulary: each q form is a sampler variant of its own."""
     from target_service.server import warm_up
 
-    class Engine:
-        def __init__(self) -> None:
-            self.held: set[str] = set()
-            self.verified: list[tuple[list[int], list[int], int | None]] = []
-
-        def admit(self, adm: object) -> None:
-            self.held.add(adm.request_id)  # type: ignore[attr-defined]
-
-        def verify(self, block: object) -> None:
-            dense = block.dense  # type: ignore[attr-defined]
-            width = None if dense is None else dense.probs.shape[1]
-            self.verified.append((list(block.num_draft_tokens), list(block.q_forms), width))  # type: ignore[attr-defined]
-
-        def release(self, ids: list[str]) -> None:
-            self.held -= set(ids)
-
-    engine = Engine()
+    engine = WarmUpEngine()
     warm_up(engine, range(1, 3), vocab_size=50)  # type: ignore[arg-type]
+    verified = [
+        (b.num_draft_tokens, b.q_forms, None if b.dense is None else b.dense.probs.shape[1])
+        for b in engine.blocks
+    ]
     none, sparse, dense = 0, 2, 1  # specdec.v1.QForm
-    assert engine.verified == [
+    assert verified == [
         ([1], [none], None), ([1, 0], [none, none], None), ([1], [sparse], None),
         ([1], [dense], 50), ([2], [none], None), ([2, 0], [none, none], None),
         ([2], [sparse], None), ([2], [dense], 50), ([0], [none], None),
