@@ -21,7 +21,8 @@ from typing import Any
 DRAFT_SPANS, TARGET_SPANS = {"draft", "ahead"}, {"verify", "sampler", "prefill"}
 TIMELINE_S = 1.0
 COLORS = {"draft": "C0", "ahead": "C9", "verify": "C3", "sampler": "C1", "prefill": "C5",
-          "host:wait for drafts": "0.55", "host:answer": "C2", "host:pass ahead": "C4"}  # fmt: skip
+          "host:wait for drafts": "0.55", "host:answer": "C2", "host:pass ahead": "C4",
+          "host:send": "C8"}  # fmt: skip
 HOST = "host:"  # host spans (`specdec.runner.trace.Trace.host`): a lane of their own, not busy
 HOST_LANE = "host of "  # such a lane's name: "host of <roles> (<device>)"
 
@@ -130,8 +131,11 @@ def plot(
         timeline = r["gpus"]["timeline"]
         for ax, span_s in ((ax_all, TIMELINE_S), (ax_zoom, 0.06)):
             for lane, (name, spans) in enumerate(timeline.items()):
-                bars = [(a * 1e3, (b - a) * 1e3) for _, a, b in spans if a < span_s]
-                colors = [COLORS.get(n, "k") for n, a, _ in spans if a < span_s]
+                # a host span's parts ("host:ahead: fork", inside "host:pass ahead") are only
+                # in the shares: drawn, they would hide the span they divide
+                drawn = [s for s in spans if s[1] < span_s and ": " not in s[0][len(HOST) :]]
+                bars = [(a * 1e3, (b - a) * 1e3) for _, a, b in drawn]
+                colors = [COLORS.get(n, "k") for n, _, _ in drawn]
                 high = 0.4 if name.startswith(HOST_LANE) else 0.8  # host lanes: thinner bars
                 ax.broken_barh(bars, (lane - high / 2, high), facecolors=colors, linewidth=0)
             ax.set_yticks(range(len(timeline)), list(timeline))

@@ -7,6 +7,7 @@ ask takes the chain drafted for its verdict, if any, and every other chain's slo
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Sequence
 
 import torch
@@ -16,6 +17,7 @@ from draft_service.config import DraftConfig
 from draft_service.drafting import Drafter, DraftRequest, q_tensors
 from specdec.runner import ModelRunner
 from specdec.runner.timing import StepClock
+from specdec.runner.trace import host_span, trace_of
 from specdec.serving.messages import ModelInfo, ProposeEntry
 
 log = logging.getLogger(__name__)
@@ -40,6 +42,7 @@ class AheadPass:
         self.seconds = 0.0  # device time of the passes ahead since the last proposal
         self._accepted = ahead.AcceptedCounts()  # the verdicts' accepted counts seen so far
         self._ranks = ahead.GuessRanks()  # the ranks of the tokens they added (the spread's)
+        self._trace = trace_of(runner)  # the pass's parts as host spans, where tracing is on
 
     def run(self, request_ids: Sequence[str]) -> int:
         """`DraftEngine.draft_ahead`'s pass, on the runner's device: the catch-up, then the
@@ -107,7 +110,10 @@ class AheadPass:
         clean-up if this raises."""
         runner = self.runner
         assert runner is not None
+        start = time.perf_counter()
         self.seconds += self._bonus_guesses(ready)
+        host_span(self._trace, "ahead: bonus", start)
+        start = time.perf_counter()
         ranked = []  # (rank, request) order: every request's first guess before any second
         chances = []  # with the spread: each request's hypotheses and their chances
         for i, (_, req) in enumerate(ready):
@@ -137,13 +143,17 @@ class AheadPass:
                 DraftRequest([*prefix, h.token], req.sampling, req.next_step + 1, prefix)
             )
             forks.append((rid, bid, len(prefix)))
+        host_span(self._trace, "ahead: prepare", start)
+        start = time.perf_counter()
         clock = StepClock(runner.device)  # the KV copies count as the pass's device time
         clock.mark()
         runner.fork(forks)
         clock.mark()
+        host_span(self._trace, "ahead: fork", start)
         ks = [ready[i][1].k for i, _ in chosen]
         drafted, q, sampled, guesses, times = self._drafter.drafts(ids, branches, ks, True, "ahead")
         self.seconds += clock.seconds(0, 1) + times.forward_s  # read after the drafts' sync
+        kept_at = time.perf_counter()
         tensors, start = q_tensors(q) or (), 0
         for n, (i, h) in enumerate(chosen):
             req = ready[i][1]
@@ -153,6 +163,7 @@ class AheadPass:
                 start += ks[n]
             chain = ahead.Chain(ids[n], drafted[n], rows, branches[n].kv, guesses[n])
             req.chains[h.verdict(req.drafts)] = chain
+        host_span(self._trace, "ahead: keep", kept_at)
         return len(ids)
 
     def _bonus_guesses(self, ready: list[tuple[str, DraftRequest]]) -> float:

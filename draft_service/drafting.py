@@ -9,6 +9,7 @@ graph on GPU) each sample one more. The KV then holds S + d_1 .. d_{k-1}.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -19,6 +20,7 @@ from draft_service.config import DraftConfig
 from draft_service.sampling import sample_draft
 from specdec.runner import ForwardItem, ModelRunner
 from specdec.runner.timing import StepClock, StepTimes
+from specdec.runner.trace import host_span, trace_of
 from specdec.sampling_params import SamplingParams
 from specdec.serving.blocks import DenseQ, DraftQ, SparseQ
 
@@ -123,6 +125,7 @@ class Drafter:
             with_guesses(self._head, vocab_size, guesses),
             with_guesses(self._greedy_head, vocab_size, guesses),
         )
+        self._trace = trace_of(runner)  # host spans of the launches and the read, where on
         if runner is not None:  # the `last` head input of one-token steps: row 0
             self._zeros = torch.zeros(
                 runner.config.max_slots, dtype=torch.long, device=runner.config.device
@@ -154,6 +157,7 @@ class Drafter:
         runner = self.runner
         assert runner is not None
         eager, graphs = runner.eager_steps, runner.graph_steps
+        start = time.perf_counter()
         clock = StepClock(runner.device)
         clock.mark()
         tails = self._catch_up_tails(ids, reqs)
@@ -176,7 +180,10 @@ class Drafter:
             assert isinstance(outs, tuple)
             steps.append(_kept(rows, outs, guess))
         clock.mark()
+        host_span(self._trace, f"{span}: launch", start)
+        start = time.perf_counter()
         drafted, q, guesses = _read_drafts(steps, ks, sampled, runner)  # the step's one sync
+        host_span(self._trace, f"{span}: read", start)
         for b, req in enumerate(reqs):
             req.kv = req.tokens + drafted[b][: ks[b] - 1]
         graphed = runner.eager_steps == eager and runner.graph_steps > graphs

@@ -54,7 +54,9 @@ class DraftServicer(LifecycleServicer, draft_pb2_grpc.DraftServiceServicer):
             )  # fmt: skip
             response.timing.CopyFrom(step_timing(proposal.times, time.perf_counter() - start))
             host_span(self._trace, "answer", start)
-            yield response
+            start = time.perf_counter()
+            yield response  # returns once gRPC has sent it
+            host_span(self._trace, "send", start)
             # the target verifies this block meanwhile: draft its likely successors
             start = time.perf_counter()
             self.engine.draft_ahead(proposal.block.request_ids)
