@@ -128,9 +128,10 @@ class SlotCache(_Checks):
             self._check_length("fork", source, length)
         slots = [[self.slot(s) for s, _, _ in branches], [self.slot(b) for _, b, _ in branches]]
         src, dst = torch.tensor(slots).to(self._all.device, non_blocking=True)
-        longest = max(length for _, _, length in branches)
-        # past a branch's own length its rows are never read
-        self._all[:, dst, :, :, :longest] = self._all[:, src, :, :, :longest]
+        # [layers, slots, 2, kv_heads, positions, head_dim]: past a branch's own length its
+        # positions are never read
+        held = self._all.narrow(4, 0, max(length for _, _, length in branches))
+        held.index_copy_(1, dst, held.index_select(1, src))
         for _, branch, length in branches:
             self._length[self.slot(branch)] = length
 

@@ -10,6 +10,7 @@ plain-torch `model.Transformer`; any other causal LM on transformers' own model 
 import contextlib
 import functools
 import logging
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -160,6 +161,8 @@ class ModelRunner:
         # not (no captured shape fits): the services report both
         self.graph_steps = 0
         self.eager_steps = 0
+        self._staging: torch.Tensor | None = None  # `to_host`'s pinned buffer, kept
+        self._staging_lock = threading.Lock()
         if (
             isinstance(backend, FastBackend)
             and self._device.type == "cuda"
@@ -683,15 +686,28 @@ class ModelRunner:
 
     @_on_own_device
     def to_host(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
-        """CPU copies of device tensors with one host synchronisation for all of them (pinned
-        buffers, non-blocking copies, then one wait): the step's one sync."""
+        """CPU copies of device tensors with one host synchronisation for all of them
+        (non-blocking copies into one pinned buffer, one wait, then copies out): the step's one
+        sync. The buffer is the runner's, grown to the largest read and kept: a pinned
+        allocation of a new size (cudaHostAlloc) can hold a step for milliseconds."""
         if self._device.type != "cuda":
             return list(tensors)
-        host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-        for h, t in zip(host, tensors, strict=True):
-            h.copy_(t, non_blocking=True)
-        torch.cuda.current_stream(self._device).synchronize()
-        return host
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        starts = [0]
+        for n in sizes:  # 64-byte aligned, so that each view may take any dtype
+            starts.append(starts[-1] + -(-n // 64) * 64)
+        with self._staging_lock:
+            if self._staging is None or self._staging.numel() < starts[-1]:
+                size = max(starts[-1], 2 * (0 if self._staging is None else self._staging.numel()))
+                self._staging = torch.empty(max(size, 1 << 16), dtype=torch.uint8, pin_memory=True)
+            views = [
+                self._staging[a : a + n].view(t.dtype).view(t.shape)
+                for a, n, t in zip(starts, sizes, tensors, strict=True)
+            ]
+            for v, t in zip(views, tensors, strict=True):
+                v.copy_(t, non_blocking=True)
+            torch.cuda.current_stream(self._device).synchronize()
+            return [v.clone() for v in views]
 
     @_on_own_device
     def upload(self, tensor: torch.Tensor) -> torch.Tensor:

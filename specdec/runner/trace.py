@@ -15,11 +15,14 @@ nothing is added to a step. `bench/e2e_timeline.py` reads the files.
 
 Host spans (`host`, named "host:<what>") mark where a service's host thread waited or worked
 on the critical path between device steps: the hub waiting for drafts, the draft answering an
-ask and running its pass ahead. They are perf_counter intervals placed on the same clock.
+ask and running its pass ahead. They are perf_counter intervals placed on the same clock. The
+interpreter's garbage collections are host spans too ("host:gc"): a collection holds every
+thread of the process.
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import threading
@@ -54,6 +57,9 @@ class Trace:
         name = f"trace-{os.getpid()}-{str(device).replace(':', '')}.jsonl"
         self._file: IO[str] = (directory / name).open("a", buffering=1)  # a line at a time
         self._file.write(json.dumps({"pid": os.getpid(), **_describe(device)}) + "\n")
+        _GC.trace = self  # the process's collections go to its latest trace
+        if _GC not in gc.callbacks:
+            gc.callbacks.append(_GC)
 
     @classmethod
     def for_device(cls, device: torch.device) -> Trace | None:
@@ -83,6 +89,23 @@ class Trace:
         """Writes the host span "host:`name`" between two perf_counter times."""
         a, b = self._host_s + start, self._host_s + end
         self._file.write(json.dumps([f"host:{name}", round(a, 6), round(b, 6)]) + "\n")
+
+
+class _GcSpans:
+    """Each garbage collection, start to stop, as the host span "gc" of `trace`."""
+
+    def __init__(self) -> None:
+        self.trace: Trace | None = None
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self.trace is not None and self._start:
+            self.trace.host("gc", self._start, time.perf_counter())
+
+
+_GC = _GcSpans()
 
 
 def trace_of(runner: object) -> Trace | None:

@@ -131,3 +131,30 @@ def test_programmatic_dependent_launch_changes_no_bit(monkeypatch: pytest.Monkey
         outputs.append(torch.stack([s.flatten() for s in steps[:2]] + [steps[3].flatten()]))
         outputs.append(torch.cat([steps[2].flatten(), steps[4].flatten()]))
     assert torch.equal(outputs[0], outputs[2]) and torch.equal(outputs[1], outputs[3])
+
+
+def test_to_host_reads_any_dtype_and_shape_through_one_kept_buffer() -> None:
+    """`to_host` copies through one pinned buffer it keeps (a pinned allocation can hold a
+    step for milliseconds): every dtype and shape (empty ones too) comes back equal, a later
+    read of no more bytes reuses the buffer, and what it returned earlier stays as it was."""
+    _, runner, _ = runners("qwen3", ())
+    dev = runner.device
+    first = [
+        torch.arange(7, dtype=torch.int32, device=dev),
+        torch.rand(3, 5, device=dev),
+        torch.tensor([True, False, True], device=dev),
+        torch.empty(0, 4, dtype=torch.int64, device=dev),
+        torch.rand(2, 3, device=dev).t(),  # not contiguous
+        torch.tensor(2.5, dtype=torch.bfloat16, device=dev),
+    ]
+    got = runner.to_host(*first)
+    for g, t in zip(got, first, strict=True):
+        assert g.device.type == "cpu" and g.dtype == t.dtype and g.shape == t.shape
+        assert torch.equal(g, t.cpu())
+    buffer = runner._staging
+    assert buffer is not None and buffer.is_pinned()
+    again = runner.to_host(torch.full((9,), 7, dtype=torch.int64, device=dev))
+    assert runner._staging is buffer and again[0].tolist() == [7] * 9
+    assert torch.equal(got[0], first[0].cpu()), "an earlier result was overwritten"
+    big = torch.rand(buffer.numel() // 4 + 1, device=dev)  # more than the buffer: it grows
+    assert torch.equal(runner.to_host(big)[0], big.cpu()) and runner._staging is not buffer

@@ -3,6 +3,7 @@ interval its StepClock measured, placed on the Unix clock inside the host's own 
 
 from __future__ import annotations
 
+import gc
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -96,3 +97,20 @@ def test_no_host_span_without_a_trace(tmp_path: Path, monkeypatch: pytest.Monkey
 
     assert trace.trace_of(Runner()) is None
     trace.host_span(None, "answer", time.perf_counter())  # nothing to write, nothing raised
+
+
+def test_a_garbage_collection_is_a_host_span(traced: Path) -> None:
+    """With a trace on, each collection of the process is the host span "gc" (it holds every
+    thread), inside the host's bounds; a later trace takes the spans over."""
+
+    class Runner:
+        device = torch.device("cpu")
+
+    assert trace.trace_of(Runner()) is not None
+    before = time.time()
+    gc.collect()
+    after = time.time()
+    [process] = e2e_timeline.read(traced)
+    spans = [s for s in process["spans"] if s[0] == "host:gc"]
+    assert spans, "the collection was not traced"
+    assert all(before - 1e-3 <= a <= b <= after + 1e-3 for _, a, b in spans)
