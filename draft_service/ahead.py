@@ -66,6 +66,12 @@ def branch_id(request_id: str, h: Hypothesis) -> str:
     return f"{request_id}{BRANCH_MARK}{h.accepted}:{h.token}"
 
 
+def spawn_id(request_id: str, rank: int) -> str:
+    """The slot of a chain spawned from a catch-up (`drafting.Spawn`): its token, the guess of
+    this rank, is not known when the slot is taken."""
+    return f"{request_id}{BRANCH_MARK}next:{rank}"
+
+
 def guesses_at(ids: list[int], drafts: list[int], accepted: int) -> list[int]:
     """The guesses, best first, of the token a verdict that accepts `accepted` of `drafts`
     adds: the draft's best `ids` at that position but the draft it rejected (a rejection does

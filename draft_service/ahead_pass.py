@@ -14,7 +14,7 @@ import torch
 
 from draft_service import ahead
 from draft_service.config import DraftConfig
-from draft_service.drafting import Drafter, DraftRequest, q_tensors
+from draft_service.drafting import Drafter, DraftRequest, Spawn, q_tensors
 from specdec.runner import ModelRunner
 from specdec.runner.timing import StepClock
 from specdec.runner.trace import host_span, trace_of
@@ -39,6 +39,7 @@ class AheadPass:
         self._drafter = drafter
         self._requests = requests
         self.hits = self.misses = 0  # asks that found a chain drafted ahead, or not
+        self.short_hits = 0  # hits answered with fewer drafts than asked (a spawned chain)
         self.seconds = 0.0  # device time of the passes ahead since the last proposal
         self._accepted = ahead.AcceptedCounts()  # the verdicts' accepted counts seen so far
         self._ranks = ahead.GuessRanks()  # the ranks of the tokens they added (the spread's)
@@ -51,19 +52,29 @@ class AheadPass:
         assert runner is not None
         held = [(rid, self._requests[rid]) for rid in dict.fromkeys(request_ids)
                 if rid in self._requests]  # fmt: skip
-        self._catch_up([(rid, r) for rid, r in held if not r.drafts and r.kv != r.tokens])
-        if not self.config.draft_ahead or not runner.can_fork:
+        lagging = [(rid, r) for rid, r in held if not r.drafts and r.kv != r.tokens]
+        ahead_on = bool(self.config.draft_ahead and runner.can_fork)
+        if not ahead_on or any(r.fixed_k for _, r in lagging):
+            # a seeded request's chains hold its whole k: its catch-up is a pass of its own
+            self._catch_up(lagging)
+            lagging = []
+        if not ahead_on:
             return 0
-        ready = [(rid, r) for rid, r in held if r.guesses and r.k > 0 and self._room_ahead(r)]
-        if not ready:
+        behind = {rid for rid, _ in lagging}
+        ready = [
+            (rid, r)
+            for rid, r in held
+            if r.guesses and r.k > 0 and self._room_ahead(r) and rid not in behind
+        ]
+        if not ready and not lagging:
             return 0
         added: list[str] = []
         try:
-            return self._draft_chains(ready, added)
+            return self._draft_chains(ready, lagging, added)
         except Exception:  # draft-ahead only saves time: a failure never breaks the stream
             log.exception("draft-ahead failed; these requests draft after their verdicts")
-            kept = {c.branch_id for _, r in ready for c in r.chains.values()}
-            for _, req in ready:
+            kept = {c.branch_id for _, r in ready + lagging for c in r.chains.values()}
+            for _, req in ready + lagging:
                 self.drop(req)
             for bid in added:
                 if bid not in kept:
@@ -105,8 +116,17 @@ class AheadPass:
             budget = min(budget, max(sizes))
         return max(budget, 0)
 
-    def _draft_chains(self, ready: list[tuple[str, DraftRequest]], added: list[str]) -> int:
-        """Drafts the hypotheses; `added` collects the branch slots taken, for the caller's
+    def _draft_chains(
+        self,
+        ready: list[tuple[str, DraftRequest]],
+        lagging: list[tuple[str, DraftRequest]],
+        added: list[str],
+    ) -> int:
+        """Drafts the hypotheses of the `ready` requests and, in the same pass, catches the
+        `lagging` ones up (they drafted nothing last step: a backup, or k = 0) with chains
+        spawned from their catch-up (`drafting.Spawn`): one k - 1 shorter than their k, so
+        that the pass takes no forward more than the others' chains; an ask takes such a chain
+        for the drafts it holds. `added` collects the branch slots taken, for the caller's
         clean-up if this raises."""
         runner = self.runner
         assert runner is not None
@@ -128,8 +148,11 @@ class AheadPass:
         order = [(i, h) for _, i, h in ranked]
         if self.config.draft_ahead_spread:  # as many as without, the likeliest of all ranks
             order = ahead.spread_order(chances)[: len(order)]
-        chosen = order[: self._budget()]
-        if not chosen:
+        budget = self._budget()
+        # the catch-up rows ride in the first step: within the largest graph with the chains
+        chosen = order[: max(0, min(budget, self._widest() - len(lagging)))]
+        spawning = self._spawning(lagging, budget - len(chosen))
+        if not chosen and not lagging:
             return 0
         ids, branches, forks = [], [], []
         for i, h in chosen:
@@ -143,6 +166,16 @@ class AheadPass:
                 DraftRequest([*prefix, h.token], req.sampling, req.next_step + 1, prefix)
             )
             forks.append((rid, bid, len(prefix)))
+        spawns = []
+        for n, (rid, req) in enumerate(lagging):
+            req.chains_step = req.next_step
+            ranks = spawning.get(rid, 0)
+            if ranks:
+                bids = tuple(ahead.spawn_id(rid, r) for r in range(ranks))
+                for bid in bids:
+                    runner.add_request(bid)
+                    added.append(bid)
+                spawns.append(Spawn(len(chosen) + n, bids, tuple(range(ranks)), req.k - 1))
         host_span(self._trace, "ahead: prepare", start)
         start = time.perf_counter()
         clock = StepClock(runner.device)  # the KV copies count as the pass's device time
@@ -150,21 +183,57 @@ class AheadPass:
         runner.fork(forks)
         clock.mark()
         host_span(self._trace, "ahead: fork", start)
-        ks = [ready[i][1].k for i, _ in chosen]
-        drafted, q, sampled, guesses, times = self._drafter.drafts(ids, branches, ks, True, "ahead")
+        ks = [ready[i][1].k for i, _ in chosen] + [1] * len(lagging)
+        rows = branches + [r for _, r in lagging]
+        ids += [rid for rid, _ in lagging]
+        drafted, q, sampled, guesses, times = self._drafter.drafts(
+            ids, rows, ks, True, "ahead", spawns
+        )
         self.seconds += clock.seconds(0, 1) + times.forward_s  # read after the drafts' sync
         kept_at = time.perf_counter()
-        tensors, start = q_tensors(q) or (), 0
+        tensors = q_tensors(q) or ()
+        at = _QRows(tensors)
         for n, (i, h) in enumerate(chosen):
             req = ready[i][1]
-            rows = None
-            if sampled[n]:
-                rows = tuple(t[start : start + ks[n]] for t in tensors)
-                start += ks[n]
-            chain = ahead.Chain(ids[n], drafted[n], rows, branches[n].kv, guesses[n])
+            rows_q = at.take(ks[n]) if sampled[n] else None
+            chain = ahead.Chain(ids[n], drafted[n], rows_q, branches[n].kv, guesses[n])
             req.chains[h.verdict(req.drafts)] = chain
+        for n, (_, req) in enumerate(lagging):
+            row = len(chosen) + n
+            if sampled[row]:  # the catch-up's own draft: not sent
+                at.take(1)
+            req.guesses = guesses[row] if req.k > 0 else []
+        row = len(ids)
+        for spawn in spawns:
+            req = rows[spawn.row]
+            for bid, rank in zip(spawn.branch_ids, spawn.ranks, strict=True):
+                token = guesses[spawn.row][0][rank]
+                rows_q = at.take(spawn.k) if sampled[row] else None
+                kv = [*req.tokens, token, *drafted[row][: spawn.k - 1]]
+                chain = ahead.Chain(bid, drafted[row], rows_q, kv, guesses[row])
+                req.chains[(token,)] = chain
+                row += 1
         host_span(self._trace, "ahead: keep", kept_at)
-        return len(ids)
+        return len(chosen) + sum(len(s.branch_ids) for s in spawns)
+
+    def _widest(self) -> int:
+        """The most rows one graphed step takes (any number without graphs)."""
+        assert self.runner is not None
+        sizes = self.runner.config.cuda_graph_batch_sizes
+        return max(sizes) if sizes and self.runner.uses_graphs else 1 << 30
+
+    def _spawning(self, lagging: list[tuple[str, DraftRequest]], budget: int) -> dict[str, int]:
+        """How many chains each lagging request spawns (its F guesses ranked first, rank by
+        rank across requests, within `budget`): none for one that asks no drafts, has no room,
+        or would draft none (k = 1: a chain one shorter than k holds nothing)."""
+        able = [rid for rid, r in lagging if r.k > 1 and self._room_ahead(r)]
+        out: dict[str, int] = {}
+        for _ in range(self.config.draft_ahead):
+            for rid in able:
+                if budget > 0:
+                    out[rid] = out.get(rid, 0) + 1
+                    budget -= 1
+        return out
 
     def _bonus_guesses(self, ready: list[tuple[str, DraftRequest]]) -> float:
         """Guesses for the all-accepted verdict's bonus token: one more draft forward, of d_k,
@@ -205,13 +274,16 @@ class AheadPass:
                 verdict = ahead.synthetic_hit(req.chains, verdict, rate, a.request_id, a.step)
             chain = req.chains.pop(verdict, None)
             # a backup (`ProposeEntry.backup`): the hub found no chain in the push and
-            # verifies no drafts, so none is used here either
-            if chain is not None and (len(chain.tokens) < a.num_draft_tokens or a.backup):
+            # verifies no drafts, so none is used here either; a chain spawned from a
+            # catch-up holds one draft fewer than k, which serves any ask but a fixed k's
+            # (`hub_draft._from_push` takes the same)
+            if chain is not None and (a.backup or not fits(chain, a)):
                 self.release_branch(chain.branch_id)
                 chain = None
         self.drop(req)
         if chain is not None:
             self.hits += 1
+            self.short_hits += len(chain.tokens) < a.num_draft_tokens
         elif a.num_draft_tokens > 0:  # an ask for no drafts (k = 0) has nothing to miss
             self.misses += 1
             missed.add(a.request_id)
@@ -254,3 +326,21 @@ class AheadPass:
     def release_branch(self, branch_id: str) -> None:
         assert self.runner is not None
         self.runner.release(branch_id)
+
+
+class _QRows:
+    """Consecutive slices of the q rows of a pass's sampled rows, row by row in block order."""
+
+    def __init__(self, tensors: tuple[torch.Tensor, ...]) -> None:
+        self._tensors, self._start = tensors, 0
+
+    def take(self, n: int) -> tuple[torch.Tensor, ...]:
+        start, self._start = self._start, self._start + n
+        return tuple(t[start : start + n] for t in self._tensors)
+
+
+def fits(chain: ahead.Chain, a: ProposeEntry) -> bool:
+    """Whether `chain` can answer `a`: it holds the drafts asked for, or at least one where
+    the ask's k is not fixed (the answer then holds fewer drafts than asked)."""
+    have = len(chain.tokens)
+    return have >= a.num_draft_tokens or (have > 0 and not a.fixed_num_draft_tokens)

@@ -101,6 +101,80 @@ class DraftRequest:
     guesses: list[list[int]] = field(default_factory=list)  # [k][guess_count] ids a draft
     chains: dict[tuple[int, ...], ahead.Chain] = field(default_factory=dict)  # by verdict
     chains_step: int = -1  # the step the chains are drafts for
+    fixed_k: bool = False  # the last ask's k is fixed (a seeded request): its chains hold k
+
+
+@dataclass(frozen=True, slots=True)
+class Spawn:
+    """Branches of a catch-up row (a request that drafted nothing last step, so that its KV
+    lacks the committed tokens and no chain could be forked before its catch-up): after the
+    block's first step each of `branch_ids` (added to the runner) takes the row's KV, then
+    drafts `k` tokens in steps 1 .. k, its first input the row's guess of rank `ranks[i]`
+    for the position after the row's last token. Its tokens, q rows and positions are those
+    of a request [*committed, guess] drafting k, as in a pass of its own after the catch-up:
+    the same seeded draws, without the second pass's forward and host synchronisation."""
+
+    row: int  # the catch-up row in the block
+    branch_ids: tuple[str, ...]
+    ranks: tuple[int, ...]  # each branch's guess: its rank among the row's guesses
+    k: int
+
+
+@dataclass(frozen=True, slots=True)
+class _Rows:
+    """A block's rows, its requests' then the spawned branches': ids, the step each drafts
+    first and the step after its last, and the request row whose sampling inputs it uses."""
+
+    ids: list[str]
+    first: list[int]
+    end: list[int]
+    parent: list[int]
+    rank: list[int]  # a branch's guess rank; -1 for a request
+
+    @classmethod
+    def of(cls, ids: list[str], ks: list[int], spawns: Sequence[Spawn]) -> _Rows:
+        n = range(len(ids))
+        branches = [(s, b, r) for s in spawns for b, r in zip(s.branch_ids, s.ranks, strict=True)]
+        return cls(
+            [*ids, *(b for _, b, _ in branches)],
+            [*(0 for _ in n), *(1 for _ in branches)],
+            [*ks, *(1 + s.k for s, _, _ in branches)],
+            [*n, *(s.row for s, _, _ in branches)],
+            [*(-1 for _ in n), *(r for _, _, r in branches)],
+        )
+
+    def at(self, j: int) -> list[int]:
+        """The rows that draft in step j."""
+        return [b for b in range(len(self.ids)) if self.first[b] <= j < self.end[b]]
+
+    def inputs(
+        self,
+        steps: list[_Step],
+        rows: list[int],
+        j: int,
+        upload: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:
+        """Step j's input tokens of `rows` on the device: each continuing row's token of the
+        step before; a branch starting now, its parent's guess of its rank from step 0.
+
+        Example: step 0 drafted rows [0, 1] and guessed [[5, 6], [7, 8]]; rows [0, 2] at step
+        1, row 2 a branch of row 1 with rank 1: tokens [step 0's token of row 0, 8]."""
+        starting = [b for b in rows if self.first[b] == j]
+        if not starting:
+            return steps[-1].select(rows, upload)
+        first = steps[0]
+        assert j == 1 and first.guesses is not None
+        width = first.guesses.shape[1]
+        source = torch.cat([steps[-1].tokens, first.guesses.reshape(-1).to(steps[-1].tokens.dtype)])
+        where = {b: i for i, b in enumerate(steps[-1].rows)}
+        at0 = {b: i for i, b in enumerate(first.rows)}
+        index = [
+            len(steps[-1].rows) + at0[self.parent[b]] * width + self.rank[b]
+            if self.first[b] == j
+            else where[b]
+            for b in rows
+        ]
+        return source[upload(torch.tensor(index))]
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
@@ -146,6 +220,7 @@ class Drafter:
         ks: list[int],
         guess: bool,
         span: str = "draft",
+        spawns: Sequence[Spawn] = (),
     ) -> tuple[list[list[int]], DraftQ, list[bool], list[list[list[int]]], StepTimes]:
         """k_i tokens per request: one catch-up step over the tokens the KV lacks (padded to
         the longest, a CUDA graph where one fits), then k - 1 one-token steps, each fed the
@@ -153,9 +228,14 @@ class Drafter:
         graphs; one host synchronisation reads the drafts and the q rows the block sends.
         Returns the tokens by request, the q rows of the sampled (not greedy) requests in
         order, which requests were sampled, with `guess` each draft position's guesses
-        (draft-ahead's, `with_guesses`), and the device time (traced as `span`)."""
+        (draft-ahead's, `with_guesses`), and the device time (traced as `span`).
+
+        With `spawns` (and `guess`), each spawn's branches follow the requests in every
+        returned list, in order: rows that start at step 1 from their row's guess (`Spawn`),
+        so that a request that drafted nothing gets chains in the same pass as its catch-up.
+        A branch's q rows and guesses are its k draft positions', like a request's."""
         runner = self.runner
-        assert runner is not None
+        assert runner is not None and (guess or not spawns)
         eager, graphs = runner.eager_steps, runner.graph_steps
         start = time.perf_counter()
         clock = StepClock(runner.device)
@@ -163,26 +243,34 @@ class Drafter:
         tails = self._catch_up_tails(ids, reqs)
         # temperature, top_k, top_p, seed, position, and each tail's last real position
         *inputs, last = self._sampling_inputs(reqs, [len(t) - 1 for t in tails])
-        sampled = [not r.sampling.greedy for r in reqs]
+        rows = _Rows.of(ids, ks, spawns)
+        sampled = [not reqs[r].sampling.greedy for r in rows.parent]
         heads = self._guessing_heads if guess else (self._head, self._greedy_head)
         head = heads[0] if any(sampled) else heads[1]
         _, out = runner.ragged_step(ids, tails, head, (last, *inputs))
         steps = [_kept(list(range(len(ids))), out, guess)]
-        for j in range(1, max(ks)):
-            rows = [b for b in steps[-1].rows if ks[b] > j]
-            prev = steps[-1].select(rows, runner.upload)
-            sel = runner.upload(torch.tensor(rows)) if len(rows) < len(ids) else None
+        for j in range(1, max(rows.end)):
+            if j == 1 and spawns:  # the branches take their row's KV, the catch-up's included
+                runner.fork([(ids[s.row], b, runner.cached_length(ids[s.row]))
+                             for s in spawns for b in s.branch_ids])  # fmt: skip
+            now = rows.at(j)
+            prev = rows.inputs(steps, now, j, runner.upload)
+            parents = [rows.parent[b] for b in now]
+            identity = parents == list(range(len(ids)))
+            sel = None if identity else runner.upload(torch.tensor(parents))
             step_in = [t if sel is None else t[sel] for t in inputs]
             step_in[4] = step_in[4] + j
-            zero = self._zeros[: len(rows)]
-            outs = runner.graph_step([ids[b] for b in rows], prev[:, None], head,
+            zero = self._zeros[: len(now)]
+            outs = runner.graph_step([rows.ids[b] for b in now], prev[:, None], head,
                                      (zero, *step_in))  # fmt: skip
             assert isinstance(outs, tuple)
-            steps.append(_kept(rows, outs, guess))
+            steps.append(_kept(now, outs, guess))
         clock.mark()
         host_span(self._trace, f"{span}: launch", start)
         start = time.perf_counter()
-        drafted, q, guesses = _read_drafts(steps, ks, sampled, runner)  # the step's one sync
+        counts = [e - f for f, e in zip(rows.first, rows.end, strict=True)]
+        # the step's one sync
+        drafted, q, guesses = _read_drafts(steps, counts, sampled, runner, rows.first)
         host_span(self._trace, f"{span}: read", start)
         for b, req in enumerate(reqs):
             req.kv = req.tokens + drafted[b][: ks[b] - 1]
@@ -267,21 +355,30 @@ def _kept(rows: list[int], out: tuple[torch.Tensor, ...], guess: bool = False) -
 
 
 def _read_drafts(
-    steps: list[_Step], ks: list[int], sampled: list[bool], runner: ModelRunner
+    steps: list[_Step],
+    ks: list[int],
+    sampled: list[bool],
+    runner: ModelRunner,
+    first: list[int] | None = None,
 ) -> tuple[list[list[int]], DraftQ, list[list[list[int]]]]:
     """Every request's drafted tokens, the q rows of the sampled requests, request-major
     (request b's k_b rows together, as a DraftBlock holds them), and each request's guesses
-    per draft position where the steps made them (else []), read with one host sync.
+    per draft position where the steps made them (else []), read with one host sync. Request
+    b drafts in steps first[b] .. first[b] + k_b - 1 (`first`: 0 for all; a spawned branch
+    starts at 1).
 
     Example, ks [2, 1], both sampled: the steps hold rows [b0 j0, b1 j0] and [b0 j1], i.e.
     rows 0, 1, 2 concatenated; the block's rows are [b0 j0, b0 j1, b1 j0] = rows [0, 2, 1].
     """
+    first = first or [0] * len(ks)
     where = torch.full((len(ks), len(steps)), -1, dtype=torch.long)  # (request, step) → row
     start = 0
     for j, step in enumerate(steps):
         where[torch.tensor(step.rows), j] = torch.arange(start, start + len(step.rows))
         start += len(step.rows)
-    drafted_mask = torch.arange(len(steps))[None, :] < torch.tensor(ks)[:, None]  # [B, steps]
+    index_j = torch.arange(len(steps))[None, :]
+    begin = torch.tensor(first)[:, None]
+    drafted_mask = (index_j >= begin) & (index_j < begin + torch.tensor(ks)[:, None])  # [B, steps]
     index = where[drafted_mask & torch.tensor(sampled)[:, None]].tolist()  # request-major
     tokens = torch.cat([s.tokens for s in steps])
     wanted: list[torch.Tensor] = [tokens]
@@ -297,11 +394,11 @@ def _read_drafts(
             wanted.append(support.index_select(0, rows))
     host = runner.to_host(*wanted)
     table = host[0][where.clamp(min=0)].tolist()  # [B, steps]: request b's token of step j
-    drafted = [row[:k] for row, k in zip(table, ks, strict=True)]
+    drafted = [row[f : f + k] for row, f, k in zip(table, first, ks, strict=True)]
     guesses: list[list[list[int]]] = [[] for _ in ks]
     if guessed:
         per_step = host.pop(1)[where.clamp(min=0)].tolist()  # [B, steps, F + 1]
-        guesses = [row[:k] for row, k in zip(per_step, ks, strict=True)]
+        guesses = [row[f : f + k] for row, f, k in zip(per_step, first, ks, strict=True)]
     if not index:
         return drafted, None, guesses
     if len(host) == 2:

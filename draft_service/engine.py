@@ -105,6 +105,11 @@ class DraftEngine:
         return self._ahead.hits
 
     @property
+    def ahead_short_hits(self) -> int:
+        """Hits answered with fewer drafts than asked: chains spawned from a catch-up."""
+        return self._ahead.short_hits
+
+    @property
     def ahead_misses(self) -> int:
         """Asks that had chains drafted ahead, none for their verdict."""
         return self._ahead.misses
@@ -351,8 +356,9 @@ class DraftEngine:
                 start += k_of[rid]
         for a in asks:
             chain = hits.get(a.request_id)
-            if chain is not None:
-                self._ahead.apply_chain(a.request_id, chain, a.num_draft_tokens, applied)
+            if chain is not None:  # it may hold fewer drafts than asked (`AheadPass.take_chain`)
+                k = min(a.num_draft_tokens, len(chain.tokens))
+                self._ahead.apply_chain(a.request_id, chain, k, applied)
                 self._requests[a.request_id].guesses = chain.guesses[: a.num_draft_tokens]
                 drafts[a.request_id] = chain.tokens[: a.num_draft_tokens]
                 if chain.q is not None:
@@ -360,6 +366,7 @@ class DraftEngine:
         for a in asks:
             req = self._requests[a.request_id]
             req.drafts, req.k = drafts.get(a.request_id, []), a.num_draft_tokens
+            req.fixed_k = a.fixed_num_draft_tokens
             if a.num_draft_tokens == 0 or a.request_id in backups:  # no forward ran: last
                 req.guesses = []  # step's guesses are for other positions (`draft_ahead`
                 # catches the KV up, and guesses for a backup's verdict)

@@ -636,7 +636,10 @@ def _from_push(
         pick = next((i for i in mine if anyone[i] and len(keys[i]) == len(verdict)), None)
         if pick is None:
             pick = next((i for i in mine if keys[i] == verdict), None)
-        if pick is None or block.num_draft_tokens[pick] < k:
+        # a chain shorter than k (spawned from a catch-up) serves an ask whose k is not fixed,
+        # as the draft's answer does (`draft_service.ahead_pass.fits`)
+        have = block.num_draft_tokens[pick] if pick is not None else 0
+        if pick is None or (have < k and (have == 0 or e.fixed_num_draft_tokens)):
             missed.append(n)
             chosen.append(DraftProposal(e.request_id, e.step, e.committed_length, ()))
             continue

@@ -630,3 +630,61 @@ def test_a_hit_rate_spread_that_leaves_0_1_is_refused(
     with pytest.raises(ValueError, match=message):
         check_draft_ahead(2, 1.0, rate, spread)
     check_draft_ahead(2, 1.0, 0.5, 0.5)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_backup_spawns_its_chains_in_the_pass_of_its_catch_up(
+    checkpoints: tuple[Path, Path], temperature: float
+) -> None:
+    """After a backup (no drafts, so the KV lacks the verdict's tokens), the pass ahead
+    catches the request up and drafts its chains in one pass of the drafter (no second pass
+    and host sync): each chain, for a guess g of the token the next verdict adds, holds k - 1
+    drafts: the tokens that a request [*committed, g] drafting k - 1 gets (the same seeded
+    draws), and its q to float32 rounding. An ask of that verdict takes it, answered with
+    those k - 1 drafts."""
+    from specdec.serving.messages import AdmitRequest, ProposeEntry
+
+    target_dir, draft_dir = checkpoints
+    sampling = SamplingParams(temperature=temperature, **({"seed": 7} if temperature else {}))
+    prompt = _prompts(1)[0]
+    k = 3
+    with services(target_dir, with_ahead(model_draft(draft_dir), 2)) as svc:
+        engine = svc.draft_engine
+        engine.admit(AdmitRequest("a", tuple(prompt), sampling))
+        _, errors = engine.propose([ProposeEntry("a", 0, (), len(prompt), k)])
+        assert not errors and engine.draft_ahead(["a"]) > 0
+        push = engine.pushed(["a"])
+        assert push is not None
+        key = push.keys[0]
+        committed = [*prompt, *key]
+        answer, errors = engine.propose([ProposeEntry("a", 1, key, len(committed), k, backup=True)])
+        assert not errors and answer.num_draft_tokens == [0]
+        calls = []
+        drafts = engine._drafter.drafts
+        engine._drafter.drafts = lambda *a, **kw: calls.append(a) or drafts(*a, **kw)  # type: ignore[method-assign]
+        assert engine.draft_ahead(["a"]) == 2  # F = 2 spawned chains
+        engine._drafter.drafts = drafts  # type: ignore[method-assign]
+        assert len(calls) == 1, "the catch-up and the chains in one pass"
+        spawned = engine.pushed(["a"])
+        assert spawned is not None and all(len(v) == 1 for v in spawned.keys)
+        assert spawned.block.num_draft_tokens == [k - 1] * 2
+        for i, (g,) in enumerate(spawned.keys):  # what [*committed, g] drafting k - 1 gets
+            rid = f"ref{i}"
+            engine.admit(AdmitRequest(rid, (*committed, g), sampling))
+            ref, errors = engine.propose([ProposeEntry(rid, 0, (), len(committed) + 1, k - 1)])
+            assert not errors and ref.tokens(0) == spawned.block.tokens(i)
+            if temperature:
+                form = spawned.block.q_forms[i]
+                want = ref.q_rows(ref.q_forms[0], [0])
+                got = spawned.block.q_rows(form, [i])
+                # another order of the same float32 sums (a prefill against a KV catch-up)
+                torch.testing.assert_close(got.probs, want.probs, rtol=0, atol=1e-5)  # type: ignore[union-attr]
+                assert torch.equal(got.token_ids, want.token_ids)  # type: ignore[union-attr]
+            engine.release([rid])
+        g = spawned.keys[1][0]
+        hits = engine.ahead_hits
+        ask = ProposeEntry("a", 2, (g,), len(committed) + 1, k)
+        answer, errors = engine.propose([ask])
+        assert not errors and engine.ahead_hits == hits + 1
+        assert answer.num_draft_tokens == [k - 1] and answer.tokens(0) == spawned.block.tokens(1)
+        engine.release(["a"])

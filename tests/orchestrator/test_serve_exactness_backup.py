@@ -1,7 +1,9 @@
 """Exactness of sampled output through the client API with draft-ahead's backup proposals
 (`draft_service.ahead.BackupChoice`, here `draft_ahead_backup="always"`): an ask that had chains
 drafted ahead, none for its verdict, gets no drafts that step (the target samples its one token
-from p) and its drafts for the next step are made behind the verify. The client API
+from p) and its drafts for the next step are made behind the verify, in the pass that catches
+it up (chains of k - 1 drafts spawned from that catch-up, `draft_service.drafting.Spawn`: at
+least 50 asks answered from them). The client API
 (`orchestrator.server.Orchestrator`) runs in this process in front of a local pair
 (`tests.orchestrator.inprocess`); many unseeded sampled requests (a seeded one is never backed
 up) are sent concurrently by `AsyncClient`; the seeds the server draws for them come from a
@@ -45,8 +47,10 @@ COUNTERS = ("specdec:draft_ahead_hits_total", "specdec:draft_ahead_misses_total"
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Served]:
+    # F = 6: a backup's spawned chains hit often enough for 50 in one run (F = 2: 16 in 400
+    # requests on this pair)
     with serving_ahead(tmp_path_factory.mktemp("backup"), MAX_REQUESTS,
-                       draft_ahead_backup="always") as served:  # fmt: skip
+                       draft_ahead_backup="always", draft_ahead=6) as served:  # fmt: skip
         yield served
 
 
@@ -92,9 +96,13 @@ def drawn_seeds(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def test_every_token_follows_target_with_backups(served: Served) -> None:
-    tokens, (hits, misses, backups) = _run(served, [list(CASE.prompt)] * 400, CASE.temperature)
+    short = served.pair.draft_engine.ahead_short_hits
+    tokens, (hits, misses, backups) = _run(served, [list(CASE.prompt)] * 1000, CASE.temperature)
+    short = served.pair.draft_engine.ahead_short_hits - short
+    print(f"{short} asks answered from chains spawned in a backup's catch-up (k - 1 drafts)")
     assert backups >= 50, f"only {backups:.0f} backup proposals"
     assert hits >= 50, f"draft-ahead answered only {hits:.0f} asks from chains"
+    assert short >= 50, f"only {short} asks answered from spawned chains"
     assert backups <= misses, "only misses are backed up"
     exact = _pit_pvalue(served, tokens, CASE.temperature)
     print(f"PIT of {tokens[:, 1:].size} tokens: p-value {exact:.3g}")

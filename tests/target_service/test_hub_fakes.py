@@ -499,3 +499,23 @@ def test_the_hub_takes_the_way_it_waits_less_for_drafts(runs: list[HubRun], slow
     assert all(f == (slower == "ask") for f in tail), link.push_flags
     choice = run.hub._draft.push_choice
     assert choice.counts[True] >= PUSH_EXPLORE_STEPS <= choice.counts[False], choice
+
+
+def test_a_pushed_chain_shorter_than_k_serves_only_an_ask_whose_k_is_not_fixed() -> None:
+    """A chain spawned from a catch-up holds one draft fewer than k (`drafting.Spawn`): the
+    push's chain serves an ask of that verdict with the drafts it holds, as the draft's own
+    answer does (`ahead_pass.fits`); for a fixed k (a seeded request) it is a miss."""
+    from specdec.pb import draft_pb2
+    from target_service.hub_draft import _from_push
+
+    block = DraftBlock.build(["a"], [1], [6], [2], [0], [5, 7])
+    push = draft_pb2.ProposeResponse(block=block.to_pb(), pushed=True, verdict_lengths=[1],
+                                     verdict_token_ids=(9).to_bytes(4, "little"),
+                                     backup_miss_share=10.0)  # fmt: skip
+    entry = draft_pb2.ProposeEntry(request_id="a", step=1, new_token_ids=[9], committed_length=6,
+                                   num_draft_tokens=3)  # fmt: skip
+    found = _from_push(push, [entry], 64)
+    assert found is not None and found[1] == [] and found[0][0].draft_token_ids == (5, 7)
+    entry.fixed_num_draft_tokens = True
+    found = _from_push(push, [entry], 64)  # a miss, which `from_push` then asks for
+    assert found is not None and found[1] == [0] and found[0][0].draft_token_ids == ()
