@@ -54,10 +54,13 @@ class AheadPass:
                 if rid in self._requests]  # fmt: skip
         lagging = [(rid, r) for rid, r in held if not r.drafts and r.kv != r.tokens]
         ahead_on = bool(self.config.draft_ahead and runner.can_fork)
-        if not ahead_on or any(r.fixed_k for _, r in lagging):
-            # a seeded request's chains hold its whole k: its catch-up is a pass of its own
-            self._catch_up(lagging)
-            lagging = []
+        # a chain spawned from a catch-up holds k - 1 drafts: a seeded request's chains hold its
+        # whole k, and at k = 1 it would hold none, so theirs are drafted after a catch-up pass
+        # of their own, as hypotheses like a hit's
+        own = [(rid, r) for rid, r in lagging if not ahead_on or r.fixed_k or r.k == 1]
+        self._catch_up(own)
+        caught = {rid for rid, _ in own}
+        lagging = [(rid, r) for rid, r in lagging if rid not in caught]
         if not ahead_on:
             return 0
         behind = {rid for rid, _ in lagging}
@@ -224,8 +227,8 @@ class AheadPass:
 
     def _spawning(self, lagging: list[tuple[str, DraftRequest]], budget: int) -> dict[str, int]:
         """How many chains each lagging request spawns (its F guesses ranked first, rank by
-        rank across requests, within `budget`): none for one that asks no drafts, has no room,
-        or would draft none (k = 1: a chain one shorter than k holds nothing)."""
+        rank across requests, within `budget`): none for one that asks no drafts (k = 0) or
+        has no room."""
         able = [rid for rid, r in lagging if r.k > 1 and self._room_ahead(r)]
         out: dict[str, int] = {}
         for _ in range(self.config.draft_ahead):
