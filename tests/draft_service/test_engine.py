@@ -180,3 +180,50 @@ def test_serving_captures_no_graph_after_start_up(draft_dir: Path, draft_ahead: 
         _serve_steps(engine, batch)
     assert engine.runner.graphs_captured == captured
     assert engine.runner.eager_steps == eager
+
+
+@pytest.mark.parametrize(
+    "device",
+    ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs CUDA")])],
+)  # fmt: skip
+def test_spawned_chains_are_lock_step_drafts_and_stay_on_graphs(
+    draft_dir: Path, device: str
+) -> None:
+    """After backups (no drafts, the KV behind the verdict), one pass ahead catches two
+    requests up and spawns their chains (`drafting.Spawn`), on CUDA within the graphs
+    captured at start-up: each chain holds k - 1 drafts, greedy those of a request
+    [*committed, g] drafting k - 1, and an ask of its verdict is answered with them."""
+    engine = _graph_engine(draft_dir, device, 2)
+    runner = engine.runner
+    assert runner is not None
+    engine.capture_graphs()
+    captured, eager = runner.graphs_captured, runner.eager_steps
+    k, ids = 3, ["a", "b"]
+    prompts = {rid: tuple(range(3 + i, 12 + i)) for i, rid in enumerate(ids)}
+    for rid in ids:
+        engine.admit(AdmitRequest(rid, prompts[rid], SamplingParams(0.0)))
+    first, errors = engine.propose([ProposeEntry(rid, 0, (), 9, k) for rid in ids])
+    assert not errors and engine.draft_ahead(ids) > 0
+    committed = {rid: (*prompts[rid], first.tokens(i)[0], 5) for i, rid in enumerate(ids)}
+    asks = [ProposeEntry(rid, 1, committed[rid][9:], 11, k, backup=True) for rid in ids]
+    answer, errors = engine.propose(asks)
+    assert not errors and answer.num_draft_tokens == [0, 0]
+    assert engine.draft_ahead(ids) == 4  # F = 2 chains each, spawned from the catch-ups
+    assert (runner.graphs_captured, runner.eager_steps) == (captured, eager)
+    push = engine.pushed(ids)
+    assert push is not None and push.block.num_draft_tokens == [k - 1] * 4
+    pairs = zip(push.block.request_ids, push.keys, strict=True)
+    chains = {(rid, key): push.block.tokens(i) for i, (rid, key) in enumerate(pairs)}
+    verdicts = {rid: key for rid, key in chains if rid == "a"} | {"b": push.keys[-1]}
+    answer, errors = engine.propose([ProposeEntry(rid, 2, verdicts[rid], 12, k) for rid in ids])
+    assert not errors and answer.num_draft_tokens == [k - 1] * 2
+    for i, rid in enumerate(ids):
+        assert answer.tokens(i) == chains[(rid, verdicts[rid])]
+    engine.release(ids)
+    for rid in ids:  # what a request [*committed, g] drafting k - 1 gets
+        ref = f"ref-{rid}"
+        engine.admit(AdmitRequest(ref, (*committed[rid], *verdicts[rid]), SamplingParams(0.0)))
+        want, errors = engine.propose([ProposeEntry(ref, 0, (), 12, k - 1)])
+        assert not errors and want.tokens(0) == chains[(rid, verdicts[rid])]
+        engine.release([ref])
