@@ -702,7 +702,7 @@ class ModelRunner:
                 self._staging = torch.empty(max(size, 1 << 16), dtype=torch.uint8, pin_memory=True)
             views = [
                 self._staging[a : a + n].view(t.dtype).view(t.shape)
-                for a, n, t in zip(starts, sizes, tensors, strict=True)
+                for a, n, t in zip(starts[:-1], sizes, tensors, strict=True)
             ]
             for v, t in zip(views, tensors, strict=True):
                 v.copy_(t, non_blocking=True)
