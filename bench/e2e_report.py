@@ -445,7 +445,8 @@ def _side_by_side(result: dict[str, Any]) -> list[str]:
         "SPECDEC_GPU_TRACE; host = the share of the window the services' host threads spent "
         "on the critical path between device steps: the hub waiting for drafts, the draft "
         "answering an ask and running its pass ahead (launches, syncs, bookkeeping and the "
-        "device time inside it); TPOT p99 over every response's wait per token it brought):",
+        "device time inside it), and in brackets the median span; TPOT p99 over every "
+        "response's wait per token it brought):",
         "",
         "| placement | config | batch | tokens/s | x target-only | achieved / bound "
         "| TPOT ms median | TPOT ms p99 | hub step ms | GPU busy | host |",
@@ -458,7 +459,12 @@ def _side_by_side(result: dict[str, Any]) -> list[str]:
         achieved = "-" if dynamic else f"{r['tokens_per_s'] / bound_tokens_per_s(result, r):.2f}"
         busy = r.get("gpus", {}).get("busy", {})
         shown = ", ".join(f"{g} {f:.0%}" for g, f in busy.items()) or "-"
-        host = ", ".join(f"{n} {f:.0%}" for n, f in r.get("gpus", {}).get("host", {}).items())
+        gpus = r.get("gpus", {})
+        host = ", ".join(
+            f"{n} {f:.0%}"
+            + (f" ({gpus['host_ms'][n]:.2f} ms)" if n in gpus.get("host_ms", {}) else "")
+            for n, f in gpus.get("host", {}).items()
+        )
         p99 = r.get("tpot_ms_p99")
         lines.append(
             f"| {r.get('placement', '-')} | {config_label(r['config'])} | {r['batch']} "

@@ -14,6 +14,7 @@ Imports no torch.
 from __future__ import annotations
 
 import json
+import statistics
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,13 @@ def window(directory: Path, t0: float, t1: float, keep_timeline: bool) -> dict[s
             name[len(HOST):]: busy([x for x in s if x[0] == name], t0, t1)
             for lane, s in found.items() if lane.startswith(HOST_LANE)
             for name in sorted({x[0] for x in s})
+        },
+        # and its median length in ms, over the spans that begin in the window
+        "host_ms": {
+            name[len(HOST):]: 1e3 * statistics.median(lengths)
+            for lane, s in found.items() if lane.startswith(HOST_LANE)
+            for name in sorted({x[0] for x in s})
+            if (lengths := [b - a for n, a, b in s if n == name and t0 <= a < t1])
         },
     }  # fmt: skip
     if keep_timeline:

@@ -36,7 +36,9 @@ def test_services_sharing_a_gpu_make_one_lane(tmp_path: Path) -> None:
     assert [s[0] for s in split["timeline"]["GPU 0 (draft)"]] == ["draft", "ahead"]
     _write(tmp_path, 2, "GPU-a", [["verify", 0.1, 0.4]])
     shared = e2e_timeline.window(tmp_path, 0.0, 1.0, keep_timeline=False)
-    assert shared == {"busy": {"GPU 0 (draft + target)": pytest.approx(0.5)}, "host": {}}
+    assert shared == {
+        "busy": {"GPU 0 (draft + target)": pytest.approx(0.5)}, "host": {}, "host_ms": {}
+    }  # fmt: skip
 
 
 def test_host_spans_have_a_lane_of_their_own_and_count_in_no_gpu(tmp_path: Path) -> None:
@@ -48,6 +50,10 @@ def test_host_spans_have_a_lane_of_their_own_and_count_in_no_gpu(tmp_path: Path)
     assert w["host"] == {
         "answer": pytest.approx(0.1), "pass ahead": pytest.approx(0.6),
         "wait for drafts": pytest.approx(0.3),
+    }  # fmt: skip
+    assert w["host_ms"] == {
+        "answer": pytest.approx(100), "pass ahead": pytest.approx(600),
+        "wait for drafts": pytest.approx(300),
     }  # fmt: skip
     assert list(w["timeline"]) == [
         "GPU 0 (draft)", "GPU 1 (target)", "host of draft (GPU 0)", "host of target (GPU 1)"
