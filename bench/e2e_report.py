@@ -457,12 +457,11 @@ def _side_by_side(result: dict[str, Any]) -> list[str]:
         # dynamic speculation runs k below --num-draft-tokens, so no one verify time bounds it
         dynamic = r["config"].startswith("dynamic")
         achieved = "-" if dynamic else f"{r['tokens_per_s'] / bound_tokens_per_s(result, r):.2f}"
-        busy = r.get("gpus", {}).get("busy", {})
-        shown = ", ".join(f"{g} {f:.0%}" for g, f in busy.items()) or "-"
         gpus = r.get("gpus", {})
+        shown = ", ".join(f"{g} {f:.0%}" for g, f in gpus.get("busy", {}).items()) or "-"
+        median = gpus.get("host_ms", {})
         host = ", ".join(
-            f"{n} {f:.0%}"
-            + (f" ({gpus['host_ms'][n]:.2f} ms)" if n in gpus.get("host_ms", {}) else "")
+            f"{n} {f:.0%}" + (f" ({median[n]:.2f} ms)" if n in median else "")
             for n, f in gpus.get("host", {}).items()
         )
         p99 = r.get("tpot_ms_p99")

@@ -14,11 +14,11 @@ import torch
 
 from draft_service import ahead
 from draft_service.config import DraftConfig
-from draft_service.drafting import Drafter, DraftRequest, Spawn, q_tensors
+from draft_service.drafting import Drafter, DraftRequest, QRows, Spawn
 from specdec.runner import ModelRunner
 from specdec.runner.timing import StepClock
 from specdec.runner.trace import host_span, trace_of
-from specdec.serving.messages import ModelInfo, ProposeEntry
+from specdec.serving.messages import ModelInfo, ProposeEntry, chain_serves
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +114,7 @@ class AheadPass:
         runner = self.runner
         assert runner is not None
         budget = runner.free_slots - (self.info.max_requests - len(self._requests))
-        sizes = runner.config.cuda_graph_batch_sizes
-        if sizes and runner.uses_graphs:
-            budget = min(budget, max(sizes))
-        return max(budget, 0)
+        return max(min(budget, self._widest()), 0)
 
     def _draft_chains(
         self,
@@ -178,7 +175,7 @@ class AheadPass:
                 for bid in bids:
                     runner.add_request(bid)
                     added.append(bid)
-                spawns.append(Spawn(len(chosen) + n, bids, tuple(range(ranks)), req.k - 1))
+                spawns.append(Spawn(len(chosen) + n, bids, req.k - 1))
         host_span(self._trace, "ahead: prepare", start)
         start = time.perf_counter()
         clock = StepClock(runner.device)  # the KV copies count as the pass's device time
@@ -194,8 +191,7 @@ class AheadPass:
         )
         self.seconds += clock.seconds(0, 1) + times.forward_s  # read after the drafts' sync
         kept_at = time.perf_counter()
-        tensors = q_tensors(q) or ()
-        at = _QRows(tensors)
+        at = QRows(q)
         for n, (i, h) in enumerate(chosen):
             req = ready[i][1]
             rows_q = at.take(ks[n]) if sampled[n] else None
@@ -209,7 +205,7 @@ class AheadPass:
         row = len(ids)
         for spawn in spawns:
             req = rows[spawn.row]
-            for bid, rank in zip(spawn.branch_ids, spawn.ranks, strict=True):
+            for rank, bid in enumerate(spawn.branch_ids):
                 token = guesses[spawn.row][0][rank]
                 rows_q = at.take(spawn.k) if sampled[row] else None
                 kv = [*req.tokens, token, *drafted[row][: spawn.k - 1]]
@@ -277,10 +273,11 @@ class AheadPass:
                 verdict = ahead.synthetic_hit(req.chains, verdict, rate, a.request_id, a.step)
             chain = req.chains.pop(verdict, None)
             # a backup (`ProposeEntry.backup`): the hub found no chain in the push and
-            # verifies no drafts, so none is used here either; a chain spawned from a
-            # catch-up holds one draft fewer than k, which serves any ask but a fixed k's
-            # (`hub_draft._from_push` takes the same)
-            if chain is not None and (a.backup or not fits(chain, a)):
+            # verifies no drafts, so none is used here either
+            fixed = a.fixed_num_draft_tokens
+            if chain is not None and (
+                a.backup or not chain_serves(len(chain.tokens), a.num_draft_tokens, fixed)
+            ):
                 self.release_branch(chain.branch_id)
                 chain = None
         self.drop(req)
@@ -329,21 +326,3 @@ class AheadPass:
     def release_branch(self, branch_id: str) -> None:
         assert self.runner is not None
         self.runner.release(branch_id)
-
-
-class _QRows:
-    """Consecutive slices of the q rows of a pass's sampled rows, row by row in block order."""
-
-    def __init__(self, tensors: tuple[torch.Tensor, ...]) -> None:
-        self._tensors, self._start = tensors, 0
-
-    def take(self, n: int) -> tuple[torch.Tensor, ...]:
-        start, self._start = self._start, self._start + n
-        return tuple(t[start : start + n] for t in self._tensors)
-
-
-def fits(chain: ahead.Chain, a: ProposeEntry) -> bool:
-    """Whether `chain` can answer `a`: it holds the drafts asked for, or at least one where
-    the ask's k is not fixed (the answer then holds fewer drafts than asked)."""
-    have = len(chain.tokens)
-    return have >= a.num_draft_tokens or (have > 0 and not a.fixed_num_draft_tokens)

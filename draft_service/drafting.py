@@ -109,14 +109,13 @@ class Spawn:
     """Branches of a catch-up row (a request that drafted nothing last step, so that its KV
     lacks the committed tokens and no chain could be forked before its catch-up): after the
     block's first step each of `branch_ids` (added to the runner) takes the row's KV, then
-    drafts `k` tokens in steps 1 .. k, its first input the row's guess of rank `ranks[i]`
+    drafts `k` tokens in steps 1 .. k, the i-th one's first input the row's guess of rank i
     for the position after the row's last token. Its tokens, q rows and positions are those
     of a request [*committed, guess] drafting k, as in a pass of its own after the catch-up:
     the same seeded draws, without the second pass's forward and host synchronisation."""
 
     row: int  # the catch-up row in the block
     branch_ids: tuple[str, ...]
-    ranks: tuple[int, ...]  # each branch's guess: its rank among the row's guesses
     k: int
 
 
@@ -134,7 +133,7 @@ class _Rows:
     @classmethod
     def of(cls, ids: list[str], ks: list[int], spawns: Sequence[Spawn]) -> _Rows:
         n = range(len(ids))
-        branches = [(s, b, r) for s in spawns for b, r in zip(s.branch_ids, s.ranks, strict=True)]
+        branches = [(s, b, rank) for s in spawns for rank, b in enumerate(s.branch_ids)]
         return cls(
             [*ids, *(b for _, b, _ in branches)],
             [*(0 for _ in n), *(1 for _ in branches)],
@@ -159,8 +158,7 @@ class _Rows:
 
         Example: step 0 drafted rows [0, 1] and guessed [[5, 6], [7, 8]]; rows [0, 2] at step
         1, row 2 a branch of row 1 with rank 1: tokens [step 0's token of row 0, 8]."""
-        starting = [b for b in rows if self.first[b] == j]
-        if not starting:
+        if not any(self.first[b] == j for b in rows):
             return steps[-1].select(rows, upload)
         first = steps[0]
         assert j == 1 and first.guesses is not None
@@ -413,6 +411,19 @@ def q_tensors(q: DraftQ) -> tuple[torch.Tensor, ...] | None:
     if isinstance(q, DenseQ):
         return (q.probs,)
     return (q.probs, q.token_ids)
+
+
+class QRows:
+    """Consecutive slices of a block's q rows (`q_tensors`), entry by entry in block order:
+    each sampled entry's k rows follow the previous entry's."""
+
+    def __init__(self, q: DraftQ) -> None:
+        self._tensors, self._start = q_tensors(q) or (), 0
+
+    def take(self, n: int) -> tuple[torch.Tensor, ...]:
+        """The next entry's n rows."""
+        start, self._start = self._start, self._start + n
+        return tuple(t[start : start + n] for t in self._tensors)
 
 
 def q_from_rows(rows: list[tuple[torch.Tensor, ...]]) -> DraftQ:

@@ -26,9 +26,9 @@ from draft_service.drafting import (
     GRAPHED_TAIL,
     Drafter,
     DraftRequest,
+    QRows,
     common_prefix,
     q_from_rows,
-    q_tensors,
 )
 from specdec.errors import CacheFullError, InvalidInputError
 from specdec.runner import ForwardItem, ModelRunner
@@ -347,13 +347,11 @@ class DraftEngine:
                 for req, g in zip(reqs, guesses, strict=True):
                     req.guesses = g
             self._backup.drafted(time.perf_counter() - started)
-            chosen = [i for i, s in zip(ids, sampled, strict=True) if s]
-            k_of = dict(zip(ids, ks, strict=True))
             drafts = dict(zip(ids, drafted, strict=True))
-            start, tensors = 0, q_tensors(q) or ()
-            for rid in chosen:
-                q_rows[rid] = tuple(t[start : start + k_of[rid]] for t in tensors)
-                start += k_of[rid]
+            drafted_q = QRows(q)
+            for rid, k, s in zip(ids, ks, sampled, strict=True):
+                if s:
+                    q_rows[rid] = drafted_q.take(k)
         for a in asks:
             chain = hits.get(a.request_id)
             if chain is not None:  # it may hold fewer drafts than asked (`AheadPass.take_chain`)

@@ -14,7 +14,7 @@ from specdec.pb import draft_pb2, draft_pb2_grpc
 from specdec.runner import ModelRunner
 from specdec.sampling_params import SamplingParams
 from specdec.serving.messages import AdmitRequest, ModelInfo, ProposeEntry
-from specdec.serving.server import Server, settle_heap
+from specdec.serving.server import Server
 
 log = logging.getLogger(__name__)
 SERVICE_NAME = draft_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
@@ -105,7 +105,6 @@ def start(config: DraftConfig, runner: ModelRunner | None = None) -> tuple[Serve
     except BaseException:
         server.stop(0)
         raise
-    settle_heap()
-    server.set_serving(True)
+    server.ready()
     log.info("draft service (%s) serving on port %d", config.proposer, server.port)
     return server, engine

@@ -40,7 +40,7 @@ import grpc
 from specdec.pb import common_pb2, draft_pb2, target_pb2
 from specdec.sampling_params import SamplingParams
 from specdec.serving.blocks import DenseQ, DraftBlock, DraftProposal, SparseQ, block_to_pb
-from specdec.serving.messages import AdmitRequest, ModelInfo, check_compatible
+from specdec.serving.messages import AdmitRequest, ModelInfo, chain_serves, check_compatible
 from target_service.config import TargetConfig
 from target_service.draft_link import DraftDown, DraftLink, DraftStalled, PendingAdmits
 
@@ -636,10 +636,8 @@ def _from_push(
         pick = next((i for i in mine if anyone[i] and len(keys[i]) == len(verdict)), None)
         if pick is None:
             pick = next((i for i in mine if keys[i] == verdict), None)
-        # a chain shorter than k (spawned from a catch-up) serves an ask whose k is not fixed,
-        # as the draft's answer does (`draft_service.ahead_pass.fits`)
-        have = block.num_draft_tokens[pick] if pick is not None else 0
-        if pick is None or (have < k and (have == 0 or e.fixed_num_draft_tokens)):
+        fixed = e.fixed_num_draft_tokens
+        if pick is None or not chain_serves(block.num_draft_tokens[pick], k, fixed):
             missed.append(n)
             chosen.append(DraftProposal(e.request_id, e.step, e.committed_length, ()))
             continue

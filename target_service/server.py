@@ -15,7 +15,7 @@ from specdec.runner import ModelRunner
 from specdec.serving.blocks import DenseQ, DraftBlock, DraftProposal, DraftQ, SparseQ, block_to_pb
 from specdec.serving.client import make_channel, set_client_identity
 from specdec.serving.messages import AdmitRequest, ModelInfo, check_compatible
-from specdec.serving.server import Server, settle_heap
+from specdec.serving.server import Server
 from target_service.config import TargetConfig
 from target_service.engine import TargetEngine
 from target_service.hub import HubServicer
@@ -131,7 +131,6 @@ def _serve(config: TargetConfig, runner: ModelRunner) -> tuple[Server, TargetEng
     except BaseException:
         server.stop(0)
         raise
-    settle_heap()
-    server.set_serving(True)
+    server.ready()
     log.info("target service serving on port %d", server.port)
     return server, engine

@@ -268,3 +268,12 @@ class ProposeEntry:
             fixed_num_draft_tokens=self.fixed_num_draft_tokens,
             backup=self.backup,
         )
+
+
+def chain_serves(drafts: int, asked: int, fixed_k: bool) -> bool:
+    """Whether a chain of `drafts` tokens drafted ahead answers an ask for `asked` drafts: it
+    holds them all, or at least one where the ask's k is not fixed (a chain spawned from a
+    catch-up holds k - 1; the answer then holds fewer drafts than asked). The draft's answer
+    (`draft_service.ahead_pass`) and the hub's take of a push (`target_service.hub_draft`)
+    follow this one rule, so that an answer is what the target verified."""
+    return drafts >= asked or (drafts > 0 and not fixed_k)

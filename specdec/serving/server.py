@@ -166,6 +166,12 @@ class Server:
         for name in ("", *self.service_names):
             self.health.set(name, status)
 
+    def ready(self) -> None:
+        """The service is loaded and warmed up: settles the heap (`settle_heap`, undone by
+        `stop`), then reports SERVING."""
+        settle_heap()
+        self.set_serving(True)
+
     def stop(self, grace_s: float | None = None) -> None:
         """Flips health to NOT_SERVING, waits drain_s, then stops with `grace_s` for calls."""
         if self._stopped.is_set():

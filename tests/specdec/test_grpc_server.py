@@ -24,7 +24,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 
 from specdec.errors import CacheFullError, CheckpointError
 from specdec.serving.client import LockstepStream, make_channel
-from specdec.serving.server import Server, ServerConfig, settle_heap
+from specdec.serving.server import Server, ServerConfig
 from tests.certs import issue, load, localhost_names, self_signed_localhost
 
 SERVICE = "test.Echo"
@@ -288,13 +288,13 @@ def test_reflection_v1_and_v1alpha(server: Server, version: str) -> None:
 
 
 def test_a_settled_heap_is_frozen_until_the_server_stops() -> None:
-    """`settle_heap` (called before SERVING) takes every object alive out of the collector's
-    reach; stopping the server gives them back, so that what a stopped service leaves in a
-    process that goes on (tests) can be collected."""
+    """`Server.ready` (`settle_heap`, then SERVING) takes every object alive out of the
+    collector's reach; stopping the server gives them back, so that what a stopped service
+    leaves in a process that goes on (tests) can be collected."""
     srv = Server(ServerConfig(), [SERVICE], _register)
     srv.start()
     try:
-        settle_heap()
+        srv.ready()
         assert gc.get_freeze_count() > 1000
         ref = weakref.ref(_Box())  # a cycle made after the freeze: collectable
         gc.collect()

@@ -504,7 +504,7 @@ def test_the_hub_takes_the_way_it_waits_less_for_drafts(runs: list[HubRun], slow
 def test_a_pushed_chain_shorter_than_k_serves_only_an_ask_whose_k_is_not_fixed() -> None:
     """A chain spawned from a catch-up holds one draft fewer than k (`drafting.Spawn`): the
     push's chain serves an ask of that verdict with the drafts it holds, as the draft's own
-    answer does (`ahead_pass.fits`); for a fixed k (a seeded request) it is a miss."""
+    answer does (`messages.chain_serves`); for a fixed k (a seeded request) it is a miss."""
     from specdec.pb import draft_pb2
     from target_service.hub_draft import _from_push
 
