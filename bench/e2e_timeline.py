@@ -91,20 +91,21 @@ def window(directory: Path, t0: float, t1: float, keep_timeline: bool) -> dict[s
     """Busy fraction per GPU over (t0, t1) and, with `keep_timeline`, the spans of the
     window's first TIMELINE_S seconds (times from t0)."""
     found = lanes(read(directory))
+    by_name: dict[str, list[Any]] = {}  # a host span name's spans, over every lane
+    for lane, s in found.items():
+        if lane.startswith(HOST_LANE):
+            for x in s:
+                by_name.setdefault(x[0], []).append(x)
     out: dict[str, Any] = {
         "busy": {gpu: busy(s, t0, t1) for gpu, s in found.items() if not gpu.startswith(HOST_LANE)},
-        # each host span's share of the window, e.g. "wait for drafts": the hub's waits
-        "host": {
-            name[len(HOST):]: busy([x for x in s if x[0] == name], t0, t1)
-            for lane, s in found.items() if lane.startswith(HOST_LANE)
-            for name in sorted({x[0] for x in s})
-        },
+        # each host span's share of the window, e.g. "wait for drafts": the hub's waits; a
+        # name in several services' lanes ("gc") counts the union of theirs
+        "host": {name[len(HOST):]: busy(s, t0, t1) for name, s in sorted(by_name.items())},
         # and its median length in ms, over the spans that begin in the window
         "host_ms": {
             name[len(HOST):]: 1e3 * statistics.median(lengths)
-            for lane, s in found.items() if lane.startswith(HOST_LANE)
-            for name in sorted({x[0] for x in s})
-            if (lengths := [b - a for n, a, b in s if n == name and t0 <= a < t1])
+            for name, s in sorted(by_name.items())
+            if (lengths := [b - a for _, a, b in s if t0 <= a < t1])
         },
     }  # fmt: skip
     if keep_timeline:

@@ -180,11 +180,11 @@ class DraftLink:
     """A connected draft service; `info` is its ModelInfo. Not thread-safe (the hub's loop
     thread alone uses it).
 
+    `propose` sends a block and waits for its answer; `send` sends one whose answer `collect`
+    reads later (the hub verifies meanwhile: pushed chains, or a block that asks for no drafts).
     With `push` the hub takes chains the draft pushes ahead of its asks: every ProposeBlock asks
-    for them, `take_push` gives the latest one that has arrived, `send` sends a block whose
-    answer `collect` reads later (the hub verified the pushed chains meanwhile), and `propose`
-    sends one and waits for its answer as without pushes. A push read while an answer is
-    awaited is for a step already asked for: it is dropped."""
+    for them and `take_push` gives the latest one that has arrived. A push read while an answer
+    is awaited is for a step already asked for: it is dropped."""
 
     def __init__(
         self,
@@ -237,19 +237,64 @@ class DraftLink:
         after `deadline_s` without an answer (the stream is then cancelled: `reopen` starts
         another). `target_step_s`: ProposeBlock.target_step_s; `push` (push mode): the draft
         pushes its chains after the answer."""
+        if self._sent:
+            raise RuntimeError("propose() with an answer not collected")
+        self.send(entries, target_step_s, push)
+        answer = self.collect(deadline_s)
+        assert answer is not None
+        return answer
+
+    def send(
+        self,
+        entries: Sequence[draft_pb2.ProposeEntry],
+        target_step_s: float = 0.0,
+        push: bool = True,
+    ) -> None:
+        """Sends a block whose answer `collect` reads; with `push` (push mode) the draft
+        pushes its chains after it (ProposeBlock.push_chains)."""
+        push = push and self._pushes is not None
+        block = draft_pb2.ProposeBlock(
+            entries=entries, target_step_s=target_step_s, push_chains=push
+        )
         if self._pushes is not None:
-            if self._sent:
-                raise RuntimeError("propose() with an answer not collected")
-            self.send(entries, target_step_s, push)
-            answer = self.collect(deadline_s)
-            assert answer is not None
-            return answer
+            self._push = None  # whatever came before is for an earlier step
+            self._pushes.send(block)
+        else:
+            assert self._propose is not None
+            self._propose.send(block)
+        self._sent.append((time.perf_counter(), push))
+
+    @property
+    def awaiting(self) -> bool:
+        """Whether a block sent (`send`) waits for its answer to be collected."""
+        return bool(self._sent)
+
+    def collect(self, deadline_s: float) -> tuple[draft_pb2.ProposeResponse, float] | None:
+        """The answer to the oldest block sent and its round trip (None if none waits), the
+        pushes before it dropped (they are for steps already asked for); DraftStalled if it
+        has not come within `deadline_s` (the stream is then cancelled: `reopen`), DraftDown if
+        the stream failed."""
+        if not self._sent:
+            return None
+        sent, push = self._sent.pop(0)  # a failure below breaks the stream: `reopen` clears
+        if self._pushes is None:
+            message = self._receive(deadline_s)
+        else:
+            end = time.monotonic() + deadline_s
+            while True:
+                message = self._next(end - time.monotonic(), deadline_s)
+                if not message.pushed:
+                    break
+                self._pushes_due -= 1
+        self._pushes_due += push  # the draft pushes after each answer to a block that asked
+        return message, time.perf_counter() - sent
+
+    def _receive(self, deadline_s: float) -> draft_pb2.ProposeResponse:
+        """The lock-step stream's next answer, within `deadline_s` (its watchdog)."""
         assert self._propose is not None and self._watchdog is not None
-        start = time.perf_counter()
         self._watchdog.arm(self._propose, deadline_s)
-        block = draft_pb2.ProposeBlock(entries=entries, target_step_s=target_step_s)
         try:
-            response = self._propose(block)
+            response = self._propose.receive()
         except grpc.RpcError as e:
             self._broken = True
             if self._watchdog.disarm():
@@ -266,45 +311,7 @@ class DraftLink:
             raise DraftDown(f"The draft service at {self.address} ended the Propose stream.") from e
         if self._watchdog.disarm():  # cancelled just after the answer came: it is whole
             self.reopen()
-        return response, time.perf_counter() - start
-
-    def send(
-        self,
-        entries: Sequence[draft_pb2.ProposeEntry],
-        target_step_s: float = 0.0,
-        push: bool = True,
-    ) -> None:
-        """Sends a block (push mode) whose answer `collect` reads; with `push` the draft
-        pushes its chains after it (ProposeBlock.push_chains)."""
-        assert self._pushes is not None
-        self._push = None  # whatever came before is for an earlier step
-        block = draft_pb2.ProposeBlock(
-            entries=entries, target_step_s=target_step_s, push_chains=push
-        )
-        self._pushes.send(block)
-        self._sent.append((time.perf_counter(), push))
-
-    @property
-    def awaiting(self) -> bool:
-        """Whether a block sent (`send`) waits for its answer to be collected."""
-        return bool(self._sent)
-
-    def collect(self, deadline_s: float) -> tuple[draft_pb2.ProposeResponse, float] | None:
-        """The answer to the oldest block sent and its round trip (None if none waits), the
-        pushes before it dropped (they are for steps already asked for); DraftStalled if it
-        has not come within `deadline_s` (the stream is then cancelled: `reopen`), DraftDown if
-        the stream failed."""
-        if not self._sent or self._pushes is None:
-            return None
-        end = time.monotonic() + deadline_s
-        while True:
-            message = self._next(end - time.monotonic(), deadline_s)
-            if not message.pushed:
-                break
-            self._pushes_due -= 1
-        sent, push = self._sent.pop(0)
-        self._pushes_due += push  # the draft pushes after each answer to a block that asked
-        return message, time.perf_counter() - sent
+        return response  # type: ignore[no-any-return]
 
     @property
     def push_due(self) -> bool:
@@ -371,13 +378,13 @@ class DraftLink:
         if self._pushes is not None:
             self._pushes.cancel()  # its reader thread ends; the draft's side of it too
             self._pushes = _PushStream(self._stub.Propose)
-            self._sent.clear()
             self._push = None
             self._pushes_due = 0
         else:
             if self._propose is not None:
                 self._propose.cancel()
             self._propose = LockstepStream(self._stub.Propose)
+        self._sent.clear()  # their answers are gone with the stream
         self._broken = False
 
     def probe(self, timeout_s: float = PROBE_TIMEOUT_S) -> grpc.Future:

@@ -484,12 +484,17 @@ class Hub:
         group.asked = bool(asks)
         answer = None
         pushed = None
+        told = False
         if asks:
             entries = [self._ask(r) for r in asks]
-            pushed = self._draft.from_push(asks, entries, self._target_step_s)
-            if pushed is None:
+            told = self._draft.tell(asks, entries, self._target_step_s)
+            if not told:
+                pushed = self._draft.from_push(asks, entries, self._target_step_s)
+            if not told and pushed is None:
                 answer = self._draft.propose(asks, entries, self._target_step_s)
         served: set[str] = set()
+        if told:  # no ask wants drafts: the draft's answer is read after the verify
+            group.drafted = True
         if pushed is not None:  # every ask's verdict had a chain or was backed up: no wait
             block, backups = pushed
             group.block, group.drafted, group.draft_graphed = block, True, True
@@ -507,7 +512,7 @@ class Hub:
             group.ahead_misses = response.draft_ahead_misses
             group.ahead_s += response.draft_ahead_s
             group.ahead_backups = response.draft_ahead_backups
-        if answer is None and pushed is None:  # seeded requests sit out a stall's step too
+        if answer is None and pushed is None and not told:  # seeded requests sit out a stall
             group.requests = [r for r in group.requests if not self._draft.waits_for_draft(r)]
         host_span(self._trace, "wait for drafts", start)
         local = [r for r in group.requests if r.request_id not in served]
@@ -523,10 +528,14 @@ class Hub:
 
     def _collect(self, group: _Group) -> None:
         """Reads the draft's answer to a block sent without waiting (`DraftSide.collect`); the
-        passes ahead it reports ran during this group's verify."""
+        passes ahead it reports ran during this group's verify. An answer that does not come
+        (the draft failed or stalled) makes it a step that asked the draft in vain."""
+        sending = self._draft.sending
         collected = self._draft.collect()
         if collected is not None:
             group.ahead_s += collected.draft_ahead_s
+        elif sending:
+            group.drafted = False
 
     def _ask(self, r: HubRequest) -> draft_pb2.ProposeEntry:
         return draft_pb2.ProposeEntry(

@@ -172,9 +172,10 @@ class DraftSide:
         self._left: tuple[str, set[str]] | None = None
         self._round_trips: deque[float] = deque(maxlen=ROUND_TRIPS)
         self._deadline_s = config.draft_deadline_s
-        # a block sent without waiting (its pushed chains verified): its asks, and the drafts
-        # verified for each request, until `collect` reads the draft's answer
-        self._sent: tuple[list[HubRequest], dict[str, list[int]]] | None = None
+        # a block sent without waiting (its pushed chains verified, or it asked for no drafts):
+        # its asks, and the drafts verified for each request, until `collect` reads the
+        # draft's answer; and whether its wait counts for the push's way (`_had_drafts`)
+        self._sent: tuple[list[HubRequest], dict[str, list[int]], bool] | None = None
         self.push_mismatches = 0  # answers to such blocks that differed from the push
         self.push_choice = PushChoice(always=config.draft_push_always)
         # this step's wait for drafts: whether it came by a push (its last block asked for
@@ -392,10 +393,40 @@ class DraftSide:
                 entries[i].backup = True
         self._had_drafts()
         link.send(entries, target_step_s, self.push_choice.next())
-        self._sent = (asks, {p.request_id: list(p.draft_token_ids) for p in chosen})
+        self._sent = (asks, {p.request_id: list(p.draft_token_ids) for p in chosen}, True)
         for r, entry in zip(asks, entries, strict=True):
             r.told = entry.committed_length
         return block_to_pb(chosen), len(missed)
+
+    def tell(
+        self,
+        asks: list[HubRequest],
+        entries: list[draft_pb2.ProposeEntry],
+        target_step_s: float = 0.0,
+    ) -> bool:
+        """Sends the block without waiting for its answer where none of its asks wants drafts
+        (dynamic speculation's k = 0, or requests at their last token): the draft learns the
+        tokens committed since its last ask and catches its KV up while the target verifies,
+        and `collect` reads its answer, drafts of none, after the verify. False (nothing
+        sent) where an ask wants drafts, or the draft is down or stalled: ask with `propose`.
+        Such a step decodes as one without a draft would, so it costs the draft's round trip
+        no more: a step at k = 0 is as fast as the target alone."""
+        link = self.link
+        if link is None or self._stall is not None or self._sent is not None:
+            return False
+        if any(e.num_draft_tokens > 0 for e in entries):
+            return False
+        self._waiting, self._collect_started = None, None  # no wait for drafts to count
+        link.send(entries, target_step_s, push=False)
+        self._sent = (asks, {r.request_id: [] for r in asks}, False)
+        for r, entry in zip(asks, entries, strict=True):
+            r.told = entry.committed_length
+        return True
+
+    @property
+    def sending(self) -> bool:
+        """Whether a block sent without waiting (`from_push`, `tell`) is still to be read."""
+        return self._sent is not None
 
     def _had_drafts(self) -> None:
         """The step's drafts are had: its wait counts for the way it came by."""
@@ -405,17 +436,19 @@ class DraftSide:
             self._waiting = None
 
     def collect(self) -> draft_pb2.ProposeResponse | None:
-        """The draft's answer to the block the last step sent without waiting (`from_push`),
-        read now (None if there is none, or the draft failed or stalled meanwhile); a request
-        it refused runs at k = 0 as after `propose`. Its drafts are the pushed ones the target
-        verified; where they are not (a chain dropped in between), its KV holds its own, and
-        the next verdict rolls back what the target did not commit."""
+        """The draft's answer to the block the last step sent without waiting (`from_push`,
+        `tell`), read now (None if there is none, or the draft failed or stalled meanwhile); a
+        request it refused runs at k = 0 as after `propose`. Its drafts are the pushed ones the
+        target verified (none after `tell`); where they are not (a chain dropped in between),
+        its KV holds its own, and the next verdict rolls back what the target did not
+        commit."""
         if self._sent is None or self.link is None:
             self._sent = None
             return None
-        asks, used = self._sent
+        asks, used, pushed = self._sent
         self._sent = None
-        self._collect_started = time.perf_counter()
+        if pushed:  # the wait for its answer is the push's way's (`from_push`)
+            self._collect_started = time.perf_counter()
         answer = self._in_time(asks, self.link.collect)
         if answer is None:
             return None

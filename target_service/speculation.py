@@ -8,9 +8,15 @@ A request commits E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k tokens per step, 
 the measured rate at which the j-th draft token is accepted given that those before it were.
 The hub runs the k in [0, K] that maximises E(k) / T(k): speculation turns itself off where it
 does not pay (poor acceptance, large batches whose verify costs more than it commits) and back
-on when it does, because one step in `probe_every` at k = K keeps measuring the acceptance
-of every position while the chosen k is lower. Acceptance counts decay with each step that
-drafts, so the choice follows the traffic.
+on when it does, because a step at k = K now and then (a probe) keeps measuring the
+acceptance of every position while the chosen k is lower. The first probe comes `probe_every`
+steps after the choice fell below K; each probe after which the choice stays the same doubles
+the wait for the next, up to PROBE_EVERY_MAX; a change of choice, or a probe whose first
+drafts were accepted clearly more often than measured (beyond two binomial standard
+deviations), starts again from `probe_every`. Where speculation does not pay, probes (each a
+step that drafts K tokens for nothing) cost less and less, and a return of acceptance is
+seen at the next probe, after which probes come often again until the choice moves.
+Acceptance counts decay with each step that drafts, so the choice follows the traffic.
 
 A request's own k is an upper bound. A sampled request with a seed of its own keeps its k:
 the accept/reject path and a k = 0 step draw different (equally distributed) tokens, so a
@@ -22,12 +28,14 @@ the target's distribution.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 DECAY = 0.99  # per step with drafts: acceptance over about the last 100 such steps
 TIME_WEIGHT = 0.1  # of each new step in the step-time averages
 MIN_DRAFTS = 16.0  # first-position drafts seen before the acceptance is trusted
-PROBE_EVERY = 32  # steps at k = 0 between two steps at k = K
+PROBE_EVERY = 32  # steps below K before the first probe at k = K
+PROBE_EVERY_MAX = 256  # the longest wait between two probes, once each confirmed the choice
 
 
 @dataclass(slots=True)
@@ -58,12 +66,20 @@ class KChooser:
     probe_every: int = PROBE_EVERY
     drafted: list[float] = field(init=False)  # position j: drafts there (all before accepted)
     accepted: list[float] = field(init=False)
+    probe_every_max: int = PROBE_EVERY_MAX
     _times: dict[int, _Times] = field(init=False, default_factory=dict)
     _below: int = field(init=False, default=0)  # steps run below `upper` since a probe
+    _interval: int = field(init=False, default=0)  # steps below `upper` before the next probe
+    _last: int | None = field(init=False, default=None)  # the last choice
+    _probing: bool = field(init=False, default=False)  # the last choice was a probe
 
     def __post_init__(self) -> None:
         if self.max_k < 1:
             raise ValueError(f"max_k must be >= 1, got {self.max_k}.")
+        if not 1 <= self.probe_every <= self.probe_every_max:
+            raise ValueError(f"probe_every must be in [1, probe_every_max], got "
+                             f"{self.probe_every} and {self.probe_every_max}.")  # fmt: skip
+        self._interval = self.probe_every
         self.drafted = [0.0] * self.max_k
         self.accepted = [0.0] * self.max_k
 
@@ -93,6 +109,9 @@ class KChooser:
     ) -> None:
         """One step of `batch` requests: the k and accepted drafts of this proposer's requests,
         the step's time and its draft forward time."""
+        if self._probing:
+            self._probing = False
+            self._probed(ks, accepted)
         if any(ks):  # counts age with new drafts, not with steps run at k = 0
             for j in range(self.max_k):
                 self.drafted[j] *= DECAY
@@ -104,13 +123,27 @@ class KChooser:
         k_step = max(ks, default=0)
         self._times.setdefault(_bucket(batch), _Times()).add(k_step, step_s, draft_s)
 
+    def _probed(self, ks: list[int], accepted: list[int]) -> None:
+        """A probe's first drafts accepted clearly more often than measured (acceptance is
+        coming back): the next probe comes `probe_every` steps on, not after the backed-off
+        wait."""
+        rates = self.acceptance()
+        if rates is None:
+            return
+        n = sum(k > 0 for k in ks)
+        hits = sum(k > 0 and a > 0 for k, a in zip(ks, accepted, strict=True))
+        p = rates[0]
+        if hits > n * p + 2.0 * math.sqrt(n * p * (1.0 - p)) + 0.5:
+            self._interval, self._below = self.probe_every, 0
+
     def choose(self, batch: int, upper: int, fixed: int = 0) -> int:
         """This step's k, at most `upper` (the largest k the step's requests ask for), for a
         batch of `batch` requests of which some keep a k of their own, the largest `fixed`:
         `upper` until acceptance and speculative step times are known, then one step at 0 to
-        time a step without drafts, then the best by E(k) / T(k); a step at `upper` every
-        `probe_every` steps below it. With `fixed` > 0 the step drafts that many anyway, so
-        a smaller k would save nothing: the best k in [fixed, upper]."""
+        time a step without drafts, then the best by E(k) / T(k); a probe at `upper` after
+        `probe_every` steps below it, then after twice as many while the choice holds (up to
+        `probe_every_max`). With `fixed` > 0 the step drafts that many anyway, so a smaller k
+        would save nothing: the best k in [fixed, upper]."""
         upper = min(upper, self.max_k)
         times = self._times.get(_bucket(batch))
         if upper < 1 or self.acceptance() is None or times is None or times.base is None:
@@ -131,12 +164,15 @@ class KChooser:
             rate = self.expected_tokens(k) / (base + k * times.per_token)
             if rate > best_rate:
                 best, best_rate = k, rate
+        if best != self._last:  # a new choice: probes come at the first interval again
+            self._last, self._interval, self._below = best, self.probe_every, 0
         if best == upper:
             self._below = 0
             return best
         self._below += 1  # positions past `best` are measured only by probes
-        if self._below >= self.probe_every:
-            self._below = 0
+        if self._below >= self._interval:
+            self._below, self._probing = 0, True
+            self._interval = min(2 * self._interval, self.probe_every_max)
             return upper
         return best
 

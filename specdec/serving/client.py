@@ -60,7 +60,15 @@ class LockstepStream:
         self._responses: Any = method(iter(self._queue.get, _CLOSE))  # a grpc Call too
 
     def __call__(self, message: Any) -> Any:
+        self.send(message)
+        return self.receive()
+
+    def send(self, message: Any) -> None:
+        """Sends a message whose answer `receive` reads (one answer per message, in order)."""
         self._queue.put(message)
+
+    def receive(self) -> Any:
+        """The answer to the oldest message sent and not answered yet; waits for it."""
         return next(self._responses)
 
     def cancel(self) -> None:

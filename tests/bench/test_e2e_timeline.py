@@ -63,6 +63,17 @@ def test_host_spans_have_a_lane_of_their_own_and_count_in_no_gpu(tmp_path: Path)
     ]  # fmt: skip
 
 
+def test_a_host_span_in_both_services_lanes_counts_both(tmp_path: Path) -> None:
+    """A collection ("host:gc") runs in either service: its share is the union of both lanes'
+    spans and its median length is over all of them (one lane's must not replace the
+    other's)."""
+    _write(tmp_path, 1, "GPU-a", [["host:gc", 0.0, 0.1], ["host:gc", 0.5, 0.52]])
+    _write(tmp_path, 2, "GPU-b", [["host:gc", 0.05, 0.2], ["host:gc", 0.8, 0.84]])
+    w = e2e_timeline.window(tmp_path, 0.0, 1.0, keep_timeline=False)
+    assert w["host"] == {"gc": pytest.approx(0.2 + 0.02 + 0.04)}  # (0, 0.2) is one union
+    assert w["host_ms"] == {"gc": pytest.approx((40 + 100) / 2)}  # lengths 100, 20, 150, 40
+
+
 def test_gpus_are_numbered_among_gpus_and_a_service_without_one_is_the_cpu(
     tmp_path: Path,
 ) -> None:

@@ -1,6 +1,8 @@
-"""`DraftLink` in push mode over a real gRPC stream on loopback, against a scripted draft
-service: the reader thread, `collect`, `take_push` and the count of pushes due (one follows each
+"""`DraftLink` over a real gRPC stream on loopback, against a scripted draft service. In push
+mode: the reader thread, `collect`, `take_push` and the count of pushes due (one follows each
 answer), a push that does not come (a stall, then `reopen`), and an answer where a push was due.
+In lock-step mode: a block sent without waiting (`send`) and its answer read later (`collect`),
+within its deadline or as a stall.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ class ScriptedDraft(draft_pb2_grpc.DraftServiceServicer):
     def __init__(self) -> None:
         self.script: dict[int, str] = {}
         self.push_delay_s = 0.0
+        self.answer_delay_s = 0.0  # before each answer: the draft's own work
         self.blocks = 0
 
     def GetModelInfo(self, request, context):  # type: ignore[no-untyped-def]
@@ -36,6 +39,7 @@ class ScriptedDraft(draft_pb2_grpc.DraftServiceServicer):
     def Propose(self, request_iterator, context) -> Iterator[draft_pb2.ProposeResponse]:  # type: ignore[no-untyped-def]
         for block in request_iterator:
             self.blocks += 1
+            time.sleep(self.answer_delay_s)
             yield _response(block, pushed=False)
             if not block.push_chains:
                 continue
@@ -158,3 +162,48 @@ def test_a_reopened_stream_leaves_no_reader_behind(draft: tuple[ScriptedDraft, i
     finally:
         link.close()
     assert _settles(lambda: _readers() <= before), "a reader thread outlived its stream"
+
+
+def test_a_lockstep_link_sends_a_block_and_collects_its_answer_later(
+    draft: tuple[ScriptedDraft, int],
+) -> None:
+    """Without pushes (a draft that does not draft ahead) the hub sends a block of asks for no
+    drafts without waiting: `send` returns at once, `collect` reads the answer, and the
+    stream goes on in lock-step after it."""
+    servicer, port = draft
+    servicer.answer_delay_s = 0.2
+    link = DraftLink(f"127.0.0.1:{port}", 1 << 24, 5.0, push=False)
+    try:
+        assert not link.push
+        started = time.monotonic()
+        link.send(_entries(0))
+        assert time.monotonic() - started < 0.15, "send waited for the answer"
+        assert link.awaiting
+        answer, round_trip = link.collect(2.0) or (None, 0.0)
+        assert answer is not None and answer.block.steps == [0] and not link.awaiting
+        assert round_trip >= 0.2
+        assert link.collect(2.0) is None  # nothing sent: nothing to read
+        servicer.answer_delay_s = 0.0
+        answer, _ = link.propose(_entries(1), 2.0)
+        assert answer.block.steps == [1]
+    finally:
+        link.close()
+
+
+def test_a_lockstep_answer_past_its_deadline_is_a_stall_and_reopen_recovers(
+    draft: tuple[ScriptedDraft, int],
+) -> None:
+    servicer, port = draft
+    servicer.answer_delay_s = 1.0
+    link = DraftLink(f"127.0.0.1:{port}", 1 << 24, 5.0, push=False)
+    try:
+        link.send(_entries(0))
+        with pytest.raises(DraftStalled):
+            link.collect(0.2)  # the watchdog cancels the stream once 0.2 s have passed
+        link.reopen()
+        assert not link.awaiting, "the stalled block's answer is gone with its stream"
+        servicer.answer_delay_s = 0.0
+        answer, _ = link.propose(_entries(1), 2.0)
+        assert answer.block.steps == [1]
+    finally:
+        link.close(graceful=False)

@@ -103,13 +103,35 @@ def test_the_best_k_by_tokens_per_second() -> None:
     assert chooser.choose(1, 1) == 1, "a request's own k is the upper bound"
 
 
-def test_turns_off_where_it_does_not_pay_and_probes() -> None:
-    chooser = KChooser(max_k=4, probe_every=8)
-    chosen = _steps(chooser, 64, rate=0.0, base=0.012, per_token=0.001, plain=0.008)
+def test_turns_off_where_it_does_not_pay_and_probes_less_and_less() -> None:
+    """Each probe that leaves the choice at 0 doubles the wait for the next, up to the cap:
+    where speculation does not pay, probes cost less and less."""
+    chooser = KChooser(max_k=4, probe_every=8, probe_every_max=32)
+    chosen = _steps(chooser, 160, rate=0.0, base=0.012, per_token=0.001, plain=0.008)
     off = chosen.index(0)
     assert chosen[:off] == [4] * off and off <= 20, chosen
-    tail = chosen[off:]  # one step at 0 times a step without drafts, then probes every 8th
-    assert [i for i, k in enumerate(tail) if k] == list(range(8, len(tail), 8)), chosen
+    tail = chosen[off:]  # one step at 0 times a step without drafts, then the probes
+    probes = [i for i, k in enumerate(tail) if k]
+    assert probes[:5] == [8, 8 + 16, 8 + 16 + 32, 8 + 16 + 32 + 32, 8 + 16 + 32 * 3], chosen
+    assert set(tail[i] for i in probes) == {4}, "a probe drafts the request's whole k"
+    with pytest.raises(ValueError, match="probe_every must be in"):
+        KChooser(max_k=4, probe_every=64, probe_every_max=32)
+
+
+def test_a_new_choice_brings_probes_back_to_their_first_interval() -> None:
+    """After probes have backed off at k = 0, acceptance that makes k = 2 the best restarts
+    them at `probe_every`: the positions past 2 are measured as often as at first."""
+    chooser = KChooser(max_k=4, probe_every=4, probe_every_max=64)
+    _steps(chooser, 120, rate=0.0, base=0.012, per_token=0.001, plain=0.008)
+    assert chooser._interval == 64  # backed off
+    # acceptance returns, half at each position: k = 2 is best (see the test below)
+    for _ in range(30):
+        chooser.observe(1, [4], [0], 0.014, 0.004)
+    chooser.drafted = [100.0, 50.0, 25.0, 12.5]
+    chooser.accepted = [50.0, 25.0, 12.5, 6.25]
+    chooser.observe(1, [0], [0], 0.008, 0.0)
+    chosen = [chooser.choose(1, 4) for _ in range(13)]
+    assert [i for i, k in enumerate(chosen) if k != 2] == [3, 3 + 8], chosen  # 4th, then 8 on
 
 
 def test_turns_back_on_when_acceptance_returns() -> None:
@@ -171,7 +193,7 @@ def test_greedy_equals_target_only_and_a_seeded_request_keeps_its_k(
 
 def test_the_hub_stops_drafting_what_is_never_accepted(checkpoints: tuple[Path, Path]) -> None:
     """BENCHMARKING ONLY synthetic acceptance of 0: after its first measurements the hub runs
-    k = 0, with a probe at the request's k every PROBE_EVERY steps."""
+    k = 0, with a probe at the request's k PROBE_EVERY steps later (then less often)."""
     never = SyntheticAcceptance(num_draft_tokens=4, mean_acceptance_length=1.0)
     with hub_services(*checkpoints, dynamic_speculation=True, synthetic=never) as svc:
         driver = Driver(svc.target_address, max_new_tokens=90)

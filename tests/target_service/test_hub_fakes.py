@@ -166,6 +166,9 @@ def test_a_seeded_request_waits_out_a_stall_at_its_own_k(runs: list[HubRun]) -> 
     k, so its output does not depend on the draft's timing."""
     link = FakeLink("draft:1", script={3: "stall"})
     run = _start(runs, link)
+    # the stalled step and three more, then the loop holds still: "free" must not run on past
+    # the model's length (where its k is 0) while this thread is slow, on a loaded machine
+    link.on_stall = lambda: run.engine.allow(4)
     run.admit("seeded", PROMPT, "draft", k=4, fixed=True)
     run.admit("free", PROMPT, "draft", k=4)
     first = run.next(lambda e: e.HasField("step") and e.step.draft_fallback != 0).step
@@ -177,6 +180,7 @@ def test_a_seeded_request_waits_out_a_stall_at_its_own_k(runs: list[HubRun]) -> 
         VerifyResponse.from_pb(s.verdicts).request_ids == ["free"] for s in run.steps[stalled:]
     )
     link.probes[0].finish()
+    run.engine.unpace()
     run.next(lambda e: e.HasField("step") and "seeded" in e.step.verdicts.request_ids)
     run.next(lambda e: e.HasField("step"))
     ks = _ks(run, "seeded")
@@ -519,3 +523,63 @@ def test_a_pushed_chain_shorter_than_k_serves_only_an_ask_whose_k_is_not_fixed()
     entry.fixed_num_draft_tokens = True
     found = _from_push(push, [entry], 64)  # a miss, which `from_push` then asks for
     assert found is not None and found[1] == [0] and found[0][0].draft_token_ids == ()
+
+
+def test_a_step_whose_asks_want_no_drafts_does_not_wait_for_the_draft(
+    runs: list[HubRun],
+) -> None:
+    """A step in which no ask wants drafts (k = 0: dynamic speculation's choice, a request's
+    last token) sends its block without waiting and reads the draft's answer after the
+    verify: the draft is told every committed token, no Propose waits, and a step that also
+    holds a request with drafts asks as before."""
+    link = FakeLink("draft:1", ask_wait_s=0.001)
+    run = _start(runs, link)
+    n = 12
+    run.engine.allow(n - 1)
+    run.admit("a", PROMPT, "draft", k=0)
+    run.until_length("a", n)
+    assert run.tokens["a"] == greedy(PROMPT, n)
+    assert not link.proposes, "a step without drafts waited for the draft's answer"
+    # the n - 1 steps after the prefill's first token, and the next one, held at its verify
+    assert len(link.sent) == n and link._collects == n - 1, "each answer read after its verify"
+    assert all(e.num_draft_tokens == 0 for block in link.sent for e in block)
+    assert not any(link.push_flags), "a block without drafts asks for no push"
+    assert link.held["a"] == [*PROMPT, *run.tokens["a"]], "the draft was told every token"
+    run.engine.unpace()
+    run.admit("b", PROMPT, "draft", k=4, max_length=len(PROMPT) + n)
+    run.until_length("b", n)
+    assert run.tokens["b"] == greedy(PROMPT, n)
+    # b's steps ask and wait, a's k = 0 beside it; b's last (k = 0 to its max_length) does not
+    assert link.proposes and all(
+        {(e.request_id, e.num_draft_tokens > 0) for e in p} == {("a", False), ("b", True)}
+        for p in link.proposes
+    ), link.proposes
+    assert any({e.request_id for e in block} == {"a", "b"} for block in link.sent)
+    assert all(e.num_draft_tokens == 0 for block in link.sent for e in block)
+
+
+def test_a_block_without_drafts_whose_answer_stalls_costs_nothing_and_teaches_nothing(
+    runs: list[HubRun],
+) -> None:
+    """The answer to a block sent without waiting does not come: the draft is stalled (the
+    step's tokens stand: they never depended on it), dynamic speculation does not learn from
+    that step's time, and once the probe is answered the request is told again."""
+    link = FakeLink("draft:1", collect_script={3: "stall"})
+    run = _start(runs, link, dynamic_speculation=True)
+    chooser = RecordingChooser(run.config.max_num_draft_tokens)
+    run.hub._chooser = chooser  # before any request: no step has run
+    n = 24
+    link.on_stall = lambda: None
+    run.engine.allow(4)  # three steps sent without waiting, then one while stalled
+    run.admit("a", PROMPT, "draft", k=0, max_length=len(PROMPT) + n)
+    run.until_length("a", 5)
+    assert len(link.probes) == 1, "the missing answer stalled the draft"
+    assert len(chooser.seen) == len(run.steps) - 1, "every step taught it, but the stalled one"
+    sent_before = len(link.sent)
+    link.probes[0].finish()
+    run.engine.unpace()
+    run.until_length("a", n)
+    assert run.tokens["a"] == greedy(PROMPT, n)
+    assert len(link.sent) > sent_before, "told again after the resynchronisation"
+    errors = [VerifyResponse.from_pb(s.verdicts).errors for s in run.steps]
+    assert not any(errors), errors
