@@ -333,17 +333,21 @@ def _serve(result: dict[str, Any]) -> list[str]:
     lines += [
         "",
         "The hub's step by part (mean ms per step in the window, from /metrics; draft and "
-        "transport averaged over all steps):",
+        "transport averaged over all steps), and the k of the steps that served draft requests "
+        "(dynamic speculation's choice): its mean and the share of steps at k = 0:",
         "",
         "| config | batch | draft forward | Propose transport | verify forward | sampler "
-        "| hub step |",
-        "|---" * 7 + "|",
+        "| hub step | mean k | steps at k = 0 |",
+        "|---" * 9 + "|",
     ]
     for r in serve["rows"]:
         h = r["hub_ms"]
+        k_mean, k0 = h.get("k_mean"), h.get("k0_share")  # older results lack them
         lines.append(
             f"| {label(r)} | {r['batch']} | {_f(h['draft'])} | {_f(h['transport'])} "
-            f"| {_f(h['verify'])} | {_f(h['sampler'])} | {_f(h['step'])} |"
+            f"| {_f(h['verify'])} | {_f(h['sampler'])} | {_f(h['step'])} "
+            f"| {'-' if k_mean is None else f'{k_mean:.2f}'} "
+            f"| {'-' if k0 is None else f'{k0:.2f}'} |"
         )
     lines += [
         "",

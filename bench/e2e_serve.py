@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import statistics
 import subprocess
@@ -253,9 +254,15 @@ def serving(
 
 
 def scrape(url: str) -> dict[str, float]:
-    """/metrics as name → value, summed over label sets (the series read here have one)."""
+    """/metrics as name → value, summed over label sets (the series read here have one); a
+    histogram's buckets also as name{le=bound}."""
     with urlopen(url, timeout=10) as r:
         text = r.read().decode()
+    return parse_metrics(text)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """`scrape`'s reading of a /metrics text."""
     out: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
@@ -263,6 +270,10 @@ def scrape(url: str) -> dict[str, float]:
         series, _, value = line.rpartition(" ")
         name = series.split("{", 1)[0]
         out[name] = out.get(name, 0.0) + float(value)
+        le = re.search(r'le="([^"]*)"', series) if name.endswith("_bucket") else None
+        if le is not None:
+            key = f"{name}{{le={float(le.group(1)):g}}}"
+            out[key] = out.get(key, 0.0) + float(value)
     return out
 
 
@@ -290,6 +301,12 @@ def hub_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float
     for part in HUB_PARTS:
         metric = "specdec:step_seconds" if part == "step" else f"specdec:step_{part}_seconds"
         out[part] = 1e3 * delta(f"{metric}_sum") / steps
+    # the k of the steps that served draft requests (dynamic speculation's choice): its mean,
+    # and the share of those steps that drafted nothing
+    k_steps = delta("specdec:step_num_draft_tokens_count")
+    if k_steps > 0:
+        out["k_mean"] = delta("specdec:step_num_draft_tokens_sum") / k_steps
+        out["k0_share"] = delta("specdec:step_num_draft_tokens_bucket{le=0}") / k_steps
     return out
 
 

@@ -23,7 +23,7 @@ from typing import Any, overload
 import grpc
 
 from specdec.pb import common_pb2, draft_pb2, draft_pb2_grpc
-from specdec.serving.client import LockstepStream, make_channel
+from specdec.serving.client import HANDOFF_WAIT_S, LockstepStream, Outbox, make_channel
 from specdec.serving.messages import AdmitRequest, ModelInfo
 
 _DOWN = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -125,9 +125,6 @@ class PendingAdmits:
         return out
 
 
-_END = object()  # the Propose stream's requests end
-
-
 class _PushStream:
     """The Propose stream of a hub that takes pushed chains (ProposeBlock.push_chains): a
     thread of its own reads every message the draft sends into a queue, so that a push that
@@ -136,8 +133,8 @@ class _PushStream:
     as the last item."""
 
     def __init__(self, method: Callable[[Iterator[Any]], Iterator[Any]]):
-        self._requests: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._call: Any = method(iter(self._requests.get, _END))  # a grpc Call too
+        self._requests = Outbox()
+        self._call: Any = method(iter(self._requests))  # a grpc Call too
         self._messages: queue.SimpleQueue[Any] = queue.SimpleQueue()
         threading.Thread(target=self._read, name="draft-propose-reader", daemon=True).start()
 
@@ -149,8 +146,9 @@ class _PushStream:
         except grpc.RpcError as e:
             self._messages.put(e)
 
-    def send(self, block: draft_pb2.ProposeBlock) -> None:
-        self._requests.put(block)
+    def send(self, block: draft_pb2.ProposeBlock, wait_s: float = 0.0) -> None:
+        """Sends the block; with `wait_s`, returns once gRPC has sent it (`Outbox.put`)."""
+        self._requests.put(block, wait_s)
 
     def next(self, timeout_s: float) -> draft_pb2.ProposeResponse:
         """The next message; queue.Empty after `timeout_s`; the read side's failure raised."""
@@ -173,7 +171,7 @@ class _PushStream:
         self._call.cancel()
 
     def close(self) -> None:
-        self._requests.put(_END)
+        self._requests.close()
 
 
 class DraftLink:
@@ -239,7 +237,7 @@ class DraftLink:
         pushes its chains after the answer."""
         if self._sent:
             raise RuntimeError("propose() with an answer not collected")
-        self.send(entries, target_step_s, push)
+        self.send(entries, target_step_s, push, handoff=False)  # the wait below lets it go
         answer = self.collect(deadline_s)
         assert answer is not None
         return answer
@@ -249,19 +247,24 @@ class DraftLink:
         entries: Sequence[draft_pb2.ProposeEntry],
         target_step_s: float = 0.0,
         push: bool = True,
+        handoff: bool = True,
     ) -> None:
         """Sends a block whose answer `collect` reads; with `push` (push mode) the draft
-        pushes its chains after it (ProposeBlock.push_chains)."""
+        pushes its chains after it (ProposeBlock.push_chains). With `handoff` it returns once
+        gRPC has sent the block (`specdec.serving.client.Outbox`): the hub goes on to verify
+        while holding the GIL, and the draft must get the block now, not at the verify's
+        end."""
         push = push and self._pushes is not None
         block = draft_pb2.ProposeBlock(
             entries=entries, target_step_s=target_step_s, push_chains=push
         )
+        wait_s = HANDOFF_WAIT_S if handoff else 0.0
         if self._pushes is not None:
             self._push = None  # whatever came before is for an earlier step
-            self._pushes.send(block)
+            self._pushes.send(block, wait_s)
         else:
             assert self._propose is not None
-            self._propose.send(block)
+            self._propose.send(block, wait_s)
         self._sent.append((time.perf_counter(), push))
 
     @property

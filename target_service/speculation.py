@@ -8,15 +8,24 @@ A request commits E(k) = 1 + a_1 + a_1 a_2 + ... + a_1 ... a_k tokens per step, 
 the measured rate at which the j-th draft token is accepted given that those before it were.
 The hub runs the k in [0, K] that maximises E(k) / T(k): speculation turns itself off where it
 does not pay (poor acceptance, large batches whose verify costs more than it commits) and back
-on when it does, because a step at k = K now and then (a probe) keeps measuring the
-acceptance of every position while the chosen k is lower. The first probe comes `probe_every`
-steps after the choice fell below K; each probe after which the choice stays the same doubles
-the wait for the next, up to PROBE_EVERY_MAX; a change of choice, or a probe whose first
-drafts were accepted clearly more often than measured (beyond two binomial standard
-deviations), starts again from `probe_every`. Where speculation does not pay, probes (each a
-step that drafts K tokens for nothing) cost less and less, and a return of acceptance is
-seen at the next probe, after which probes come often again until the choice moves.
-Acceptance counts decay with each step that drafts, so the choice follows the traffic.
+on when it does.
+
+Each time is the median of its last TIME_SAMPLES measurements in the batch's bucket, and the
+first comparison waits for MIN_TIMES of each: one step can be far off (the draft busy with new
+requests' prefills, a collection, a first use), and a time that is measured only while its k
+runs would keep such an outlier for good.
+
+Probes keep the choice honest. Now and then a step runs another k than the best: K, to measure
+the acceptance of the positions past the chosen k, and 0, to time a step without drafts again
+(the choice between speculating and not rests on that time, which is measured only at k = 0).
+Where both are needed they alternate. The first probe comes `probe_every` steps after the
+choice settled; each probe after which the choice stays the same doubles the wait for the
+next, up to PROBE_EVERY_MAX; a change of choice, or a probe at K whose first drafts were
+accepted clearly more often than measured (beyond two binomial standard deviations), starts
+again from `probe_every`. Probes therefore cost less and less while the choice holds (a probe
+at K where speculation does not pay is a step that drafts K tokens for little), and a return
+of acceptance is seen at the next probe, after which probes come often again until the choice
+moves. Acceptance counts decay with each step that drafts, so the choice follows the traffic.
 
 A request's own k is an upper bound. A sampled request with a seed of its own keeps its k:
 the accept/reject path and a k = 0 step draw different (equally distributed) tokens, so a
@@ -29,33 +38,36 @@ the target's distribution.
 from __future__ import annotations
 
 import math
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 DECAY = 0.99  # per step with drafts: acceptance over about the last 100 such steps
-TIME_WEIGHT = 0.1  # of each new step in the step-time averages
+TIME_SAMPLES = 9  # the step times each estimate is the median of
+MIN_TIMES = 3  # of each time (with drafts, without) before the two are compared
 MIN_DRAFTS = 16.0  # first-position drafts seen before the acceptance is trusted
-PROBE_EVERY = 32  # steps below K before the first probe at k = K
+PROBE_EVERY = 32  # steps at one choice before the first probe
 PROBE_EVERY_MAX = 256  # the longest wait between two probes, once each confirmed the choice
+
+
+def _samples() -> deque[float]:
+    return deque(maxlen=TIME_SAMPLES)
 
 
 @dataclass(slots=True)
 class _Times:
-    """Step-time averages (seconds) of one batch-size bucket."""
+    """Step times (seconds) of one batch-size bucket, the last TIME_SAMPLES of each."""
 
-    base: float | None = None  # a speculative step less its draft forwards
-    per_token: float | None = None  # the draft's forward time per drafted position
-    plain: float | None = None  # a step without drafts
+    base: deque[float] = field(default_factory=_samples)  # speculative steps less their drafts
+    per_token: deque[float] = field(default_factory=_samples)  # draft time per drafted position
+    plain: deque[float] = field(default_factory=_samples)  # steps without drafts
 
     def add(self, k: int, step_s: float, draft_s: float) -> None:
         if k > 0:
-            self.base = _average(self.base, max(step_s - draft_s, 0.0))
-            self.per_token = _average(self.per_token, draft_s / k)
+            self.base.append(max(step_s - draft_s, 0.0))
+            self.per_token.append(draft_s / k)
         else:
-            self.plain = _average(self.plain, step_s)
-
-
-def _average(old: float | None, new: float) -> float:
-    return new if old is None else old + TIME_WEIGHT * (new - old)
+            self.plain.append(step_s)
 
 
 @dataclass(slots=True)
@@ -68,10 +80,11 @@ class KChooser:
     accepted: list[float] = field(init=False)
     probe_every_max: int = PROBE_EVERY_MAX
     _times: dict[int, _Times] = field(init=False, default_factory=dict)
-    _below: int = field(init=False, default=0)  # steps run below `upper` since a probe
-    _interval: int = field(init=False, default=0)  # steps below `upper` before the next probe
+    _since: int = field(init=False, default=0)  # steps at the choice since the last probe
+    _interval: int = field(init=False, default=0)  # such steps before the next probe
     _last: int | None = field(init=False, default=None)  # the last choice
-    _probing: bool = field(init=False, default=False)  # the last choice was a probe
+    _probes: int = field(init=False, default=0)  # probes run (they alternate up and down)
+    _probing: bool = field(init=False, default=False)  # the last step was a probe at K
 
     def __post_init__(self) -> None:
         if self.max_k < 1:
@@ -134,47 +147,56 @@ class KChooser:
         hits = sum(k > 0 and a > 0 for k, a in zip(ks, accepted, strict=True))
         p = rates[0]
         if hits > n * p + 2.0 * math.sqrt(n * p * (1.0 - p)) + 0.5:
-            self._interval, self._below = self.probe_every, 0
+            self._interval, self._since = self.probe_every, 0
 
     def choose(self, batch: int, upper: int, fixed: int = 0) -> int:
         """This step's k, at most `upper` (the largest k the step's requests ask for), for a
         batch of `batch` requests of which some keep a k of their own, the largest `fixed`:
-        `upper` until acceptance and speculative step times are known, then one step at 0 to
-        time a step without drafts, then the best by E(k) / T(k); a probe at `upper` after
-        `probe_every` steps below it, then after twice as many while the choice holds (up to
-        `probe_every_max`). With `fixed` > 0 the step drafts that many anyway, so a smaller k
-        would save nothing: the best k in [fixed, upper]."""
+        `upper` until acceptance and MIN_TIMES speculative step times are known, then steps at
+        0 until MIN_TIMES of those are timed, then the best by E(k) / T(k), with probes
+        (`_probe`). With `fixed` > 0 the step drafts that many anyway, so a smaller k would
+        save nothing: the best k in [fixed, upper]."""
         upper = min(upper, self.max_k)
         times = self._times.get(_bucket(batch))
-        if upper < 1 or self.acceptance() is None or times is None or times.base is None:
+        if upper < 1 or self.acceptance() is None or times is None:
             return upper
-        assert times.per_token is not None
+        if len(times.base) < MIN_TIMES:
+            return upper
+        base, per_token = statistics.median(times.base), statistics.median(times.per_token)
         if fixed > 0:
-            per_token, base = times.per_token, times.base
             ks = range(min(fixed, upper), upper + 1)
             return max(ks, key=lambda k: self.expected_tokens(k) / (base + k * per_token))
-        if times.plain is None:  # one step at k = 0 measures it (else k = 1 could run for good)
+        if len(times.plain) < MIN_TIMES:  # else k = 1 could run for good
             return 0
+        plain = statistics.median(times.plain)
         # a step that drafts does all a step without drafts does (and verifies more): a
         # measured base below T(0) is noise, which must not make drafts that are never
         # accepted look free
-        base = max(times.base, times.plain)
-        best, best_rate = 0, 1.0 / times.plain
+        base = max(base, plain)
+        best, best_rate = 0, 1.0 / plain
         for k in range(1, upper + 1):
-            rate = self.expected_tokens(k) / (base + k * times.per_token)
+            rate = self.expected_tokens(k) / (base + k * per_token)
             if rate > best_rate:
                 best, best_rate = k, rate
+        return self._probe(best, upper)
+
+    def _probe(self, best: int, upper: int) -> int:
+        """`best`, or a probe: `upper` (the positions past `best` measured) or 0 (a step
+        without drafts timed again), alternating where both differ from `best`; the first
+        after `probe_every` steps at one choice, each next after twice as many while the
+        choice holds, up to `probe_every_max`."""
         if best != self._last:  # a new choice: probes come at the first interval again
-            self._last, self._interval, self._below = best, self.probe_every, 0
-        if best == upper:
-            self._below = 0
+            self._last, self._interval, self._since = best, self.probe_every, 0
+        self._since += 1
+        if self._since < self._interval:
             return best
-        self._below += 1  # positions past `best` are measured only by probes
-        if self._below >= self._interval:
-            self._below, self._probing = 0, True
-            self._interval = min(2 * self._interval, self.probe_every_max)
-            return upper
-        return best
+        self._since = 0
+        self._interval = min(2 * self._interval, self.probe_every_max)
+        ways = [k for k in (upper, 0) if k != best]
+        k = ways[self._probes % len(ways)]
+        self._probes += 1
+        self._probing = k > 0
+        return k
 
 
 def _bucket(batch: int) -> int:

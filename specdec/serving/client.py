@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import queue
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -46,6 +47,50 @@ def make_channel(
 
 
 _CLOSE = object()
+HANDOFF_WAIT_S = 0.05  # the longest `Outbox.put` waits for gRPC to send a message
+
+
+class Outbox:
+    """The request side of a bidirectional stream: what is put here, gRPC sends, in order.
+
+    gRPC's synchronous API reads a call's request iterator on a thread of its own, which
+    needs the GIL to take a message, serialise it and start its send. A caller that goes on
+    running Python after putting one (the hub launching a verify) can hold the GIL until it
+    next blocks, so the message leaves milliseconds late: on a GPU host, at the verify's
+    end. `put(..., wait_s)` blocks until gRPC has sent the message (it asks for the next one
+    only once a send is done), up to `wait_s`: the message leaves now, for a few thread
+    hand-offs."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
+        self._sent = threading.Condition()
+        self._puts = 0  # messages put (the caller's count)
+        self._done = 0  # messages gRPC has sent (the iterator's)
+
+    def __iter__(self) -> Iterator[Any]:
+        while True:
+            message = self._queue.get()
+            if message is _CLOSE:
+                return
+            yield message
+            with self._sent:  # gRPC asks for the next message: this one is sent
+                self._done += 1
+                self._sent.notify_all()
+
+    def put(self, message: Any, wait_s: float = 0.0) -> bool:
+        """Queues `message`; with `wait_s` > 0, waits until gRPC has sent it, up to that
+        long. Whether it is known to be sent (False after the wait ran out, or without one)."""
+        self._puts += 1
+        n = self._puts
+        self._queue.put(message)
+        if wait_s <= 0.0:
+            return False
+        with self._sent:
+            return self._sent.wait_for(lambda: self._done >= n, timeout=wait_s)
+
+    def close(self) -> None:
+        """The stream's requests end after what was put."""
+        self._queue.put(_CLOSE)
 
 
 class LockstepStream:
@@ -56,16 +101,17 @@ class LockstepStream:
     """
 
     def __init__(self, method: Callable[[Iterator[Any]], Iterator[Any]]):
-        self._queue: queue.SimpleQueue[Any] = queue.SimpleQueue()
-        self._responses: Any = method(iter(self._queue.get, _CLOSE))  # a grpc Call too
+        self._outbox = Outbox()
+        self._responses: Any = method(iter(self._outbox))  # a grpc Call too
 
     def __call__(self, message: Any) -> Any:
-        self.send(message)
+        self._outbox.put(message)  # the caller waits for the answer next: no hand-off wait
         return self.receive()
 
-    def send(self, message: Any) -> None:
-        """Sends a message whose answer `receive` reads (one answer per message, in order)."""
-        self._queue.put(message)
+    def send(self, message: Any, wait_s: float = HANDOFF_WAIT_S) -> None:
+        """Sends a message whose answer `receive` reads (one answer per message, in order),
+        and returns once gRPC has sent it (`Outbox.put`), or after `wait_s`."""
+        self._outbox.put(message, wait_s)
 
     def receive(self) -> Any:
         """The answer to the oldest message sent and not answered yet; waits for it."""
@@ -77,7 +123,7 @@ class LockstepStream:
         self._responses.cancel()
 
     def close(self) -> None:
-        self._queue.put(_CLOSE)
+        self._outbox.close()
         for _ in self._responses:
             pass
 

@@ -15,6 +15,7 @@ from bench.e2e_serve import (
     Stream,
     hub_ms,
     mixed_spread,
+    parse_metrics,
     placements,
     progress_units,
     seq_len_needed,
@@ -85,6 +86,30 @@ def test_hub_ms_is_the_window_delta_per_step() -> None:
     assert h["sampler"] == 0.0
     with pytest.raises(RuntimeError, match="no step"):
         hub_ms(after, after)
+
+
+def test_the_k_of_the_steps_is_read_from_the_metrics_histogram() -> None:
+    """The orchestrator's step k histogram, as /metrics serves it: the window's mean k and the
+    share of its steps at k = 0 (what dynamic speculation chose)."""
+    from prometheus_client import CollectorRegistry, Histogram, generate_latest
+
+    from orchestrator.core.metrics import K_BUCKETS
+
+    registry = CollectorRegistry()
+    k = Histogram("specdec:step_num_draft_tokens", "k", ("model_pair",), registry=registry,
+                  buckets=K_BUCKETS).labels("t/d")  # fmt: skip
+    step = Histogram("specdec:step_seconds", "s", ("model_pair",), registry=registry).labels("t/d")
+    for _ in range(2):
+        k.observe(4)
+        step.observe(0.01)
+    before = parse_metrics(generate_latest(registry).decode())
+    for value in (0, 0, 0, 4, 1, 0):
+        k.observe(value)
+        step.observe(0.005)
+    h = hub_ms(before, parse_metrics(generate_latest(registry).decode()))
+    assert h["steps"] == 6 and h["step"] == pytest.approx(5.0)
+    assert h["k_mean"] == pytest.approx(5 / 6) and h["k0_share"] == pytest.approx(4 / 6)
+    assert "k_mean" not in hub_ms(before | {"specdec:step_seconds_count": 0.0}, before)
 
 
 def test_serve_args_match_the_pipeline_services(checkpoints: tuple[Path, Path]) -> None:

@@ -307,3 +307,73 @@ def test_a_settled_heap_is_frozen_until_the_server_stops() -> None:
 class _Box:
     def __init__(self) -> None:
         self.me = self
+
+
+STAMP_SCRIPT = textwrap.dedent(
+    """
+    import time
+    import grpc
+    from specdec.serving.server import Server, ServerConfig
+
+    def stamp(requests, context):  # each message answered with when it arrived here
+        for _ in requests:
+            yield repr(time.time()).encode()
+
+    def register(server):
+        handler = grpc.stream_stream_rpc_method_handler(stamp)
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(
+            "test.Stamp", {"Stream": handler}),))
+
+    srv = Server(ServerConfig(), ["test.Stamp"], register)
+    print(srv.start(), flush=True)
+    srv.set_serving(True)
+    srv.serve_until_signal()
+    """
+)
+
+
+def _hold_the_gil(seconds: float) -> None:
+    end = time.time() + seconds
+    while time.time() < end:  # pure Python: no blocking call releases the GIL
+        pass
+
+
+@pytest.mark.parametrize("handoff", [True, False])
+def test_send_returns_once_grpc_has_sent_the_message(handoff: bool) -> None:
+    """gRPC's request thread needs the GIL to send a message: a caller that goes on running
+    Python after putting it (the hub launching a verify) would hold it back until the caller
+    next blocks. `LockstepStream.send` returns only once gRPC has sent it, so it reaches the
+    server (another process) while the caller still holds the GIL; a bare put does not (the
+    mutant: the server sees it only after the caller lets go)."""
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STAMP_SCRIPT], stdout=subprocess.PIPE, text=True, env=env
+    )
+    interval = sys.getswitchinterval()
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        with make_channel(f"127.0.0.1:{port}") as channel:
+            stream = LockstepStream(channel.stream_stream("/test.Stamp/Stream"))
+            assert stream(b"warm")  # the call is open and the connection up
+            sys.setswitchinterval(1.0)  # no other thread takes the GIL from a busy caller
+            sent = time.time()
+            if handoff:
+                stream.send(b"now")
+            else:
+                stream._outbox.put(b"now")  # no wait for the hand-off
+            _hold_the_gil(0.5)
+            sys.setswitchinterval(interval)
+            arrived = float(stream.receive())
+            stream.close()
+        if handoff:
+            assert arrived - sent < 0.25, arrived - sent
+        else:
+            assert arrived - sent >= 0.45, arrived - sent
+    finally:
+        sys.setswitchinterval(interval)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()

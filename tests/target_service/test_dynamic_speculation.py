@@ -16,7 +16,7 @@ from specdec.runner import ModelRunner
 from specdec.sampling_params import SamplingParams
 from specdec.serving.blocks import DraftBlock
 from specdec.serving.messages import AdmitRequest
-from target_service.speculation import MIN_DRAFTS, KChooser
+from target_service.speculation import MIN_DRAFTS, MIN_TIMES, KChooser
 from target_service.synthetic import SyntheticAcceptance
 from tests.draft_service.models import TOKENIZER_VOCAB, greedy_reference
 from tests.target_service.hub_helpers import Driver, hub_services
@@ -110,12 +110,50 @@ def test_turns_off_where_it_does_not_pay_and_probes_less_and_less() -> None:
     chosen = _steps(chooser, 160, rate=0.0, base=0.012, per_token=0.001, plain=0.008)
     off = chosen.index(0)
     assert chosen[:off] == [4] * off and off <= 20, chosen
-    tail = chosen[off:]  # one step at 0 times a step without drafts, then the probes
-    probes = [i for i, k in enumerate(tail) if k]
+    tail = chosen[off:]  # MIN_TIMES steps at 0 time a step without drafts, then the probes
+    assert tail[:MIN_TIMES] == [0] * MIN_TIMES
+    at = [i for i, k in enumerate(tail) if k]
+    probes = [i - (MIN_TIMES - 1) for i in at]  # counted from the last of those
     assert probes[:5] == [8, 8 + 16, 8 + 16 + 32, 8 + 16 + 32 + 32, 8 + 16 + 32 * 3], chosen
-    assert set(tail[i] for i in probes) == {4}, "a probe drafts the request's whole k"
+    assert {tail[i] for i in at} == {4}, "a probe drafts the request's whole k"
     with pytest.raises(ValueError, match="probe_every must be in"):
         KChooser(max_k=4, probe_every=64, probe_every_max=32)
+
+
+def _batch8(chooser: KChooser, k: int, plain_s: float = 0.0054) -> None:
+    """One step at batch 8 as an 8B / 1B pair on H200s runs it at L = 1.5 (the synthetic
+    rates 0.5, 0, 0, 0): 8 ms plus 1.26 ms per drafted token, `plain_s` without drafts."""
+    accepted = [j % 2 if k else 0 for j in range(8)]  # half of the first drafts accepted
+    step_s = 0.008 + 0.00126 * k if k else plain_s
+    chooser.observe(8, [k] * 8, accepted, step_s, 0.00126 * k)
+
+
+def test_one_slow_step_without_drafts_does_not_keep_speculation_on() -> None:
+    """The first step at k = 0 of a batch can be far slower than the rest (the draft busy with
+    the new requests' prefills): one such time must not make k = 1 look better for good. At
+    5.4 ms a step without drafts commits 1 / 5.4 tokens per ms, k = 1 at most 1.5 / 9.26."""
+    chooser = KChooser(max_k=4)
+    first = True
+    for _ in range(300):
+        k = chooser.choose(8, 4)
+        _batch8(chooser, k, 0.015 if k == 0 and first else 0.0054)
+        first = first and k != 0
+    assert [chooser.choose(8, 4) for _ in range(8)] == [0] * 8
+
+
+def test_probes_time_a_step_without_drafts_again_while_speculating() -> None:
+    """Steps without drafts that were all slow (a busy draft) make k = 1 the choice; once they
+    are fast again, the probes at k = 0 (which alternate with those at K) time them again and
+    the choice goes back to 0."""
+    chooser = KChooser(max_k=4, probe_every=4, probe_every_max=16)
+    chosen = []
+    for step in range(400):
+        k = chooser.choose(8, 4)
+        chosen.append(k)
+        _batch8(chooser, k, 0.015 if step < 40 else 0.0054)
+    settled = chosen[6:60]  # after the first timings: k = 1, probes up and down among them
+    assert settled.count(1) >= 48 and 0 in settled and 4 in settled, settled
+    assert chosen[-40:].count(0) >= 36, chosen[-40:]
 
 
 def test_a_new_choice_brings_probes_back_to_their_first_interval() -> None:
