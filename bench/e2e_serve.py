@@ -564,7 +564,8 @@ def summarise(
         "tokens_per_step_per_request": tokens / sum(f["steps"] for f in per),
         # bursts (responses held back, then delivered together) show as a low p10
         "gap_ms": {f"p{q}": gaps[int(q / 100 * (len(gaps) - 1))] for q in (10, 50, 90)},
-        "hub_ms": {part: hub[part] for part in HUB_PARTS},
+        # the parts, and the steps' mean k and share at k = 0 where draft requests ran
+        "hub_ms": {part: hub[part] for part in (*HUB_PARTS, "k_mean", "k0_share") if part in hub},
         "overhead_ms_per_step": client_step - hub["step"],
     }
 

@@ -82,6 +82,10 @@ def test_smoke_through_serve_has_every_row(smoke: tuple[Path, dict[str, Any]]) -
         else:
             assert (hub["draft"] > 0) == (config != "target_only")
         assert r["overhead_ms_per_step"] == pytest.approx(r["client_step_ms_median"] - hub["step"])
+        if config == "target_only":  # no step served a draft request: no k to read
+            assert "k_mean" not in hub
+        else:  # k = 4, less only at a request's last tokens
+            assert 2 < hub["k_mean"] <= 4 and 0 <= hub["k0_share"] < 0.5, hub
         assert r["placement"] == "shared" and r["tpot_ms_p99"] >= r["tpot_ms_median"] / 2 > 0
         # both services' device work on the one CPU, traced through specdec serve's actors
         [(lane, busy)] = r["gpus"]["busy"].items()
