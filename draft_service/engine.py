@@ -293,7 +293,7 @@ class DraftEngine:
         n = len(req.tokens) + len(a.new_token_ids)
         k = a.num_draft_tokens
         return (
-            step_error(req.next_step, a.step, rid, retry_ok=True, new_tokens=len(a.new_token_ids))
+            step_error(req.next_step, a.step, rid, retry_ok=True)
             or committed_length_mismatch(n, a.committed_length, rid)
             or too_many_drafts(k, info.max_num_draft_tokens, "num_draft_tokens")
             or token_out_of_vocab(a.new_token_ids, self.vocab_size, "new_token_ids")

@@ -493,7 +493,7 @@ class Hub:
             if not told and pushed is None:
                 answer = self._draft.propose(asks, entries, self._target_step_s)
         served: set[str] = set()
-        if told:  # no ask wants drafts: the draft is told without waiting, or later
+        if told:  # no ask wants drafts: the draft's answer is read after the verify
             group.drafted = True
         if pushed is not None:  # every ask's verdict had a chain or was backed up: no wait
             block, backups = pushed

@@ -94,11 +94,6 @@ class _Stall:
     since: float = field(default_factory=time.monotonic)
 
 
-# a step whose asks want no drafts tells the draft the tokens committed since its last block
-# only once one of them holds this many: the hand-off and the answer cost such a step 0.7-0.8 ms
-# on H200s (6.04 against 5.25 ms at batch 8), and the draft catches up a few tokens as cheaply
-# as one, behind the verify
-TELL_EVERY = 8
 PUSH_EXPLORE_EVERY = 256  # steps between two runs of the way not in use, to measure it again
 PUSH_EXPLORE_STEPS = 8  # steps each such run lasts
 PUSH_WAIT_WEIGHT = 0.25  # of each new measurement in PushChoice's averages
@@ -409,21 +404,18 @@ class DraftSide:
         entries: list[draft_pb2.ProposeEntry],
         target_step_s: float = 0.0,
     ) -> bool:
-        """A step none of whose asks wants drafts (dynamic speculation's k = 0, or requests at
-        their last token) does not wait for the draft: True, and the step decodes as without
-        a draft. Once an ask holds TELL_EVERY tokens the draft has not been told, the block is
-        sent without waiting for its answer: the draft catches its KV up (one prefill of those
-        tokens) while the target verifies, and `collect` reads its answer, drafts of none,
-        after the verify; before that, nothing is sent, and the tokens go with a later block.
-        False where an ask wants drafts, or the draft is down or stalled: ask with
-        `propose`."""
+        """Sends the block without waiting for its answer where none of its asks wants drafts
+        (dynamic speculation's k = 0, or requests at their last token): the draft learns the
+        tokens committed since its last ask and catches its KV up while the target verifies,
+        and `collect` reads its answer, drafts of none, after the verify. False (nothing
+        sent) where an ask wants drafts, or the draft is down or stalled: ask with `propose`.
+        Such a step decodes as one without a draft would, so it costs the draft's round trip
+        no more: a step at k = 0 is as fast as the target alone."""
         link = self.link
         if link is None or self._stall is not None or self._sent is not None:
             return False
         if any(e.num_draft_tokens > 0 for e in entries):
             return False
-        if max(len(e.new_token_ids) for e in entries) < TELL_EVERY:
-            return True  # told with a later block
         self._waiting, self._collect_started = None, None  # no wait for drafts to count
         link.send(entries, target_step_s, push=False)
         self._sent = (asks, {r.request_id: [] for r in asks}, False)

@@ -39,32 +39,18 @@ def unknown_request(
 
 
 def step_error(
-    expected: int,
-    got: int,
-    request_id: str,
-    entry: str = "",
-    *,
-    retry_ok: bool = False,
-    new_tokens: int | None = None,
+    expected: int, got: int, request_id: str, entry: str = "", *, retry_ok: bool = False
 ) -> RequestError | None:
     """The step must be `expected`, or with `retry_ok` the one before it again (a retry the
-    engine serves anew), or, given `new_tokens` (the entry's count of them), a later one
-    whose new tokens can hold the skipped steps' (at least one per step skipped): the hub
-    verified those steps without asking this service, at k = 0. Below is STALE_STEP, above
-    FUTURE_STEP."""
+    engine serves anew). Below is STALE_STEP, above FUTURE_STEP."""
     if got == expected or (retry_ok and got == expected - 1):
         return None
-    if new_tokens is not None and got > expected and new_tokens >= got - expected:
-        return None
     reason = ErrorReason.STALE_STEP if got < expected else ErrorReason.FUTURE_STEP
-    others = [f"{expected - 1} again"] if retry_ok else []
-    if new_tokens is not None:
-        others.append("a later one with a new token per step skipped")
-    also = f" (or {', or '.join(others)})" if others else ""
+    retry = f" (or {expected - 1} again)" if retry_ok else ""
     return RequestError.of(
         reason,
         f"{_field(entry, 'step')} is {got} but request {request_id!r} expects step "
-        f"{expected}{also}.",
+        f"{expected}{retry}.",
     )
 
 

@@ -15,7 +15,7 @@ from draft_service.server import model_info
 from specdec.runner import ModelRunner
 from specdec.sampling_params import SamplingParams
 from specdec.serving.blocks import DenseQ, SparseQ
-from specdec.serving.messages import AdmitRequest, ErrorReason, ProposeEntry
+from specdec.serving.messages import AdmitRequest, ProposeEntry
 from tests.draft_service.models import build_checkpoints, model_draft
 
 
@@ -108,36 +108,6 @@ def test_a_failed_step_leaves_requests_as_they_were(
     torch.testing.assert_close(got.sparse.probs, want.sparse.probs, atol=1e-6, rtol=0)
     for rid in ("a", "b"):
         assert faulty.runner.cached_length(rid) == clean.runner.cached_length(rid)  # type: ignore[union-attr]
-
-
-def test_an_ask_after_steps_the_hub_did_not_tell_is_served_from_its_tokens(
-    draft_dir: Path,
-) -> None:
-    """The hub tells the draft the tokens of steps at k = 0 only now and then
-    (`hub_draft.TELL_EVERY`): an ask for a later step, whose new_token_ids hold every token
-    since, drafts what the draft would have drafted told at every step; a step before the
-    last one served stays refused."""
-    told, skipped = _engine(draft_dir), _engine(draft_dir)
-    _admit(told)
-    _admit(skipped)
-    first = [ProposeEntry("a", 0, (), 9, 3), ProposeEntry("b", 0, (), 9, 2)]
-    for e in (told, skipped):
-        assert not e.propose(first)[1]
-    for step, (ta, tb) in enumerate(((5, 7), (6, 8), (9, 10)), start=1):  # k = 0 steps
-        block, errors = told.propose([ProposeEntry("a", step, (ta,), 9 + step, 0),
-                                      ProposeEntry("b", step, (tb,), 9 + step, 0)])  # fmt: skip
-        assert not errors and block.draft_token_ids == []
-        told.draft_ahead(["a", "b"])  # the pass after each answer catches the KV up
-    asks = [ProposeEntry("a", 4, (11,), 13, 3), ProposeEntry("b", 4, (12,), 13, 2)]
-    want, errors = told.propose(asks)
-    assert not errors
-    late = [ProposeEntry("a", 4, (5, 6, 9, 11), 13, 3), ProposeEntry("b", 4, (7, 8, 10, 12), 13, 2)]
-    got, errors = skipped.propose(late)  # steps 1-3 never told: their tokens come now
-    assert not errors
-    assert got.tokens(0) == want.tokens(0)  # greedy "a": the same drafts
-    assert len(got.tokens(1)) == 2  # sampled "b": drafted too (its draws differ by step)
-    _, errors = skipped.propose([ProposeEntry("a", 2, (), 13, 1)])
-    assert [e.reason for _, e in errors] == [ErrorReason.STALE_STEP]
 
 
 def _graph_engine(draft_dir: Path, device: str, draft_ahead: int = 0) -> DraftEngine:

@@ -242,7 +242,7 @@ def test_the_hub_stops_drafting_what_is_never_accepted(checkpoints: tuple[Path, 
     assert all(e.num_accepted == 0 for e in driver.records["a"].events)
     assert ks[:16] == [4] * 16, "k = 4 until MIN_DRAFTS first drafts are seen"
     tail = ks[20:]
-    assert tail.count(0) >= len(tail) - 3 and 4 in tail, str(ks)
+    assert tail.count(0) >= len(tail) - 3 and 4 in tail, ks
 
 
 class WarmUpEngine:

@@ -12,12 +12,7 @@ import pytest
 from specdec.pb import target_pb2
 from specdec.serving.blocks import DraftBlock
 from specdec.serving.verdicts import VerifyResponse
-from target_service.hub_draft import (
-    PUSH_EXPLORE_EVERY,
-    PUSH_EXPLORE_STEPS,
-    TELL_EVERY,
-    PushChoice,
-)
+from target_service.hub_draft import PUSH_EXPLORE_EVERY, PUSH_EXPLORE_STEPS, PushChoice
 from target_service.speculation import KChooser
 from tests.target_service.hub_fakes import FAILED, FakeLink, HubRun, greedy
 
@@ -533,37 +528,34 @@ def test_a_pushed_chain_shorter_than_k_serves_only_an_ask_whose_k_is_not_fixed()
 def test_a_step_whose_asks_want_no_drafts_does_not_wait_for_the_draft(
     runs: list[HubRun],
 ) -> None:
-    """Steps in which no ask wants drafts (k = 0: dynamic speculation's choice, a request's
-    last token) do not wait for the draft: no Propose; every TELL_EVERY tokens the block is
-    sent without waiting and its answer read after the verify, so the draft is told every
-    committed token in chunks; a step that also holds a request with drafts asks as before."""
+    """A step in which no ask wants drafts (k = 0: dynamic speculation's choice, a request's
+    last token) sends its block without waiting and reads the draft's answer after the
+    verify: the draft is told every committed token, no Propose waits, and a step that also
+    holds a request with drafts asks as before."""
     link = FakeLink("draft:1", ask_wait_s=0.001)
     run = _start(runs, link)
-    n = 3 * TELL_EVERY + 2
-    run.admit("a", PROMPT, "draft", k=0, max_length=len(PROMPT) + n)
+    n = 12
+    run.engine.allow(n - 1)
+    run.admit("a", PROMPT, "draft", k=0)
     run.until_length("a", n)
     assert run.tokens["a"] == greedy(PROMPT, n)
     assert not link.proposes, "a step without drafts waited for the draft's answer"
-    # the prefill gives the first token; step s asks with the s tokens since: sent at s = 8, 16..
-    assert [[len(e.new_token_ids) for e in block] for block in link.sent] == [[TELL_EVERY]] * 3
+    # the n - 1 steps after the prefill's first token, and the next one, held at its verify
+    assert len(link.sent) == n and link._collects == n - 1, "each answer read after its verify"
     assert all(e.num_draft_tokens == 0 for block in link.sent for e in block)
     assert not any(link.push_flags), "a block without drafts asks for no push"
-    assert link._collects == 3, "each answer read after its verify"
-    assert link.held["a"] == [*PROMPT, *run.tokens["a"][: 3 * TELL_EVERY]]
-    link.sent.clear()
-    run.admit("c", PROMPT, "draft", k=0)
+    assert link.held["a"] == [*PROMPT, *run.tokens["a"]], "the draft was told every token"
+    run.engine.unpace()
     run.admit("b", PROMPT, "draft", k=4, max_length=len(PROMPT) + n)
     run.until_length("b", n)
     assert run.tokens["b"] == greedy(PROMPT, n)
-    # b's steps ask and wait, c's k = 0 beside it; b's last (k = 0 to its max_length) does not
-    asked = [p for p in link.proposes if any(e.request_id == "b" for e in p)]
-    assert asked and all(
-        {(e.request_id, e.num_draft_tokens > 0) for e in p} == {("c", False), ("b", True)}
-        for p in asked
-    ), asked
-    run.until_length("c", len(run.tokens["b"]) + 2 * TELL_EVERY)  # c alone: told in chunks
-    assert link.sent and all(e.num_draft_tokens == 0 for block in link.sent for e in block)
-    assert all(max(len(e.new_token_ids) for e in block) >= TELL_EVERY for block in link.sent)
+    # b's steps ask and wait, a's k = 0 beside it; b's last (k = 0 to its max_length) does not
+    assert link.proposes and all(
+        {(e.request_id, e.num_draft_tokens > 0) for e in p} == {("a", False), ("b", True)}
+        for p in link.proposes
+    ), link.proposes
+    assert any({e.request_id for e in block} == {"a", "b"} for block in link.sent)
+    assert all(e.num_draft_tokens == 0 for block in link.sent for e in block)
 
 
 def test_a_block_without_drafts_whose_answer_stalls_costs_nothing_and_teaches_nothing(
@@ -572,16 +564,15 @@ def test_a_block_without_drafts_whose_answer_stalls_costs_nothing_and_teaches_no
     """The answer to a block sent without waiting does not come: the draft is stalled (the
     step's tokens stand: they never depended on it), dynamic speculation does not learn from
     that step's time, and once the probe is answered the request is told again."""
-    link = FakeLink("draft:1", collect_script={2: "stall"})
+    link = FakeLink("draft:1", collect_script={3: "stall"})
     run = _start(runs, link, dynamic_speculation=True)
     chooser = RecordingChooser(run.config.max_num_draft_tokens)
     run.hub._chooser = chooser  # before any request: no step has run
-    n = 6 * TELL_EVERY
-    # the stall comes in the collect after step 2 * TELL_EVERY's verify, the last step the
-    # loop may run until the test has looked
-    run.engine.allow(2 * TELL_EVERY)
+    n = 24
+    link.on_stall = lambda: None
+    run.engine.allow(4)  # three steps sent without waiting, then one while stalled
     run.admit("a", PROMPT, "draft", k=0, max_length=len(PROMPT) + n)
-    run.until_length("a", 2 * TELL_EVERY + 1)
+    run.until_length("a", 5)
     assert len(link.probes) == 1, "the missing answer stalled the draft"
     assert len(chooser.seen) == len(run.steps) - 1, "every step taught it, but the stalled one"
     sent_before = len(link.sent)
