@@ -409,8 +409,9 @@ class DraftSide:
         tokens committed since its last ask and catches its KV up while the target verifies,
         and `collect` reads its answer, drafts of none, after the verify. False (nothing
         sent) where an ask wants drafts, or the draft is down or stalled: ask with `propose`.
-        Such a step decodes as one without a draft would, so it costs the draft's round trip
-        no more: a step at k = 0 is as fast as the target alone."""
+        Such a step decodes as one without a draft would and waits for no round trip; the
+        block's hand-off and the answer's read still cost it 0.8 ms at batch 8 on H200s
+        (docs/design.md, "What a step at k = 0 still costs")."""
         link = self.link
         if link is None or self._stall is not None or self._sent is not None:
             return False
