@@ -313,6 +313,22 @@ def measure_all(result: dict[str, Any], args: argparse.Namespace) -> None:
         result["greedy_diagnosis"] = diagnose(s, greedy, args)
 
 
+def partial_report(result: dict[str, Any], out: Path) -> Path | None:
+    """The report of a run stopped before its end (a call's time limit, often during the greedy
+    check's diagnosis, which comes after every serve row), as e2e_partial.md beside the partial
+    results, where what was measured renders; None (and a line on stderr) where it does not."""
+    try:
+        text = e2e_report.markdown(result)
+    except Exception as e:  # too little was measured: the JSON is all there is
+        print(f"no partial report: {e!r}", file=sys.stderr)
+        return None
+    path = out / "e2e_partial.md"
+    path.write_text("_Partial: the run stopped before its end; this is what it had measured._"
+                    "\n\n" + text)  # fmt: skip
+    print(f"and rendered in {path}", file=sys.stderr)
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
     result: dict[str, Any] = {
         "command": shlex.join(["python", *sys.argv]),
@@ -330,6 +346,7 @@ def run(args: argparse.Namespace) -> int:
         partial = args.out / "e2e_partial.json"
         partial.write_text(json.dumps(result, indent=1) + "\n")
         print(f"stopped early; what was measured is in {partial}", file=sys.stderr)
+        partial_report(result, args.out)
         raise
     path = e2e_report.write(result, args.out)
     print(e2e_report.markdown(result))

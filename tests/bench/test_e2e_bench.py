@@ -157,6 +157,29 @@ def test_goals_compare_against_the_bounds() -> None:
     assert args.batches == [1, 4] and args.steps == 6
 
 
+def test_a_run_stopped_after_its_serve_rows_leaves_their_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A run stopped during the greedy check's diagnosis (which comes after every serve row)
+    leaves e2e_partial.md beside e2e_partial.json, rendered from what was measured: here the
+    partial results of a GPU run that its call's time limit stopped; a run stopped before any
+    row leaves the JSON alone."""
+    from bench.e2e_bench import partial_report
+
+    measured = Path(__file__).resolve().parents[2] / "bench/results/e2e_runs"
+    result = json.loads((measured / "dynamic_L1.5_ced9e9f_NVIDIA_H200_x2.json").read_text())
+    assert result["greedy_diagnosis"] is None  # stopped while diagnosing
+    path = partial_report(result, tmp_path)
+    assert path == tmp_path / "e2e_partial.md"
+    text = path.read_text()
+    assert text.startswith("_Partial: the run stopped before its end")
+    assert "| split | dynamic_L1.5 | 8 | 1033 | 0.72 |" in text
+    empty = {"command": "x", "date": "d", "settings": result["settings"], "rows": [],
+             "greedy_check": None, "greedy_diagnosis": None, "serve": None}  # fmt: skip
+    assert partial_report(empty, tmp_path / "none") is None
+    assert "no partial report" in capsys.readouterr().err
+
+
 def test_serve_rows_are_the_default() -> None:
     assert parse(["--smoke"]).serve and parse(["--smoke", "--serve"]).serve
     assert not parse(["--smoke", "--no-serve"]).serve
