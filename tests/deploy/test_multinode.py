@@ -307,7 +307,11 @@ def test_streaming_greedy_across_nodes_equals_one_machine(served: Served) -> Non
     for prompt, result in zip(prompts, out["results"], strict=True):
         assert result["tokens"] == oracle(served.target_dir, tuple(prompt), NUM_TOKENS), prompt
         assert result["chunks"] > 1, "streamed step by step"
-        assert result["draft_tokens"] > 0, "the target asked the draft in B"
+    # the target asked the draft in B, and its drafts were accepted. Not for every request: a
+    # draft admission that ends after its request has stepped on at k = 0 (the hub waits one
+    # target step for it) leaves that request without drafts (docs/design.md, "A late draft
+    # admission"), which a loaded CI machine met once in 16 tokens
+    assert sum(r["draft_tokens"] for r in out["results"]) > 0, "the target asked the draft in B"
     assert sum(r["accepted"] for r in out["results"]) > 0, "drafts from B were accepted"
 
 

@@ -171,6 +171,7 @@ class FakeLink:
     info: ModelInfo = INFO
     timeout_s: float = 5.0
     held: dict[str, list[int]] = field(default_factory=dict)
+    next_steps: dict[str, int] = field(default_factory=dict)  # the step each ask must carry
     proposes: list[list[draft_pb2.ProposeEntry]] = field(default_factory=list)
     deadlines: list[float] = field(default_factory=list)  # each Propose's
     released: list[str] = field(default_factory=list)
@@ -251,6 +252,10 @@ class FakeLink:
         chains = []  # the push: (request, step, committed length, drafts, verdict)
         for e in entries:
             tokens = self.held[e.request_id]
+            # the draft's rule (`checks.step_error`): the next step, or the last one again
+            expected = self.next_steps[e.request_id]
+            _check(e.step in (expected, expected - 1), ("step", e, expected))
+            self.next_steps[e.request_id] = e.step + 1
             _check(len(tokens) + len(e.new_token_ids) == e.committed_length, (e, tokens))
             tokens.extend(e.new_token_ids)
             mine = [] if e.backup else self._drafts(tokens, e.num_draft_tokens)
@@ -351,6 +356,7 @@ class FakeLink:
     ) -> FakePendingAdmits:
         for a in admissions:
             self.held[a.request_id] = list(a.prompt_token_ids)
+            self.next_steps[a.request_id] = a.first_step
         return FakePendingAdmits(admissions, self.admit_gate, self.admit_s)
 
     def release(self, request_ids: Sequence[str], timeout_s: float | None = None) -> None:
