@@ -272,9 +272,14 @@ def parse_metrics(text: str) -> dict[str, float]:
         out[name] = out.get(name, 0.0) + float(value)
         le = re.search(r'le="([^"]*)"', series) if name.endswith("_bucket") else None
         if le is not None:
-            key = f"{name}{{le={float(le.group(1)):g}}}"
+            key = bucket(name, float(le.group(1)))
             out[key] = out.get(key, 0.0) + float(value)
     return out
+
+
+def bucket(name: str, le: float) -> str:
+    """The key `parse_metrics` gives a histogram bucket's series, e.g. name{le=0}."""
+    return f"{name}{{le={le:g}}}"
 
 
 HUB_PARTS = ("step", "draft", "transport", "verify", "sampler")
@@ -306,7 +311,7 @@ def hub_ms(before: dict[str, float], after: dict[str, float]) -> dict[str, float
     k_steps = delta("specdec:step_num_draft_tokens_count")
     if k_steps > 0:
         out["k_mean"] = delta("specdec:step_num_draft_tokens_sum") / k_steps
-        out["k0_share"] = delta("specdec:step_num_draft_tokens_bucket{le=0}") / k_steps
+        out["k0_share"] = delta(bucket("specdec:step_num_draft_tokens_bucket", 0)) / k_steps
     return out
 
 
