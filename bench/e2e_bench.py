@@ -146,6 +146,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
             "serve_hit_rate_spread": args.serve_hit_rate_spread,
             "serve_stand_in": args.serve_stand_in,
             "serve_stand_in_lockstep": args.serve_stand_in_lockstep,
+            "serve_stand_in_dynamic": args.serve_stand_in_dynamic,
             "draft_ahead": args.draft_ahead,
             "serve_steps": args.serve_steps,
             "ttft_prompt_lens": args.ttft_prompt_len,
@@ -458,6 +459,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--serve-stand-in-lockstep",
         action="store_true",
         help="BENCHMARKING ONLY: also a lock-step row with the draft stand-in per serve length",
+    )
+    p.add_argument(
+        "--serve-stand-in-dynamic",
+        action="store_true",
+        help="BENCHMARKING ONLY: also a dynamic speculation row with the draft stand-in per "
+        "serve length (lock-step drafts, k chosen per step: its steps at k = 0 on one GPU)",
     )
     p.add_argument(
         "--serve-placements",

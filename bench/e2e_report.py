@@ -459,7 +459,7 @@ def _side_by_side(result: dict[str, Any]) -> list[str]:
     for r in rows:
         gain = r["tokens_per_s"] / base[r["batch"]] if r["batch"] in base else float("nan")
         # dynamic speculation runs k below --num-draft-tokens, so no one verify time bounds it
-        dynamic = r["config"].startswith("dynamic")
+        dynamic = r["config"].removeprefix(STAND_IN).startswith("dynamic")
         achieved = "-" if dynamic else f"{r['tokens_per_s'] / bound_tokens_per_s(result, r):.2f}"
         gpus = r.get("gpus", {})
         shown = ", ".join(f"{g} {f:.0%}" for g, f in gpus.get("busy", {}).items()) or "-"

@@ -758,25 +758,34 @@ def section(
                             timeout_s, cached=bool(s.get("kv_block_size")), tick=tick,
                         )  # fmt: skip
                     first = False
-    if s.get("serve_stand_in") or s.get("serve_stand_in_lockstep"):
+    stand_ins = stand_in_starts(s)
+    if stand_ins:
         phase("measuring the draft's forwards for the stand-in")
         times = measure_stand_in(s, log_dir, timeout_s)
         out["stand_in"] = json.loads(times.read_text())
         for length in s["serve_lengths"]:
-            stand_ins: list[tuple[str, float | None]] = [
-                (f"standin_ahead_h{h:g}_L{length:g}", h) for h in s["serve_stand_in"]
-            ]
-            if s.get("serve_stand_in_lockstep"):
-                stand_ins.insert(0, (f"standin_lockstep_L{length:g}", None))
-            for config, hit_rate in stand_ins:
+            for config, hit_rate, dynamic in stand_ins:
+                config += f"_L{length:g}"
                 phase(f"starting specdec serve (stand-in {config})")
                 with serving(s, length, log_dir, timeout_s, out["stops"].append, hit_rate,
-                             "shared", stand_in=times) as serve:  # fmt: skip
+                             "shared", dynamic, stand_in=times) as serve:  # fmt: skip
                     for b in s["batches"]:
                         phase(f"serve stand-in {config} batch {b}")
                         spec = RowSpec(STAND_IN, config, "draft", k, length, b)
                         out["rows"].append(measure_row(serve, spec, s, max_tokens, timeout_s))
                         tick(s["serve_steps"])
+
+
+def stand_in_starts(s: dict[str, Any]) -> list[tuple[str, float | None, bool]]:
+    """BENCHMARKING ONLY: the stand-in's `specdec serve` starts of one synthetic length, in
+    order: (config name less its length, draft-ahead hit rate, dynamic speculation)."""
+    starts: list[tuple[str, float | None, bool]] = []
+    if s.get("serve_stand_in_lockstep"):
+        starts.append(("standin_lockstep", None, False))
+    starts += [(f"standin_ahead_h{h:g}", h, False) for h in s.get("serve_stand_in", [])]
+    if s.get("serve_stand_in_dynamic"):
+        starts.append(("standin_dynamic", None, True))
+    return starts
 
 
 def measure_stand_in(s: dict[str, Any], log_dir: Path, timeout_s: float) -> Path:
@@ -818,7 +827,7 @@ def progress_units(s: dict[str, Any]) -> int:
     """Progress ticks of `section` (placements as asked, else two: an estimate)."""
     per_length = len(serve_starts(s, 1.0))
     n = len(s.get("serve_placements") or PLACEMENTS)
-    stand_in = len(s.get("serve_stand_in", [])) + bool(s.get("serve_stand_in_lockstep"))
+    stand_in = len(stand_in_starts(s))
     per_length_rows = n * per_length + stand_in
     rows = len(s["batches"]) * (1 + len(s["serve_lengths"]) * per_length_rows)
     return rows * s["serve_steps"] + len(s["ttft_prompt_lens"]) * (s["ttft_repeats"] + 1)

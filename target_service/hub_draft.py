@@ -409,16 +409,17 @@ class DraftSide:
         tokens committed since its last ask and catches its KV up while the target verifies,
         and `collect` reads its answer, drafts of none, after the verify. False (nothing
         sent) where an ask wants drafts, or the draft is down or stalled: ask with `propose`.
-        Such a step decodes as one without a draft would and waits for no round trip; the
-        block's hand-off and the answer's read still cost it 0.8 ms at batch 8 on H200s
-        (docs/design.md, "What a step at k = 0 still costs")."""
+        Such a step decodes as one without a draft would and waits for no round trip: the block
+        leaves without the hand-off a draft pass needs (`DraftLink.send`), once the hub's
+        thread waits on the GPU, and the link's reader thread has its answer by the verify's
+        end (docs/design.md, "What a step at k = 0 still costs")."""
         link = self.link
         if link is None or self._stall is not None or self._sent is not None:
             return False
         if any(e.num_draft_tokens > 0 for e in entries):
             return False
         self._waiting, self._collect_started = None, None  # no wait for drafts to count
-        link.send(entries, target_step_s, push=False)
+        link.send(entries, target_step_s, push=False, handoff=False)
         self._sent = (asks, {r.request_id: [] for r in asks}, False)
         for r, entry in zip(asks, entries, strict=True):
             r.told = entry.committed_length

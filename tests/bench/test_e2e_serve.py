@@ -21,6 +21,7 @@ from bench.e2e_serve import (
     seq_len_needed,
     serve_args,
     serve_starts,
+    stand_in_starts,
     window_figures,
 )
 from orchestrator.cli.main import parse_args
@@ -183,6 +184,34 @@ def test_no_push_rows_pair_each_draft_ahead_row_with_pushes_off(
         services = serve_config(parse_args(flags)).services
         assert services.draft_push_chains is ("nopush" not in config), config
     more = progress_units(s | {"serve_no_push": True}) - progress_units(s)
+    assert more == 2 * len(s["batches"]) * s["serve_steps"]
+
+
+def test_stand_in_starts_and_their_flags(checkpoints: tuple[Path, Path], tmp_path: Path) -> None:
+    """BENCHMARKING ONLY: the stand-in's starts (lock-step, per hit rate, dynamic) in order, a
+    dynamic one with dynamic speculation and no draft-ahead; the progress bar counts them."""
+    target, draft = checkpoints
+    s: dict[str, Any] = {
+        "paths": {"target": str(target), "draft": str(draft)}, "target_device": "cpu",
+        "dtype": "float32", "max_slots": 4, "max_seq_len": 128, "num_draft_tokens": 4,
+        "graph_sizes": [], "draft_ahead": 2, "batches": [1, 8], "serve_lengths": [1.5],
+        "serve_steps": 8, "ttft_prompt_lens": [64], "ttft_repeats": 1,
+        "serve_placements": ["shared"], "serve_stand_in": [0.8],
+    }  # fmt: skip
+    assert stand_in_starts(s | {"serve_stand_in": []}) == []
+    every = s | {"serve_stand_in_lockstep": True, "serve_stand_in_dynamic": True}
+    starts = stand_in_starts(every)
+    assert starts == [("standin_lockstep", None, False), ("standin_ahead_h0.8", 0.8, False),
+                      ("standin_dynamic", None, True)]  # fmt: skip
+    times = tmp_path / "times.json"
+    times.write_text("{}")
+    _, hit_rate, dynamic = starts[-1]
+    services = serve_config(
+        parse_args(serve_args(s, 1.5, 1, 2, hit_rate, "shared", dynamic, times))
+    ).services
+    assert services.dynamic_speculation and services.draft_ahead == 0
+    assert services.draft_stand_in == times
+    more = progress_units(every) - progress_units(s)
     assert more == 2 * len(s["batches"]) * s["serve_steps"]
 
 

@@ -195,6 +195,7 @@ class FakeLink:
     take_push_script: dict[int, str] = field(default_factory=dict)  # likewise, n-th take_push
     pushes: list[draft_pb2.ProposeResponse] = field(default_factory=list)  # every one made
     push_flags: list[bool] = field(default_factory=list)  # each block's push_chains
+    handoffs: list[bool] = field(default_factory=list)  # each block sent: waited to be sent
     push_wait_s: float = 0.0  # how long a due push takes to come
     # partial pushes: each push's backup_miss_share, and which (request, step) chains the push
     # keys by a verdict that will not come (a miss); a backup ask (ProposeEntry.backup) is
@@ -333,8 +334,10 @@ class FakeLink:
         entries: Sequence[draft_pb2.ProposeEntry],
         target_step_s: float = 0.0,
         push: bool = True,
+        handoff: bool = True,
     ) -> None:
         self.push_flags.append(push)
+        self.handoffs.append(handoff)
         self.sent.append(list(entries))
         self._answer = self._answer_block(entries, self.answer_other, push)
 

@@ -544,6 +544,8 @@ def test_a_step_whose_asks_want_no_drafts_does_not_wait_for_the_draft(
     assert len(link.sent) == n and link._collects == n - 1, "each answer read after its verify"
     assert all(e.num_draft_tokens == 0 for block in link.sent for e in block)
     assert not any(link.push_flags), "a block without drafts asks for no push"
+    # the draft drafts nothing from it: no wait for gRPC to have sent it before the verify
+    assert not any(link.handoffs), "a block without drafts waited for its hand-off"
     assert link.held["a"] == [*PROMPT, *run.tokens["a"]], "the draft was told every token"
     run.engine.unpace()
     run.admit("b", PROMPT, "draft", k=4, max_length=len(PROMPT) + n)
