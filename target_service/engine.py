@@ -248,8 +248,14 @@ class TargetEngine:
         """
         return self.verify_timed(block)[0]
 
-    def verify_timed(self, block: DraftBlock) -> tuple[VerifyResponse, StepTimes]:
-        """`verify`, and where the step's time went on the device."""
+    def verify_timed(
+        self, block: DraftBlock, launched: Callable[[], None] | None = None
+    ) -> tuple[VerifyResponse, StepTimes]:
+        """`verify`, and where the step's time went on the device. `launched` is called once
+        the step's device work is queued, just before the host waits for it: the hub sends
+        the draft a block there, so that gRPC's threads take the GIL while this one waits on
+        the device, not while it launches (not called where no entry is scored, or the step
+        failed before)."""
         with self._lock, on_device(self.runner.device):  # the sampler's kernels too
             out = VerifyResponse.pending(block.request_ids, block.steps)
             rids = block.request_ids
@@ -261,7 +267,7 @@ class TargetEngine:
                 if self._check(block, i, counts[rid] if counts else 1, in_vocab, out)
             ]
             valid = self._within_kv_blocks(block, valid, out)
-            times = self._score_safely(block, valid, out) if valid else StepTimes()
+            times = self._score_safely(block, valid, out, launched) if valid else StepTimes()
             return out, times
 
     def _within_kv_blocks(
@@ -329,7 +335,11 @@ class TargetEngine:
         )
 
     def _score_safely(
-        self, block: DraftBlock, entries: list[int], out: VerifyResponse
+        self,
+        block: DraftBlock,
+        entries: list[int],
+        out: VerifyResponse,
+        launched: Callable[[], None] | None = None,
     ) -> StepTimes:
         """`_score`, but a step that raises leaves every request as it was before the step: the
         KV lengths it extended are rolled back (nothing below them was written) and its
@@ -337,7 +347,7 @@ class TargetEngine:
         rids = [block.request_ids[i] for i in entries]
         before = [self.runner.cached_length(rid) for rid in rids]
         try:
-            return self._score(block, entries, out)
+            return self._score(block, entries, out, launched)
         except Exception as e:  # any failure of the step fails its entries only
             log.exception("verify step of %d requests failed; rolled back", len(entries))
             for rid, length in zip(rids, before, strict=True):
@@ -351,7 +361,13 @@ class TargetEngine:
                 out.fail(i, RequestError.of(ErrorReason.STEP_FAILED, message))
             return StepTimes()
 
-    def _score(self, block: DraftBlock, entries: list[int], out: VerifyResponse) -> StepTimes:
+    def _score(
+        self,
+        block: DraftBlock,
+        entries: list[int],
+        out: VerifyResponse,
+        launched: Callable[[], None] | None = None,
+    ) -> StepTimes:
         """Scores `entries` (valid, ascending) in one padded forward (a CUDA graph where one
         fits), samples each q form, reads every result with one host synchronisation, then
         commits. Nothing of a request's state changes before that synchronisation."""
@@ -370,6 +386,8 @@ class TargetEngine:
             for form, positions in groups.items()
         ]
         clock.mark()
+        if launched is not None:
+            launched()
         host = runner.to_host(*(packed for _, packed in sampled))  # the step's one sync
         for (positions, _), result in zip(sampled, host, strict=True):
             self._commit_group(block, entries, positions, reqs, result.tolist(), out)

@@ -390,7 +390,8 @@ class Hub:
             block = self._proposals(group)
             if not group.requests:  # its seeded requests sit out a stall that began now
                 return
-            verdicts, times = self.engine.verify_timed(block)
+            # a block told to the draft (k = 0) leaves once the verify is launched
+            verdicts, times = self.engine.verify_timed(block, self._draft.flush)
             # a block sent without waiting is answered by now: read it before any control
             # (a release, a re-admission) reaches the draft ahead of that block
             self._collect(group)

@@ -176,6 +176,8 @@ class DraftSide:
         # its asks, and the drafts verified for each request, until `collect` reads the
         # draft's answer; and whether its wait counts for the push's way (`_had_drafts`)
         self._sent: tuple[list[HubRequest], dict[str, list[int]], bool] | None = None
+        # the block `tell` holds until `flush` sends it: its entries and target_step_s
+        self._unsent: tuple[list[draft_pb2.ProposeEntry], float] | None = None
         self.push_mismatches = 0  # answers to such blocks that differed from the push
         self.push_choice = PushChoice(always=config.draft_push_always)
         # this step's wait for drafts: whether it came by a push (its last block asked for
@@ -312,7 +314,7 @@ class DraftSide:
     def _stalled(self, message: str, held: list[str]) -> None:
         """The draft missed a deadline: every request runs at k = 0 until it answers."""
         assert self.link is not None
-        self._sent = None  # its answer is never read: the stream is cancelled
+        self._sent = self._unsent = None  # its answer is never read: the stream is cancelled
         if self._stall is None:
             log.warning("draft service stalled, requests run at k = 0 until it answers: %s",
                         message)  # fmt: skip
@@ -334,7 +336,9 @@ class DraftSide:
         while graceful and self.link is not None and self._stall is None and self._admitting:
             item = self._admitting.pop(0)
             self.settle(item.pending, item.reqs)
-        self._sent = None  # a graceful close reads its answer (`DraftLink.close`)
+        # a block sent: a graceful close reads its answer (`DraftLink.close`); one not sent
+        # yet is dropped (every request leaves the draft below)
+        self._sent = self._unsent = None
         if self.link is not None:
             self.link.close(graceful and self._stall is None)
             self.link = None
@@ -410,20 +414,29 @@ class DraftSide:
         and `collect` reads its answer, drafts of none, after the verify. False (nothing
         sent) where an ask wants drafts, or the draft is down or stalled: ask with `propose`.
         Such a step decodes as one without a draft would and waits for no round trip: the block
-        leaves without the hand-off a draft pass needs (`DraftLink.send`), once the hub's
-        thread waits on the GPU, and the link's reader thread has its answer by the verify's
-        end (docs/design.md, "What a step at k = 0 still costs")."""
+        is sent by `flush` once the verify's device work is queued, so that gRPC's threads
+        take the GIL while the hub's waits on the GPU, and the link's reader thread has the
+        answer by the verify's end (docs/design.md, "What a step at k = 0 still costs")."""
         link = self.link
         if link is None or self._stall is not None or self._sent is not None:
             return False
         if any(e.num_draft_tokens > 0 for e in entries):
             return False
         self._waiting, self._collect_started = None, None  # no wait for drafts to count
-        link.send(entries, target_step_s, push=False, handoff=False)
+        self._unsent = (entries, target_step_s)
         self._sent = (asks, {r.request_id: [] for r in asks}, False)
         for r, entry in zip(asks, entries, strict=True):
             r.told = entry.committed_length
         return True
+
+    def flush(self) -> None:
+        """Sends the block `tell` holds, if it is not sent yet: the hub calls this once the
+        verify's device work is queued (`TargetEngine.verify_timed`'s `launched`), and
+        `collect` does where that never came (a step that scored nothing, or failed). The
+        draft drafts nothing from it, so it is sent without waiting for its hand-off."""
+        unsent, self._unsent = self._unsent, None
+        if unsent is not None and self.link is not None:
+            self.link.send(unsent[0], unsent[1], push=False, handoff=False)
 
     @property
     def sending(self) -> bool:
@@ -444,6 +457,7 @@ class DraftSide:
         target verified (none after `tell`); where they are not (a chain dropped in between),
         its KV holds its own, and the next verdict rolls back what the target did not
         commit."""
+        self.flush()
         if self._sent is None or self.link is None:
             self._sent = None
             return None

@@ -94,10 +94,14 @@ class FakeEngine:
     def release(self, request_ids: Iterable[str]) -> int:
         return sum(self.held.pop(rid, None) is not None for rid in request_ids)
 
-    def verify_timed(self, block: DraftBlock) -> tuple[VerifyResponse, StepTimes]:
+    def verify_timed(
+        self, block: DraftBlock, launched: Callable[[], None] | None = None
+    ) -> tuple[VerifyResponse, StepTimes]:
         if self.pace is not None:
             _check(self.pace.acquire(timeout=10.0), "the test never allowed this step")
         self.blocks.append(block)
+        if launched is not None and block.request_ids:  # as the engine: once it is queued
+            launched()
         out = VerifyResponse.pending(block.request_ids, block.steps)
         for i, rid in enumerate(block.request_ids):
             tokens = self.held[rid]

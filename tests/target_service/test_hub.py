@@ -209,11 +209,11 @@ def test_failed_step_fails_only_its_requests(
     verify = engine.verify_timed
     calls = []
 
-    def fail_third(block: object) -> object:
+    def fail_third(block: object, launched: object = None) -> object:
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected")
-        return verify(block)  # type: ignore[arg-type]
+        return verify(block, launched)  # type: ignore[arg-type]
 
     monkeypatch.setattr(engine, "verify_timed", fail_third)
     driver = Driver(svc.target_address, max_new_tokens=8)
@@ -378,11 +378,11 @@ def test_a_seeded_output_does_not_depend_on_a_retry(
     clean.client.close()
     verify, calls = svc.target_engine.verify_timed, []
 
-    def fail_third(block: object) -> object:
+    def fail_third(block: object, launched: object = None) -> object:
         calls.append(1)
         if len(calls) == 3:
             raise RuntimeError("injected")
-        return verify(block)  # type: ignore[arg-type]
+        return verify(block, launched)  # type: ignore[arg-type]
 
     monkeypatch.setattr(svc.target_engine, "verify_timed", fail_third)
     retried = Driver(svc.target_address, max_new_tokens=n)

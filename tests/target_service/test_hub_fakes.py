@@ -534,19 +534,29 @@ def test_a_step_whose_asks_want_no_drafts_does_not_wait_for_the_draft(
     holds a request with drafts asks as before."""
     link = FakeLink("draft:1", ask_wait_s=0.001)
     run = _start(runs, link)
+    # each block leaves once its own step's verify is launched: the engine holds that step
+    verifying: list[list[int]] = []  # at each send, the steps the engine's last block verifies
+    send = link.send
+    link.send = lambda *a, **kw: (verifying.append(list(run.engine.blocks[-1].steps)),  # type: ignore[method-assign]
+                                  send(*a, **kw))[1]  # fmt: skip
     n = 12
     run.engine.allow(n - 1)
     run.admit("a", PROMPT, "draft", k=0)
     run.until_length("a", n)
     assert run.tokens["a"] == greedy(PROMPT, n)
     assert not link.proposes, "a step without drafts waited for the draft's answer"
-    # the n - 1 steps after the prefill's first token, and the next one, held at its verify
-    assert len(link.sent) == n and link._collects == n - 1, "each answer read after its verify"
+    # the n - 1 steps after the prefill's first token (the next one, held before its verify,
+    # has sent nothing yet)
+    assert len(link.sent) == n - 1 and link._collects == n - 1, "each answer read after its verify"
+    assert verifying == [[e.step for e in block] for block in link.sent], (
+        "a block left before its verify was launched"
+    )
     assert all(e.num_draft_tokens == 0 for block in link.sent for e in block)
     assert not any(link.push_flags), "a block without drafts asks for no push"
     # the draft drafts nothing from it: no wait for gRPC to have sent it before the verify
     assert not any(link.handoffs), "a block without drafts waited for its hand-off"
-    assert link.held["a"] == [*PROMPT, *run.tokens["a"]], "the draft was told every token"
+    # every token but the last, which the held step's block will tell
+    assert link.held["a"] == [*PROMPT, *run.tokens["a"][:-1]], "the draft was not told"
     run.engine.unpace()
     run.admit("b", PROMPT, "draft", k=4, max_length=len(PROMPT) + n)
     run.until_length("b", n)
