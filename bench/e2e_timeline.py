@@ -23,7 +23,8 @@ DRAFT_SPANS, TARGET_SPANS = {"draft", "ahead"}, {"verify", "sampler", "prefill"}
 TIMELINE_S = 1.0
 COLORS = {"draft": "C0", "ahead": "C9", "verify": "C3", "sampler": "C1", "prefill": "C5",
           "host:wait for drafts": "0.55", "host:answer": "C2", "host:pass ahead": "C4",
-          "host:send": "C8", "host:gc": "C6"}  # fmt: skip
+          "host:send": "C8", "host:gc": "C6", "host:after the verify": "0.8",
+          "host:read the draft's answer": "C7"}  # fmt: skip
 HOST = "host:"  # host spans (`specdec.runner.trace.Trace.host`): a lane of their own, not busy
 HOST_LANE = "host of "  # such a lane's name: "host of <roles> (<device>)"
 

@@ -384,7 +384,7 @@ class Hub:
             time.sleep(WAIT_POLL_S)
             return
         self._k_cap = self._choose_k(group)
-        verify_s = sampler_s = 0.0
+        verify_s = sampler_s = verified = 0.0
         graphed = False
         try:
             block = self._proposals(group)
@@ -392,9 +392,11 @@ class Hub:
                 return
             # a block told to the draft (k = 0) leaves once the verify is launched
             verdicts, times = self.engine.verify_timed(block, self._draft.flush)
+            verified = time.perf_counter()
             # a block sent without waiting is answered by now: read it before any control
             # (a release, a re-admission) reaches the draft ahead of that block
             self._collect(group)
+            host_span(self._trace, "read the draft's answer", verified)
             verify_s, sampler_s = times.forward_s, times.sampler_s
             graphed = times.graphed and group.draft_graphed
         except Exception as e:
@@ -423,6 +425,8 @@ class Hub:
         self._prefix_seen = totals
         self._emit(step=step)
         self._record(verdicts)
+        if verified:  # the host's work from the verify's end to the next step
+            host_span(self._trace, "after the verify", verified)
 
     def _prefix_totals(self) -> tuple[int, int]:
         """(prompt tokens looked up, found) in the target's prefix cache since it started."""
