@@ -260,6 +260,10 @@ class DraftLink:
             message = self._next(end - time.monotonic(), deadline_s)
             if not message.pushed:
                 break
+            if not self.push:
+                self._broken = True
+                raise DraftDown(f"The draft service at {self.address} pushed chains on a "
+                                "lock-step Propose stream.")  # fmt: skip
             self._pushes_due -= 1
         self._pushes_due += push  # the draft pushes after each answer to a block that asked
         return message, time.perf_counter() - sent

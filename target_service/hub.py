@@ -397,10 +397,14 @@ class Hub:
             # (a release, a re-admission) reaches the draft ahead of that block
             self._collect(group)
             host_span(self._trace, "read the draft's answer", verified)
+            verified = time.perf_counter()
             verify_s, sampler_s = times.forward_s, times.sampler_s
             graphed = times.graphed and group.draft_graphed
         except Exception as e:
             log.exception("a step of %d requests failed", len(group.requests))
+            # a block told to the draft goes out and is answered before the failed requests'
+            # release does (`_record`), as after a step that succeeded
+            self._collect(group)
             verdicts = self._failed(group, e)
         else:
             self._observe(group, verdicts, time.perf_counter() - start)
@@ -425,7 +429,7 @@ class Hub:
         self._prefix_seen = totals
         self._emit(step=step)
         self._record(verdicts)
-        if verified:  # the host's work from the verify's end to the next step
+        if verified:  # the host's work after the verify, the draft's answer read, to the step's end
             host_span(self._trace, "after the verify", verified)
 
     def _prefix_totals(self) -> tuple[int, int]:

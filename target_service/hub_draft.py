@@ -408,15 +408,16 @@ class DraftSide:
         entries: list[draft_pb2.ProposeEntry],
         target_step_s: float = 0.0,
     ) -> bool:
-        """Sends the block without waiting for its answer where none of its asks wants drafts
-        (dynamic speculation's k = 0, or requests at their last token): the draft learns the
-        tokens committed since its last ask and catches its KV up while the target verifies,
-        and `collect` reads its answer, drafts of none, after the verify. False (nothing
-        sent) where an ask wants drafts, or the draft is down or stalled: ask with `propose`.
-        Such a step decodes as one without a draft would and waits for no round trip: the block
-        is sent by `flush` once the verify's device work is queued, so that gRPC's threads
-        take the GIL while the hub's waits on the GPU, and the link's reader thread has the
-        answer by the verify's end (docs/design.md, "What a step at k = 0 still costs")."""
+        """Holds the block for `flush` to send where none of its asks wants drafts (dynamic
+        speculation's k = 0, or requests at their last token); its answer is not waited for:
+        the draft learns the tokens committed since its last ask and catches its KV up while
+        the target verifies, and `collect` reads its answer, drafts of none, after the verify.
+        False (nothing held) where an ask wants drafts, or the draft is down or stalled: ask
+        with `propose`. Such a step decodes as one without a draft would and waits for no
+        round trip: `flush` sends the block once the verify's device work is queued, so that
+        gRPC's threads take the GIL while the hub's waits on the GPU, and the link's reader
+        thread has the answer by the verify's end (docs/design.md, "What a step at k = 0
+        still costs")."""
         link = self.link
         if link is None or self._stall is not None or self._sent is not None:
             return False
@@ -435,12 +436,18 @@ class DraftSide:
         `collect` does where that never came (a step that scored nothing, or failed). The
         draft drafts nothing from it, so it is sent without waiting for its hand-off."""
         unsent, self._unsent = self._unsent, None
-        if unsent is not None and self.link is not None:
+        if unsent is None or self.link is None:
+            return
+        try:
             self.link.send(unsent[0], unsent[1], push=False, handoff=False)
+        except Exception as e:  # it runs inside the target's verify: that step must go on
+            log.exception("sending a block to the draft service failed")
+            self.down(f"Sending a block to the draft service failed: {e}")
 
     @property
     def sending(self) -> bool:
-        """Whether a block sent without waiting (`from_push`, `tell`) is still to be read."""
+        """Whether a block sent without waiting (`from_push`, `tell`, the latter maybe not
+        flushed yet) is still to be read."""
         return self._sent is not None
 
     def _had_drafts(self) -> None:

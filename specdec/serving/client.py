@@ -106,15 +106,6 @@ class LockstepStream:
 
     def __call__(self, message: Any) -> Any:
         self._outbox.put(message)  # the caller waits for the answer next: no hand-off wait
-        return self.receive()
-
-    def send(self, message: Any, wait_s: float = HANDOFF_WAIT_S) -> None:
-        """Sends a message whose answer `receive` reads (one answer per message, in order),
-        and returns once gRPC has sent it (`Outbox.put`), or after `wait_s`."""
-        self._outbox.put(message, wait_s)
-
-    def receive(self) -> Any:
-        """The answer to the oldest message sent and not answered yet; waits for it."""
         return next(self._responses)
 
     def cancel(self) -> None:

@@ -23,7 +23,7 @@ from grpc_reflection.v1alpha.proto_reflection_descriptor_database import (
 )
 
 from specdec.errors import CacheFullError, CheckpointError
-from specdec.serving.client import LockstepStream, make_channel
+from specdec.serving.client import HANDOFF_WAIT_S, LockstepStream, Outbox, make_channel
 from specdec.serving.server import Server, ServerConfig
 from tests.certs import issue, load, localhost_names, self_signed_localhost
 
@@ -342,9 +342,9 @@ def _hold_the_gil(seconds: float) -> None:
 def test_send_returns_once_grpc_has_sent_the_message(handoff: bool) -> None:
     """gRPC's request thread needs the GIL to send a message: a caller that goes on running
     Python after putting it (the hub launching a verify) would hold it back until the caller
-    next blocks. `LockstepStream.send` returns only once gRPC has sent it, so it reaches the
-    server (another process) while the caller still holds the GIL; a bare put does not (the
-    mutant: the server sees it only after the caller lets go)."""
+    next blocks. `Outbox.put` with a wait returns only once gRPC has sent it, so it reaches
+    the server (another process) while the caller still holds the GIL; a bare put does not
+    (the mutant: the server sees it only after the caller lets go)."""
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     proc = subprocess.Popen(
         [sys.executable, "-c", STAMP_SCRIPT], stdout=subprocess.PIPE, text=True, env=env
@@ -354,18 +354,18 @@ def test_send_returns_once_grpc_has_sent_the_message(handoff: bool) -> None:
         assert proc.stdout is not None
         port = int(proc.stdout.readline())
         with make_channel(f"127.0.0.1:{port}") as channel:
-            stream = LockstepStream(channel.stream_stream("/test.Stamp/Stream"))
-            assert stream(b"warm")  # the call is open and the connection up
+            outbox = Outbox()
+            answers = channel.stream_stream("/test.Stamp/Stream")(iter(outbox))
+            outbox.put(b"warm")
+            assert next(answers)  # the call is open and the connection up
             sys.setswitchinterval(1.0)  # no other thread takes the GIL from a busy caller
             sent = time.time()
-            if handoff:
-                stream.send(b"now")
-            else:
-                stream._outbox.put(b"now")  # no wait for the hand-off
+            outbox.put(b"now", HANDOFF_WAIT_S if handoff else 0.0)
             _hold_the_gil(0.5)
             sys.setswitchinterval(interval)
-            arrived = float(stream.receive())
-            stream.close()
+            arrived = float(next(answers))
+            outbox.close()
+            assert list(answers) == []
         if handoff:
             assert arrived - sent < 0.25, arrived - sent
         else:

@@ -2,7 +2,8 @@
 mode: the reader thread, `collect`, `take_push` and the count of pushes due (one follows each
 answer), a push that does not come (a stall, then `reopen`), and an answer where a push was due.
 In lock-step mode: a block sent without waiting (`send`) and its answer read later (`collect`),
-within its deadline or as a stall.
+within its deadline or as a stall, and a push no block asked for. In both: `reopen` and a
+graceful `close`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class ScriptedDraft(draft_pb2_grpc.DraftServiceServicer):
         self.script: dict[int, str] = {}
         self.push_delay_s = 0.0
         self.answer_delay_s = 0.0  # before each answer: the draft's own work
+        self.push_unasked = False  # a misbehaving draft: it pushes after every answer
         self.blocks = 0
 
     def GetModelInfo(self, request, context):  # type: ignore[no-untyped-def]
@@ -41,7 +43,7 @@ class ScriptedDraft(draft_pb2_grpc.DraftServiceServicer):
             self.blocks += 1
             time.sleep(self.answer_delay_s)
             yield _response(block, pushed=False)
-            if not block.push_chains:
+            if not (block.push_chains or self.push_unasked):
                 continue
             action = self.script.get(self.blocks, "push")
             if action == "none":
@@ -148,12 +150,16 @@ def _settles(check: Callable[[], bool]) -> bool:
     return True
 
 
-def test_a_reopened_stream_leaves_no_reader_behind(draft: tuple[ScriptedDraft, int]) -> None:
+@pytest.mark.parametrize("push", [True, False])
+def test_a_reopened_stream_leaves_no_reader_behind(
+    draft: tuple[ScriptedDraft, int], push: bool
+) -> None:
     """`reopen` (after a stall) cancels the stream it replaces: its reader thread ends, and so
-    does the draft's side of it, rather than both waiting until the channel closes."""
+    does the draft's side of it, rather than both waiting until the channel closes; in both
+    modes, since a lock-step stream has a reader too."""
     _, port = draft
     before = _readers()
-    link = DraftLink(f"127.0.0.1:{port}", 1 << 24, 5.0, push=True)
+    link = DraftLink(f"127.0.0.1:{port}", 1 << 24, 5.0, push=push)
     try:
         link.propose(_entries(0), 1.0)
         for _ in range(3):
@@ -199,11 +205,49 @@ def test_a_lockstep_answer_past_its_deadline_is_a_stall_and_reopen_recovers(
     try:
         link.send(_entries(0))
         with pytest.raises(DraftStalled):
-            link.collect(0.2)  # the watchdog cancels the stream once 0.2 s have passed
+            link.collect(0.2)  # the read times out after 0.2 s and cancels the stream
         link.reopen()
         assert not link.awaiting, "the stalled block's answer is gone with its stream"
         servicer.answer_delay_s = 0.0
         answer, _ = link.propose(_entries(1), 2.0)
         assert answer.block.steps == [1]
+    finally:
+        link.close(graceful=False)
+
+
+@pytest.mark.parametrize("push", [True, False])
+@pytest.mark.parametrize("pending", [False, True])
+def test_a_graceful_close_reads_what_is_due_and_ends_at_once(
+    draft: tuple[ScriptedDraft, int], push: bool, pending: bool
+) -> None:
+    """`close` ends the requests, reads the answers still due (a block sent without waiting)
+    and waits for the draft to end the stream, which a healthy draft does at once: no
+    deadline is waited out, and no reader thread is left."""
+    servicer, port = draft
+    before = _readers()
+    link = DraftLink(f"127.0.0.1:{port}", 1 << 24, 5.0, push=push)
+    link.propose(_entries(0), 2.0)
+    if pending:
+        link.send(_entries(1))
+    started = time.monotonic()
+    link.close()
+    assert time.monotonic() - started < 2.0, "close waited out a timeout"
+    assert servicer.blocks == 1 + pending, "the block sent was not delivered before the end"
+    assert _settles(lambda: _readers() <= before), "a reader thread outlived its stream"
+
+
+def test_a_push_on_a_lockstep_stream_takes_the_draft_as_down(
+    draft: tuple[ScriptedDraft, int],
+) -> None:
+    """A lock-step stream asks for no pushes: a draft that pushes anyway is broken, and the
+    next answer's read says so (DraftDown) rather than taking the push for an answer."""
+    servicer, port = draft
+    servicer.push_unasked = True
+    link = DraftLink(f"127.0.0.1:{port}", 1 << 24, 5.0, push=False)
+    try:
+        answer, _ = link.propose(_entries(0), 2.0)  # its push follows, unasked
+        assert not answer.pushed
+        with pytest.raises(DraftDown, match="pushed chains on a lock-step"):
+            link.propose(_entries(1), 2.0)
     finally:
         link.close(graceful=False)

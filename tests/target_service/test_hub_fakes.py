@@ -5,7 +5,7 @@ models, the sampler) is tested over loopback in test_hub.py."""
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 
@@ -568,6 +568,41 @@ def test_a_step_whose_asks_want_no_drafts_does_not_wait_for_the_draft(
     ), link.proposes
     assert any({e.request_id for e in block} == {"a", "b"} for block in link.sent)
     assert all(e.num_draft_tokens == 0 for block in link.sent for e in block)
+
+
+def test_a_failed_step_sends_its_told_block_before_the_release(runs: list[HubRun]) -> None:
+    """A step at k = 0 whose verify fails before its device work was queued (so its block
+    was never sent): the block still reaches the draft, and its answer is read, before the
+    failed request's release does; the draft never gets a block for a request it released."""
+    link = FakeLink("draft:1")
+    order: list[tuple[str, set[str]]] = []
+    send, release = link.send, link.release
+    link.send = lambda entries, *a, **kw: (  # type: ignore[method-assign]
+        order.append(("send", {e.request_id for e in entries})),
+        send(entries, *a, **kw),
+    )[1]
+    link.release = lambda ids, *a, **kw: (  # type: ignore[method-assign]
+        order.append(("release", set(ids))),
+        release(ids, *a, **kw),
+    )[1]
+    run = _start(runs, link)
+    verify, calls = run.engine.verify_timed, []
+
+    def fail_third(block: DraftBlock, launched: Callable[[], None] | None = None) -> object:
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected before the launch")
+        return verify(block, launched)
+
+    run.engine.verify_timed = fail_third  # type: ignore[method-assign]
+    run.admit("a", PROMPT, "draft", k=0)
+    run.next(lambda e: e.HasField("step") and bool(VerifyResponse.from_pb(e.step.verdicts).errors))
+    released = [i for i, (what, ids) in enumerate(order) if what == "release" and "a" in ids]
+    assert released, order
+    before, after = order[: released[0]], order[released[0] :]
+    assert sum(what == "send" for what, _ in before) == 3, "the failed step's block was not sent"
+    assert not any(what == "send" and "a" in ids for what, ids in after), order
+    assert link._collects == 3, "each block's answer read"
 
 
 def test_a_block_without_drafts_whose_answer_stalls_costs_nothing_and_teaches_nothing(
