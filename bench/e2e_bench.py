@@ -147,6 +147,7 @@ def settings(args: argparse.Namespace) -> dict[str, Any]:
             "serve_stand_in": args.serve_stand_in,
             "serve_stand_in_lockstep": args.serve_stand_in_lockstep,
             "serve_stand_in_dynamic": args.serve_stand_in_dynamic,
+            "serve_target_only_again": args.serve_target_only_again,
             "draft_ahead": args.draft_ahead,
             "serve_steps": args.serve_steps,
             "ttft_prompt_lens": args.ttft_prompt_len,
@@ -459,6 +460,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--serve-stand-in-lockstep",
         action="store_true",
         help="BENCHMARKING ONLY: also a lock-step row with the draft stand-in per serve length",
+    )
+    p.add_argument(
+        "--serve-target-only-again",
+        action="store_true",
+        help="measure the target-only serve rows again at the run's end (a start with the "
+        "first one's settings), so that the report shows how far the target alone drifted "
+        "within the run (its x target-only)",
     )
     p.add_argument(
         "--serve-stand-in-dynamic",

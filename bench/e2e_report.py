@@ -12,6 +12,9 @@ from typing import Any
 from bench import e2e_timeline
 
 TARGET_ONLY = "target_only"
+# the target alone measured again on the run's last serve start (--serve-target-only-again):
+# its "x target-only" is how far the target alone drifted within the run
+TARGET_ONLY_AGAIN = "target_only_again"
 # tokens/s of lock-step speculation at L = 3 over target-only, per batch
 SPEEDUP_GOALS = {1: 1.4, 8: 1.3, 32: 1.05}
 LOCKSTEP_SLACK, TARGET_ONLY_SLACK = 1.15, 1.1
@@ -51,7 +54,8 @@ def bound_tokens_per_s(result: dict[str, Any], row: dict[str, Any]) -> float:
     """What the target's GPU allows: committed tokens per step over the in-process graph time
     of the step's target forward (decode for target-only, the (k + 1)-token verify else)."""
     b = bounds(result, row["batch"])
-    forward_ms = b["decode"] if row["config"] == TARGET_ONLY else b["verify"]
+    plain = row["config"] in (TARGET_ONLY, TARGET_ONLY_AGAIN)
+    forward_ms = b["decode"] if plain else b["verify"]
     return row["batch"] * row["tokens_per_step_per_request"] / (forward_ms / 1e3)
 
 
@@ -475,6 +479,15 @@ def _side_by_side(result: dict[str, Any]) -> list[str]:
             f"| {_f(r['tpot_ms_median'])} | {_f(p99) if p99 is not None else '-'} "
             f"| {_f(r['hub_ms']['step'])} | {shown} | {host or '-'} |"
         )
+    drift = [
+        f"batch {r['batch']} {r['tokens_per_s'] / base[r['batch']] - 1:+.1%}"
+        for r in rows
+        if r["config"] == TARGET_ONLY_AGAIN and r["batch"] in base
+    ]
+    if drift:
+        lines += ["", f"{TARGET_ONLY_AGAIN}: the target alone measured again at the run's end, "
+                  "on a start with the first one's settings; how far it drifted within the run: "
+                  f"{', '.join(drift)}."]  # fmt: skip
     return lines
 
 
@@ -658,6 +671,8 @@ def plot_lengths(result: dict[str, Any], path: Path) -> bool:
                 continue
             if r["config"] == TARGET_ONLY:
                 ax.axhline(r["tokens_per_s"], color="k", lw=0.8, label="target-only")
+                continue
+            if r["config"] == TARGET_ONLY_AGAIN:  # no length: a level of its own is noise
                 continue
             family = config_label(r["config"].rsplit("_L", 1)[0])  # the config less its L
             name = f"{r.get('placement', '')} {family}".strip()

@@ -45,7 +45,7 @@ from urllib.request import urlopen
 
 from bench import e2e_timeline
 from bench.e2e_driver import prompts
-from bench.e2e_report import TTFT_PARTS
+from bench.e2e_report import TARGET_ONLY_AGAIN, TTFT_PARTS
 from bench.e2e_services import (
     REPO,
     Service,
@@ -774,6 +774,17 @@ def section(
                         spec = RowSpec(STAND_IN, config, "draft", k, length, b)
                         out["rows"].append(measure_row(serve, spec, s, max_tokens, timeout_s))
                         tick(s["serve_steps"])
+    if s.get("serve_target_only_again"):
+        # the first start's settings and placement: only the time between the two differs
+        placement, length = out["placements"][0], s["serve_lengths"][0]
+        phase(f"starting specdec serve ({placement}, the target alone again)")
+        with serving(s, length, log_dir, timeout_s, out["stops"].append, None, placement,
+                     name=f"serve_{placement}_target_only_again") as serve:  # fmt: skip
+            for b in s["batches"]:
+                phase(f"serve {placement} {TARGET_ONLY_AGAIN} batch {b}")
+                spec = RowSpec(placement, TARGET_ONLY_AGAIN, "off", k, None, b)
+                out["rows"].append(measure_row(serve, spec, s, max_tokens, timeout_s))
+                tick(s["serve_steps"])
 
 
 def stand_in_starts(s: dict[str, Any]) -> list[tuple[str, float | None, bool]]:
@@ -829,5 +840,6 @@ def progress_units(s: dict[str, Any]) -> int:
     n = len(s.get("serve_placements") or PLACEMENTS)
     stand_in = len(stand_in_starts(s))
     per_length_rows = n * per_length + stand_in
-    rows = len(s["batches"]) * (1 + len(s["serve_lengths"]) * per_length_rows)
+    again = bool(s.get("serve_target_only_again"))
+    rows = len(s["batches"]) * (1 + again + len(s["serve_lengths"]) * per_length_rows)
     return rows * s["serve_steps"] + len(s["ttft_prompt_lens"]) * (s["ttft_repeats"] + 1)

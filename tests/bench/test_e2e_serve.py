@@ -334,6 +334,34 @@ def test_stand_in_rows_are_marked_and_their_times_shown() -> None:
     assert e2e_report._stand_in({}) == []
 
 
+def test_the_target_alone_again_shows_the_drift_and_is_bounded_by_the_decode() -> None:
+    """--serve-target-only-again: its rows' x target-only is the target alone's drift within
+    the run, said in a line under the table, and their bound is the decode's, as the first
+    target-only rows'; the progress bar counts them."""
+    row: dict[str, Any] = {"tokens_per_step_per_request": 1.0, "tpot_ms_median": 5.0,
+                           "hub_ms": {"step": 5.0}}  # fmt: skip
+    rows = [
+        _serve_row("target_only", 8, None, 1000.0) | row,
+        _serve_row("lockstep_L3", 8, 3.0, 1300.0) | row | {"tokens_per_step_per_request": 3.0},
+        _serve_row("target_only_again", 8, None, 950.0) | row,
+    ]
+    graphs = {"target": {"1,8": 5.0, "5,8": 6.0}, "draft": {"1,8": 1.0}}
+    result = {"settings": {"num_draft_tokens": 4}, "serve": {"rows": rows}, "inprocess_ms": graphs}
+    text = "\n".join(e2e_report._side_by_side(result))
+    assert "| shared | target_only_again | 8 | 950 | 0.95 | 0.59 |" in text, text
+    assert "drifted within the run: batch 8 -5.0%." in text
+    assert e2e_report.bound_tokens_per_s(result, rows[2]) == e2e_report.bound_tokens_per_s(
+        result, rows[0]
+    )
+    plain = "\n".join(e2e_report._side_by_side(result | {"serve": {"rows": rows[:2]}}))
+    assert "drifted" not in plain
+    s: dict[str, Any] = {"batches": [1, 8], "serve_lengths": [3.0], "serve_steps": 8,
+                         "ttft_prompt_lens": [64], "ttft_repeats": 1,
+                         "serve_placements": ["shared"]}  # fmt: skip
+    more = progress_units(s | {"serve_target_only_again": True}) - progress_units(s)
+    assert more == len(s["batches"]) * s["serve_steps"]
+
+
 def test_tokens_per_second_against_l_is_plotted_from_two_lengths(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     rows = [_serve_row("target_only", b, None, 100.0 * b) for b in (1, 8)]
