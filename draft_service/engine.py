@@ -292,8 +292,11 @@ class DraftEngine:
         req = self._requests[rid]
         n = len(req.tokens) + len(a.new_token_ids)
         k = a.num_draft_tokens
+        # a later step is taken where its new tokens bring the request to the committed length
+        # (checked next): a late admission's first ask, made after the target decoded steps at
+        # k = 0 while the draft prefilled; they are caught up as any tail is
         return (
-            step_error(req.next_step, a.step, rid, retry_ok=True)
+            step_error(req.next_step, a.step, rid, retry_ok=True, later_ok=True)
             or committed_length_mismatch(n, a.committed_length, rid)
             or too_many_drafts(k, info.max_num_draft_tokens, "num_draft_tokens")
             or token_out_of_vocab(a.new_token_ids, self.vocab_size, "new_token_ids")

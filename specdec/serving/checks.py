@@ -39,11 +39,19 @@ def unknown_request(
 
 
 def step_error(
-    expected: int, got: int, request_id: str, entry: str = "", *, retry_ok: bool = False
+    expected: int,
+    got: int,
+    request_id: str,
+    entry: str = "",
+    *,
+    retry_ok: bool = False,
+    later_ok: bool = False,
 ) -> RequestError | None:
     """The step must be `expected`, or with `retry_ok` the one before it again (a retry the
-    engine serves anew). Below is STALE_STEP, above FUTURE_STEP."""
-    if got == expected or (retry_ok and got == expected - 1):
+    engine serves anew), or with `later_ok` any later one (the caller checks that the entry's
+    tokens bring the request to its committed length). Below is STALE_STEP, above
+    FUTURE_STEP."""
+    if got == expected or (retry_ok and got == expected - 1) or (later_ok and got > expected):
         return None
     reason = ErrorReason.STALE_STEP if got < expected else ErrorReason.FUTURE_STEP
     retry = f" (or {expected - 1} again)" if retry_ok else ""

@@ -15,7 +15,7 @@ from draft_service.server import model_info
 from specdec.runner import ModelRunner
 from specdec.sampling_params import SamplingParams
 from specdec.serving.blocks import DenseQ, SparseQ
-from specdec.serving.messages import AdmitRequest, ProposeEntry
+from specdec.serving.messages import AdmitRequest, ErrorReason, ProposeEntry
 from tests.draft_service.models import build_checkpoints, model_draft
 
 
@@ -108,6 +108,31 @@ def test_a_failed_step_leaves_requests_as_they_were(
     torch.testing.assert_close(got.sparse.probs, want.sparse.probs, atol=1e-6, rtol=0)
     for rid in ("a", "b"):
         assert faulty.runner.cached_length(rid) == clean.runner.cached_length(rid)  # type: ignore[union-attr]
+
+
+def test_a_late_admissions_first_ask_at_a_later_step_is_caught_up(draft_dir: Path) -> None:
+    """The target decoded steps at k = 0 while the draft prefilled a new request: its first ask
+    comes at a later step with the tokens of the steps it missed, and is served as an ask at
+    its expected step with the same tokens would be (the same drafts); steps go on from there.
+    A later step whose tokens fall short of the committed length, or an earlier step, is
+    refused."""
+    late, on_time = _engine(draft_dir), _engine(draft_dir)
+    prompt = tuple(range(3, 12))
+    for e in (late, on_time):
+        e.admit(AdmitRequest("a", prompt, SamplingParams(0.0), 1))  # the prefill's verdict: step 0
+    missed = (5, 6, 7)  # three steps decoded at k = 0 meanwhile
+    jumped, errors = late.propose([ProposeEntry("a", 4, missed, 12, 3)])
+    assert not errors
+    want, errors = on_time.propose([ProposeEntry("a", 1, missed, 12, 3)])
+    assert not errors and jumped.draft_token_ids == want.draft_token_ids
+    assert jumped.steps == [4]
+    verdict = (*jumped.draft_token_ids[:1], 9)
+    after, errors = late.propose([ProposeEntry("a", 5, verdict, 14, 2)])
+    assert not errors and after.steps == [5]
+    _, errors = late.propose([ProposeEntry("a", 9, (1,), 16, 2)])  # a token short of 16
+    assert [e.reason for _, e in errors] == [ErrorReason.COMMITTED_LENGTH_MISMATCH]
+    _, errors = late.propose([ProposeEntry("a", 3, (), 14, 2)])
+    assert [e.reason for _, e in errors] == [ErrorReason.STALE_STEP]
 
 
 def _graph_engine(draft_dir: Path, device: str, draft_ahead: int = 0) -> DraftEngine:

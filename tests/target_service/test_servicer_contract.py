@@ -353,7 +353,9 @@ def test_draft_bad_asks_are_per_request_errors(svc: LocalPair) -> None:
             num_draft_tokens=1,
         ),
         draft_pb2.ProposeEntry(request_id=ids[3], step=0, committed_length=9, num_draft_tokens=1),
-        draft_pb2.ProposeEntry(request_id=ids[4], step=3, committed_length=n, num_draft_tokens=1),
+        # a later step is taken only where its new tokens reach the committed length
+        draft_pb2.ProposeEntry(request_id=ids[4], step=3, committed_length=n + 2,
+                               new_token_ids=[5], num_draft_tokens=1),
     ]  # fmt: skip
     with LockstepStream(stub.Propose) as stream:
         response = stream(draft_pb2.ProposeBlock(entries=asks))
@@ -369,7 +371,7 @@ def test_draft_bad_asks_are_per_request_errors(svc: LocalPair) -> None:
         ids[1]: ErrorReason.INVALID_ARGUMENT,
         ids[2]: ErrorReason.TOKEN_OUT_OF_VOCAB,
         ids[3]: ErrorReason.COMMITTED_LENGTH_MISMATCH,
-        ids[4]: ErrorReason.FUTURE_STEP,
+        ids[4]: ErrorReason.COMMITTED_LENGTH_MISMATCH,
     }
     assert all(e.error.message for e in response.errors)
 
