@@ -195,7 +195,6 @@ class DraftLink:
         self.info = ModelInfo.from_pb(pb)
         # pushes only from a draft that drafts ahead: a lock-step one would push nothing
         self.push = push and self.info.drafts_ahead
-        push = self.push
         self._stream = _ProposeStream(self._stub.Propose)
         # send times of blocks whose answer is not read yet, and whether each asked for a push
         self._sent: list[tuple[float, bool]] = []

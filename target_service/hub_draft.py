@@ -418,8 +418,7 @@ class DraftSide:
         gRPC's threads take the GIL while the hub's waits on the GPU, and the link's reader
         thread has the answer by the verify's end (docs/design.md, "What a step at k = 0
         still costs")."""
-        link = self.link
-        if link is None or self._stall is not None or self._sent is not None:
+        if self.link is None or self._stall is not None or self._sent is not None:
             return False
         if any(e.num_draft_tokens > 0 for e in entries):
             return False
