@@ -7,7 +7,8 @@ ports: gRPC health NOT_SERVING and HTTP /health 503 for `drain_s` while both por
 calls (a load balancer notices before any call is refused), then both refuse new calls and
 those in flight, gRPC and HTTP, get `grace_s` (requests still running just before it ends
 finish with FINISH_REASON_CANCELLED), then the hubs' streams close (releasing everything on the
-services), the actors stop, and a Ray cluster this process started shuts down.
+services), the actors stop, and a Ray cluster this process started shuts down. A second stop
+waits for the first to end.
 """
 
 from __future__ import annotations
@@ -173,7 +174,9 @@ class Orchestrator:
         self._owns_ray = False
         self._reaper: subprocess.Popen[bytes] | None = None
         self._stopped = threading.Event()
-        self._done = threading.Event()
+        self._done = threading.Event()  # the stop has ended
+        self._stop_lock = threading.Lock()
+        self._stopper = 0  # the thread that runs the stop
         self.ray_stuck = False  # Ray did not answer the stop (see _stop_ray)
 
     @property
@@ -355,11 +358,24 @@ class Orchestrator:
         return generate_pb2.ServedModelInfo(models=[pb])
 
     def stop(self, grace_s: float | None = None, drain_s: float | None = None) -> None:
-        """Graceful stop (see the module docstring); safe to call twice. `grace_s` and
-        `drain_s` default to the config's."""
-        if self._stopped.is_set():
+        """Graceful stop (see the module docstring). `grace_s` and `drain_s` default to the
+        config's. A call while a stop is under way (a SIGTERM's, on its own thread) returns
+        when that one has ended, with its drain and grace, not at once."""
+        with self._stop_lock:
+            first = not self._stopped.is_set()
+            if first:
+                self._stopped.set()
+                self._stopper = threading.get_ident()
+        if not first:
+            if threading.get_ident() != self._stopper:  # the stop's own thread cannot wait
+                self._done.wait()
             return
-        self._stopped.set()
+        try:
+            self._stop(grace_s, drain_s)
+        finally:
+            self._done.set()
+
+    def _stop(self, grace_s: float | None, drain_s: float | None) -> None:
         self.placement.stopping.set()  # a pair that dies now is not restarted
         self.server.set_serving(False)  # gRPC health; HTTP /health follows `frontend.serving`
         self.frontend.serving = False
@@ -377,7 +393,6 @@ class Orchestrator:
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
             self._metrics_server.server_close()
-        self._done.set()
 
     def _end_calls(self, grace_s: float) -> None:
         """Both ports refuse new calls; the calls in flight, gRPC and HTTP, get `grace_s` to

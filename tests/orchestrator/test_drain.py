@@ -190,3 +190,30 @@ def test_sigterm_drains_both_ports_and_every_stream_finishes(served: Orchestrato
               f"{last:.1f} s after the signal")  # fmt: skip
         assert last < DRAIN_S + GRACE_S
         assert after_drain > 0, "every stream ended within the drain: nothing tested the grace"
+
+
+def test_a_second_stop_returns_when_the_first_has_ended(checkpoints: tuple[Path, Path]) -> None:
+    """A stop called while a SIGTERM's runs on its thread (a program's own stop in a `finally`,
+    say) returns once that one has ended, its drain included: it used to return at once, with
+    the ports still open."""
+    target, draft = checkpoints
+    config = ServeConfig(
+        ServiceConfig(str(target), str(draft), device="cpu", max_seq_len=128),
+        host="127.0.0.1", port=0, metrics_port=None, http_port=0, drain_s=1.0, grace_s=1.0,
+    )  # fmt: skip
+    orchestrator = Orchestrator(config)
+    orchestrator._bind()  # the ports only: no pair is started
+    assert orchestrator.http_port is not None
+    first = threading.Thread(target=orchestrator.stop)
+    started = time.monotonic()
+    first.start()
+    while not orchestrator._stopped.is_set():
+        time.sleep(0.01)
+    orchestrator.stop()
+    waited = time.monotonic() - started
+    assert orchestrator._done.is_set(), "the second stop returned before the first ended"
+    assert waited >= 0.9, f"it returned {waited:.2f} s after the first began, within the drain"
+    with pytest.raises(ConnectionRefusedError):
+        http_health(orchestrator.http_port)
+    first.join(30)
+    assert not first.is_alive()
