@@ -94,6 +94,34 @@ class StepGraphs:
         g.graph.replay()
         return g.logits[:b], tuple(o[:b] for o in g.head_outputs)
 
+    def run_chain(
+        self,
+        bs: int,
+        tokens: torch.Tensor,
+        starts: torch.Tensor,
+        slots: torch.Tensor,
+        head: Head,
+        head_inputs: Sequence[torch.Tensor],
+        steps: int,
+        advance: int,
+    ) -> tuple[torch.Tensor, ...]:
+        """`chain_body` in one replay (capturing first if new) for tokens [B, 1], B <= bs:
+        the head's outputs stacked [steps, B, ...], views of static buffers valid until the
+        next chain of the same key."""
+        b = tokens.shape[0]
+        layout = tuple((tuple(x.shape[1:]), x.dtype) for x in head_inputs)
+        key = ("chain", bs, steps, advance, head, layout)
+        g = self._graphs.get(key)
+        if g is None:
+            g = self._graphs[key] = self._capture(bs, 1, head, head_inputs, (steps, advance))
+        self._fill(g.tokens, tokens, 0)
+        self._fill(g.starts, starts, 0)
+        self._fill(g.slots, slots, self._scratch)
+        for static, x in zip(g.head_inputs, head_inputs, strict=True):
+            self._fill(static, x, 0)
+        g.graph.replay()
+        return tuple(o[:, :b] for o in g.head_outputs)
+
     @staticmethod
     def _fill(static: torch.Tensor, value: torch.Tensor, pad: int) -> None:
         b = value.shape[0]
@@ -102,7 +130,12 @@ class StepGraphs:
             static[b:].fill_(pad)
 
     def _capture(
-        self, bs: int, n: int, head: Head | None, head_inputs: Sequence[torch.Tensor]
+        self,
+        bs: int,
+        n: int,
+        head: Head | None,
+        head_inputs: Sequence[torch.Tensor],
+        chain: tuple[int, int] | None = None,  # (steps, advance): `chain_body`'s graph
     ) -> _Graph:
         dev = self._device
         tokens = torch.zeros(bs, n, dtype=torch.long, device=dev)
@@ -114,6 +147,10 @@ class StepGraphs:
         logits = torch.empty(bs, n, self._vocab, dtype=torch.float32, device=dev)
 
         def body() -> tuple[torch.Tensor, ...]:
+            if chain is not None:
+                assert head is not None
+                return chain_body(self._step, tokens, starts, slots, self._kv_len, logits,
+                                  head, static_in, *chain)  # fmt: skip
             self._step(tokens, starts, slots, self._kv_len, out=logits)
             return tuple(head(logits, *static_in)) if head is not None else ()
 
@@ -132,3 +169,31 @@ class StepGraphs:
             for buf, x in zip(outputs, body(), strict=True):
                 buf.copy_(x)
         return _Graph(graph, tokens, starts, slots, static_in, logits, outputs)
+
+
+def chain_body(
+    step: StepFn,
+    tokens: torch.Tensor,  # [B, 1]: the first step's input
+    starts: torch.Tensor,  # [B]: the rows' lengths before the first step
+    slots: torch.Tensor,
+    kv_len: int,
+    logits: torch.Tensor,  # [B, 1, V] float32, rewritten by each step
+    head: Head,
+    head_inputs: Sequence[torch.Tensor],
+    steps: int,
+    advance: int,
+) -> tuple[torch.Tensor, ...]:
+    """`steps` one-token steps, each of the token the head sampled in the one before (its
+    first output), at starts + j, with head input `advance` (the position a counter-based
+    sampler draws at) + j in step j: what `steps` graph steps fed back by the host do, with no
+    host work between them. Returns the head's outputs stacked [steps, B, ...]. Captured
+    whole as one graph (`StepGraphs.run_chain`); runs eagerly as well."""
+    outs: list[tuple[torch.Tensor, ...]] = []
+    inputs = list(head_inputs)
+    for j in range(steps):
+        if j:
+            tokens = outs[-1][0].view(-1, 1).long()
+            inputs[advance] = head_inputs[advance] + j
+        step(tokens, starts + j, slots, kv_len, out=logits)
+        outs.append(tuple(head(logits, *inputs)))
+    return tuple(torch.stack([o[i] for o in outs]) for i in range(len(outs[0])))

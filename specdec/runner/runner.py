@@ -537,6 +537,79 @@ class ModelRunner:
         logits, outs = self._step(request_ids, token_ids, head, head_inputs, None, None)
         return outs if head is not None else logits
 
+    @_on_own_device
+    @torch.inference_mode()
+    def chain_step(
+        self,
+        request_ids: Sequence[str],
+        token_ids: torch.Tensor,
+        head: Head,
+        head_inputs: Sequence[torch.Tensor],
+        steps: int,
+        advance: int,
+    ) -> tuple[torch.Tensor, ...]:
+        """`steps` one-token steps from token_ids [B, 1], each fed the token the head sampled
+        in the one before (its first output), head input `advance` (the first draft's
+        position) one more each step: what `steps` `graph_step` calls fed back that way do.
+        Returns the head's outputs stacked [steps, B, ...]. On CUDA with B <= a captured batch
+        size, one CUDA graph replay (`graphs.chain_body`): one launch and no host work between
+        the steps; the outputs are then views of static buffers, valid until the next chain of
+        the same shape. Otherwise `steps` graph steps one after another."""
+        b, n = token_ids.shape
+        if n != 1 or steps < 1 or not 0 <= advance < len(head_inputs):
+            raise InvalidInputError(
+                "chain_step needs token_ids [B, 1], steps >= 1 and a head input to advance."
+            )
+        bs = self._graphs.padded_size(b) if self._graphs is not None else None
+        if bs is None:
+            return self._chain_of_steps(request_ids, token_ids, head, head_inputs, steps, advance)
+        for rid in request_ids:
+            self._cache.check_room(rid, steps)
+        if len(set(request_ids)) != b:
+            raise InvalidInputError("chain_step needs one distinct request id per row.")
+        lengths = [self._cache.length(r) for r in request_ids]
+        counts = [steps] * b
+        self._cache.check_fits(request_ids, lengths, counts)
+        assert self._graphs is not None
+        try:
+            where = self._cache.prepare(request_ids, lengths, counts, self.config.max_seq_len)
+            if self._cache.page is None:
+                slots_starts = self._to_device([where, lengths])  # type: ignore[list-item, arg-type]
+                slots, starts = slots_starts[0], slots_starts[1]
+            else:
+                slots, starts = self._to_device(where), self._to_device(lengths)
+            tokens = token_ids.to(self._device, torch.long, non_blocking=True)
+            outs = self._graphs.run_chain(
+                bs, tokens, starts, slots, head, head_inputs, steps, advance
+            )
+            self.graph_steps += 1
+            for rid, length in zip(request_ids, lengths, strict=True):
+                self._cache.commit(rid, length, steps, None)
+        except BaseException:
+            self._roll_back(request_ids, lengths)
+            raise
+        return outs
+
+    def _chain_of_steps(
+        self,
+        request_ids: Sequence[str],
+        token_ids: torch.Tensor,
+        head: Head,
+        head_inputs: Sequence[torch.Tensor],
+        steps: int,
+        advance: int,
+    ) -> tuple[torch.Tensor, ...]:
+        """`chain_step` as one step after another (eager, or graphs of one step)."""
+        lengths = [self._cache.length(r) for r in request_ids]
+        try:
+            return steps_in_turn(
+                lambda t, ins: self._step(request_ids, t, head, ins, None, None)[1],
+                token_ids, head_inputs, steps, advance,
+            )  # fmt: skip
+        except BaseException:
+            self._roll_back(request_ids, lengths)
+            raise
+
     def _step(
         self,
         request_ids: Sequence[str],
@@ -721,6 +794,27 @@ class ModelRunner:
         device=cuda) copies from pageable memory and waits for the stream, so the host could
         not prepare the next step while the GPU runs this one."""
         return self.upload(torch.tensor(values, dtype=torch.long))
+
+
+def steps_in_turn(
+    step: Callable[[torch.Tensor, list[torch.Tensor]], tuple[torch.Tensor, ...]],
+    token_ids: torch.Tensor,
+    head_inputs: Sequence[torch.Tensor],
+    steps: int,
+    advance: int,
+) -> tuple[torch.Tensor, ...]:
+    """`chain_step`'s steps one call of `step(tokens [B, 1], head inputs)` each, the host
+    feeding each the head's first output of the one before: the head's outputs stacked
+    [steps, B, ...] (copied: a graph's buffers are rewritten by the next step)."""
+    outs: list[tuple[torch.Tensor, ...]] = []
+    inputs = list(head_inputs)
+    tokens = token_ids
+    for j in range(steps):
+        if j:
+            tokens = outs[-1][0].view(-1, 1).long()
+            inputs[advance] = head_inputs[advance] + j
+        outs.append(tuple(o.clone() for o in step(tokens, inputs)))
+    return tuple(torch.stack([o[i] for o in outs]) for i in range(len(outs[0])))
 
 
 def _with_vocab(info: CheckpointInfo, vocab: int) -> CheckpointInfo:
