@@ -268,15 +268,15 @@ class StandInRunner:
         """As `ModelRunner.chain_step`, one graph step after another, each in its measured
         time: the stand-in does not emulate the chain's single launch."""
         lengths = [self._cache.length(r) for r in request_ids]
-        try:
-            return steps_in_turn(
-                lambda t, ins: self.ragged_step(request_ids, t.tolist(), head, ins)[1],
-                token_ids, head_inputs, steps, advance,
-            )  # fmt: skip
-        except BaseException:
+
+        def undo() -> None:
             for rid, length in zip(request_ids, lengths, strict=True):
                 self._cache.truncate(rid, length)
-            raise
+
+        return steps_in_turn(
+            lambda t, ins: self.ragged_step(request_ids, t.tolist(), head, ins)[1],
+            undo, token_ids, head_inputs, steps, advance,
+        )  # fmt: skip
 
     def ragged_step(
         self,

@@ -86,12 +86,7 @@ class StepGraphs:
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._capture(bs, n, head, head_inputs)
-        self._fill(g.tokens, tokens, 0)
-        self._fill(g.starts, starts, 0)
-        self._fill(g.slots, slots, self._scratch)
-        for static, x in zip(g.head_inputs, head_inputs, strict=True):
-            self._fill(static, x, 0)
-        g.graph.replay()
+        self._replay(g, tokens, starts, slots, head_inputs)
         return g.logits[:b], tuple(o[:b] for o in g.head_outputs)
 
     def run_chain(
@@ -114,13 +109,25 @@ class StepGraphs:
         g = self._graphs.get(key)
         if g is None:
             g = self._graphs[key] = self._capture(bs, 1, head, head_inputs, (steps, advance))
+        self._replay(g, tokens, starts, slots, head_inputs)
+        return tuple(o[:, :b] for o in g.head_outputs)
+
+    def _replay(
+        self,
+        g: _Graph,
+        tokens: torch.Tensor,
+        starts: torch.Tensor,
+        slots: torch.Tensor,
+        head_inputs: Sequence[torch.Tensor],
+    ) -> None:
+        """The inputs copied into the graph's buffers (padding rows: the scratch slot), then
+        the replay."""
         self._fill(g.tokens, tokens, 0)
         self._fill(g.starts, starts, 0)
         self._fill(g.slots, slots, self._scratch)
         for static, x in zip(g.head_inputs, head_inputs, strict=True):
             self._fill(static, x, 0)
         g.graph.replay()
-        return tuple(o[:, :b] for o in g.head_outputs)
 
     @staticmethod
     def _fill(static: torch.Tensor, value: torch.Tensor, pad: int) -> None:

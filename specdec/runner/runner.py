@@ -572,12 +572,7 @@ class ModelRunner:
         self._cache.check_fits(request_ids, lengths, counts)
         assert self._graphs is not None
         try:
-            where = self._cache.prepare(request_ids, lengths, counts, self.config.max_seq_len)
-            if self._cache.page is None:
-                slots_starts = self._to_device([where, lengths])  # type: ignore[list-item, arg-type]
-                slots, starts = slots_starts[0], slots_starts[1]
-            else:
-                slots, starts = self._to_device(where), self._to_device(lengths)
+            slots, starts = self._prepared(request_ids, lengths, counts, self.config.max_seq_len)
             tokens = token_ids.to(self._device, torch.long, non_blocking=True)
             outs = self._graphs.run_chain(
                 bs, tokens, starts, slots, head, head_inputs, steps, advance
@@ -601,14 +596,11 @@ class ModelRunner:
     ) -> tuple[torch.Tensor, ...]:
         """`chain_step` as one step after another (eager, or graphs of one step)."""
         lengths = [self._cache.length(r) for r in request_ids]
-        try:
-            return steps_in_turn(
-                lambda t, ins: self._step(request_ids, t, head, ins, None, None)[1],
-                token_ids, head_inputs, steps, advance,
-            )  # fmt: skip
-        except BaseException:
-            self._roll_back(request_ids, lengths)
-            raise
+        return steps_in_turn(
+            lambda t, ins: self._step(request_ids, t, head, ins, None, None)[1],
+            lambda: self._roll_back(request_ids, lengths),
+            token_ids, head_inputs, steps, advance,
+        )  # fmt: skip
 
     def _step(
         self,
@@ -658,12 +650,7 @@ class ModelRunner:
         n = token_ids.shape[1]
         # every row's n positions, padding too; a graph's tables are as wide as it captured
         cover = self.config.max_seq_len if bs is not None else max(lengths) + n
-        where = self._cache.prepare(request_ids, lengths, counts, cover)
-        if self._cache.page is None:
-            slots_starts = self._to_device([where, lengths])  # type: ignore[list-item, arg-type]
-            slots, starts = slots_starts[0], slots_starts[1]  # one copy for both
-        else:
-            slots, starts = self._to_device(where), self._to_device(lengths)
+        slots, starts = self._prepared(request_ids, lengths, counts, cover)
         tokens = token_ids.to(self._device, torch.long, non_blocking=True)
         if self._graphs is not None and bs is not None:
             logits, outs = self._graphs.run(bs, tokens, starts, slots, head, head_inputs)
@@ -677,6 +664,17 @@ class ModelRunner:
             ids = list(host_rows[i][: counts[i]]) if known else None  # type: ignore[index]
             self._cache.commit(rid, lengths[i], counts[i], ids)
         return logits, outs
+
+    def _prepared(
+        self, request_ids: Sequence[str], lengths: list[int], counts: list[int], cover: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slots (paged: block tables) a step of `counts` tokens after `lengths` writes
+        through, made writable (`prepare`), and the lengths, on the device."""
+        where = self._cache.prepare(request_ids, lengths, counts, cover)
+        if self._cache.page is None:
+            slots_starts = self._to_device([where, lengths])  # type: ignore[list-item, arg-type]
+            return slots_starts[0], slots_starts[1]  # one copy for both
+        return self._to_device(where), self._to_device(lengths)
 
     @_on_own_device
     @torch.inference_mode()
@@ -798,6 +796,7 @@ class ModelRunner:
 
 def steps_in_turn(
     step: Callable[[torch.Tensor, list[torch.Tensor]], tuple[torch.Tensor, ...]],
+    undo: Callable[[], None],
     token_ids: torch.Tensor,
     head_inputs: Sequence[torch.Tensor],
     steps: int,
@@ -805,15 +804,20 @@ def steps_in_turn(
 ) -> tuple[torch.Tensor, ...]:
     """`chain_step`'s steps one call of `step(tokens [B, 1], head inputs)` each, the host
     feeding each the head's first output of the one before: the head's outputs stacked
-    [steps, B, ...] (copied: a graph's buffers are rewritten by the next step)."""
+    [steps, B, ...] (copied: a graph's buffers are rewritten by the next step). If a step
+    fails, `undo` (the requests back to their lengths before the first), then the error."""
     outs: list[tuple[torch.Tensor, ...]] = []
     inputs = list(head_inputs)
     tokens = token_ids
-    for j in range(steps):
-        if j:
-            tokens = outs[-1][0].view(-1, 1).long()
-            inputs[advance] = head_inputs[advance] + j
-        outs.append(tuple(o.clone() for o in step(tokens, inputs)))
+    try:
+        for j in range(steps):
+            if j:
+                tokens = outs[-1][0].view(-1, 1).long()
+                inputs[advance] = head_inputs[advance] + j
+            outs.append(tuple(o.clone() for o in step(tokens, inputs)))
+    except BaseException:
+        undo()
+        raise
     return tuple(torch.stack([o[i] for o in outs]) for i in range(len(outs[0])))
 
 
