@@ -9,6 +9,7 @@ graph on GPU) each sample one more. The KV then holds S + d_1 .. d_{k-1}.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -26,6 +27,7 @@ from specdec.sampling_params import SamplingParams
 from specdec.serving.blocks import DenseQ, DraftQ, SparseQ
 
 Head = Callable[..., tuple[torch.Tensor, ...]]
+log = logging.getLogger(__name__)
 
 # the longest catch-up step captured at start-up: one token after a rejection, two after an
 # admission or an all-accepted verdict; a longer tail (after k = 0 steps) is prefilled eagerly
@@ -225,6 +227,10 @@ class Drafter:
             with_guesses(self._greedy_head, vocab_size, guesses),
         )
         self.chain_max = chain_steps()  # the longest chain of steps in one launch; 0: none
+        if self.chain_max and runner is not None and runner.config.tensor_parallel > 1:
+            log.warning("%s is ignored: a tensor-parallel draft runs its steps one at a time",
+                        CHAIN_ENV)  # fmt: skip
+            self.chain_max = 0
         self._trace = trace_of(runner)  # host spans of the launches and the read, where on
         if runner is not None:  # the `last` head input of one-token steps: row 0
             self._zeros = torch.zeros(

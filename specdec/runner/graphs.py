@@ -50,6 +50,7 @@ class StepGraphs:
         # a paged cache's steps pass block tables [B, table_width] where slots [B] go
         self._slot_shape = () if table_width is None else (table_width,)
         self._graphs: dict[tuple[object, ...], _Graph] = {}
+        self._chain_logits: dict[int, torch.Tensor] = {}  # by batch size (`_buffers`)
         self._pool = torch.cuda.graph_pool_handle() if self._sizes else None
 
     @property
@@ -145,27 +146,12 @@ class StepGraphs:
         chain: tuple[int, int] | None = None,  # (steps, advance): `chain_body`'s graph
     ) -> _Graph:
         dev = self._device
-        tokens = torch.zeros(bs, n, dtype=torch.long, device=dev)
-        starts = torch.zeros(bs, dtype=torch.long, device=dev)
-        slots = torch.full((bs, *self._slot_shape), self._scratch, dtype=torch.long, device=dev)
-        static_in = tuple(
-            torch.zeros((bs, *x.shape[1:]), dtype=x.dtype, device=dev) for x in head_inputs
-        )
-        logits = torch.empty(bs, n, self._vocab, dtype=torch.float32, device=dev)
-
-        def body() -> tuple[torch.Tensor, ...]:
-            if chain is not None:
-                assert head is not None
-                return chain_body(self._step, tokens, starts, slots, self._kv_len, logits,
-                                  head, static_in, *chain)  # fmt: skip
-            self._step(tokens, starts, slots, self._kv_len, out=logits)
-            return tuple(head(logits, *static_in)) if head is not None else ()
-
+        inputs, logits, body = self._buffers(bs, n, head, head_inputs, chain)
         side = torch.cuda.Stream(dev)
         side.wait_stream(torch.cuda.current_stream(dev))
         with torch.cuda.stream(side):
             for _ in range(2):
-                example = body()
+                example = body(None)
         torch.cuda.current_stream(dev).wait_stream(side)
         outputs = tuple(torch.empty_like(x) for x in example)
         graph = torch.cuda.CUDAGraph()
@@ -173,9 +159,55 @@ class StepGraphs:
         # per process, on whichever device captured first, and entering it makes that device
         # current (Triton then launched cuda:1's kernels on cuda:0)
         with torch.cuda.graph(graph, pool=self._pool, stream=side):
-            for buf, x in zip(outputs, body(), strict=True):
+            body(outputs)
+        return _Graph(graph, *inputs, logits, outputs)
+
+    def _buffers(
+        self,
+        bs: int,
+        n: int,
+        head: Head | None,
+        head_inputs: Sequence[torch.Tensor],
+        chain: tuple[int, int] | None,
+    ) -> tuple[
+        tuple[torch.Tensor, torch.Tensor, torch.Tensor, tuple[torch.Tensor, ...]],
+        torch.Tensor,
+        Callable[[tuple[torch.Tensor, ...] | None], tuple[torch.Tensor, ...]],
+    ]:
+        """A graph's static inputs (tokens, starts, slots — the scratch slot — and head
+        inputs), its logits buffer, and its body: the step (or `chain_body`) that writes its
+        outputs into the buffers it is given, or returns them where given None. A chain's
+        logits are its own business: one buffer per batch size serves them all."""
+        dev = self._device
+        tokens = torch.zeros(bs, n, dtype=torch.long, device=dev)
+        starts = torch.zeros(bs, dtype=torch.long, device=dev)
+        slots = torch.full((bs, *self._slot_shape), self._scratch, dtype=torch.long, device=dev)
+        static_in = tuple(
+            torch.zeros((bs, *x.shape[1:]), dtype=x.dtype, device=dev) for x in head_inputs
+        )
+        if chain is not None:
+            logits = self._chain_logits.get(bs)
+            if logits is None:
+                logits = self._chain_logits[bs] = torch.empty(
+                    bs, 1, self._vocab, dtype=torch.float32, device=dev
+                )
+        else:
+            logits = torch.empty(bs, n, self._vocab, dtype=torch.float32, device=dev)
+
+        def body(out: tuple[torch.Tensor, ...] | None) -> tuple[torch.Tensor, ...]:
+            if chain is not None:
+                assert head is not None
+                return chain_body(self._step, tokens, starts, slots, self._kv_len, logits,
+                                  head, static_in, *chain, out=out)  # fmt: skip
+            self._step(tokens, starts, slots, self._kv_len, out=logits)
+            made = tuple(head(logits, *static_in)) if head is not None else ()
+            if out is None:
+                return made
+            for buf, x in zip(out, made, strict=True):
                 buf.copy_(x)
-        return _Graph(graph, tokens, starts, slots, static_in, logits, outputs)
+            return out
+
+        return (tokens, starts, slots, static_in), logits, body
 
 
 def chain_body(
@@ -189,18 +221,28 @@ def chain_body(
     head_inputs: Sequence[torch.Tensor],
     steps: int,
     advance: int,
+    out: tuple[torch.Tensor, ...] | None = None,  # each [steps, B, ...]: written, returned
 ) -> tuple[torch.Tensor, ...]:
     """`steps` one-token steps, each of the token the head sampled in the one before (its
     first output), at starts + j, with head input `advance` (the position a counter-based
     sampler draws at) + j in step j: what `steps` graph steps fed back by the host do, with no
-    host work between them. Returns the head's outputs stacked [steps, B, ...]. Captured
-    whole as one graph (`StepGraphs.run_chain`); runs eagerly as well."""
+    host work between them. Returns the head's outputs stacked [steps, B, ...] (into `out`
+    where given). Captured whole as one graph (`StepGraphs.run_chain`); runs eagerly as
+    well."""
     outs: list[tuple[torch.Tensor, ...]] = []
     inputs = list(head_inputs)
+    made: tuple[torch.Tensor, ...] = ()
     for j in range(steps):
         if j:
-            tokens = outs[-1][0].view(-1, 1).long()
+            tokens = made[0].view(-1, 1).long()
             inputs[advance] = head_inputs[advance] + j
         step(tokens, starts + j, slots, kv_len, out=logits)
-        outs.append(tuple(head(logits, *inputs)))
+        made = tuple(head(logits, *inputs))
+        if out is None:
+            outs.append(made)
+        else:
+            for buf, x in zip(out, made, strict=True):
+                buf[j].copy_(x)
+    if out is not None:
+        return out
     return tuple(torch.stack([o[i] for o in outs]) for i in range(len(outs[0])))

@@ -554,7 +554,9 @@ class ModelRunner:
         Returns the head's outputs stacked [steps, B, ...]. On CUDA with B <= a captured batch
         size, one CUDA graph replay (`graphs.chain_body`): one launch and no host work between
         the steps; the outputs are then views of static buffers, valid until the next chain of
-        the same shape. Otherwise `steps` graph steps one after another."""
+        the same shape, and the replay counts as one of `graph_steps`. Each (padded batch,
+        steps, head) is a graph of its own, with its outputs' buffers ([steps, B, ...]: dense q
+        rows take steps x B x V floats). Otherwise `steps` graph steps one after another."""
         b, n = token_ids.shape
         if n != 1 or steps < 1 or not 0 <= advance < len(head_inputs):
             raise InvalidInputError(
@@ -565,6 +567,8 @@ class ModelRunner:
             return self._chain_of_steps(request_ids, token_ids, head, head_inputs, steps, advance)
         for rid in request_ids:
             self._cache.check_room(rid, steps)
+        if token_ids.device.type == "cpu":  # as `_step`: on a GPU the check would sync
+            self._check_tokens(token_ids, ",".join(request_ids))
         if len(set(request_ids)) != b:
             raise InvalidInputError("chain_step needs one distinct request id per row.")
         lengths = [self._cache.length(r) for r in request_ids]

@@ -81,10 +81,15 @@ def _same(got: DraftBlock, want: DraftBlock) -> None:
             assert torch.equal(getattr(a, "token_ids", a.probs), getattr(b, "token_ids", b.probs))
 
 
-@pytest.mark.parametrize("q_form", ["sparse", "dense"])
+@pytest.mark.parametrize(
+    "q_form, greedy", [("sparse", False), ("dense", False), ("sparse", True)],
+    ids=["sparse", "dense", "greedy"],
+)  # fmt: skip
 def test_every_answer_and_chain_is_the_same_with_chains_on(
-    draft_dir: Path, q_form: str, monkeypatch: pytest.MonkeyPatch
+    draft_dir: Path, q_form: str, greedy: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """greedy: every request greedy, so the blocks take the argmax heads; else seeded sampled
+    requests beside a greedy one, the full heads."""
     monkeypatch.delenv(CHAIN_ENV, raising=False)
     plain = _engine(draft_dir, q_form)
     monkeypatch.setenv(CHAIN_ENV, "3")
@@ -104,6 +109,8 @@ def test_every_answer_and_chain_is_the_same_with_chains_on(
     runner.chain_step = counted  # type: ignore[method-assign]
     samplings = {"g": SamplingParams(0.0), "s": SamplingParams(0.8, seed=7),
                  "t": SamplingParams(1.0, top_k=20, seed=3)}  # fmt: skip
+    if greedy:
+        samplings = dict.fromkeys(samplings, SamplingParams(0.0))
     tokens = {rid: list(range(3 + i, 12 + i)) for i, rid in enumerate(samplings)}
     for e in (plain, chained):
         for rid, sampling in samplings.items():
@@ -116,7 +123,7 @@ def test_every_answer_and_chain_is_the_same_with_chains_on(
         backup = {rid: step % 3 == 2 and rid == "g" for rid in samplings}
         ks = {"g": 4, "s": 2 if step % 2 else 4, "t": 4}  # mixed k every other step
         asks = [ProposeEntry(rid, step, tuple(new[rid]), len(tokens[rid]), ks[rid],
-                             fixed_num_draft_tokens=rid != "g",
+                             fixed_num_draft_tokens=not samplings[rid].greedy,
                              backup=backup[rid]) for rid in samplings]  # fmt: skip
         answers = []
         for e in (plain, chained):
