@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from draft_service.drafting import POSITION, make_head
+from draft_service.drafting import POSITION, make_head, with_guesses
 from specdec.runner import ForwardItem, ModelRunner, RunnerConfig
 from tests.specdec._runner_models import hf_model
 from tests.specdec.test_runner_chain import VOCAB, head_inputs
@@ -16,17 +16,22 @@ from tests.specdec.test_runner_chain import VOCAB, head_inputs
 pytestmark = pytest.mark.gpu
 
 
-def gpu_runner() -> ModelRunner:
+def gpu_runner(block_size: int = 0) -> ModelRunner:
     model = hf_model("llama3")
     state = {k: v.cuda() for k, v in model.state_dict().items()}
     config = RunnerConfig(model_path="unused", device="cuda", max_slots=8, max_seq_len=64,
-                          cuda_graph_batch_sizes=(2, 4))  # fmt: skip
+                          cuda_graph_batch_sizes=(2, 4), kv_block_size=block_size)  # fmt: skip
     return ModelRunner.from_hf_weights(config, model.config, state)
 
 
-@pytest.mark.parametrize("temperature", [0.0, 0.9])
-def test_a_chain_in_one_graph_is_the_steps_replayed_one_at_a_time(temperature: float) -> None:
-    runner = gpu_runner()
+@pytest.mark.parametrize("block_size", [0, 16], ids=["slots", "paged"])
+@pytest.mark.parametrize(
+    "temperature, guesses", [(0.0, 0), (0.9, 0), (0.9, 3)], ids=["greedy", "sampled", "guessing"]
+)  # fmt: skip
+def test_a_chain_in_one_graph_is_the_steps_replayed_one_at_a_time(
+    block_size: int, temperature: float, guesses: int
+) -> None:
+    runner = gpu_runner(block_size)
     ids = ["a", "b", "c"]  # batch 3 pads to the captured 4
     g = torch.Generator().manual_seed(0)
     for i, rid in enumerate(ids):
@@ -35,6 +40,8 @@ def test_a_chain_in_one_graph_is_the_steps_replayed_one_at_a_time(temperature: f
         runner.add_request(rid + "'")
     runner.fork([(rid, rid + "'", runner.cached_length(rid)) for rid in ids])
     head = make_head(VOCAB, 16 if temperature else None)
+    if guesses:  # draft-ahead's: the ids of the most likely tokens, last in the outputs
+        head = with_guesses(head, VOCAB, guesses)
     inputs = head_inputs(3, temperature, runner.device)
     first = torch.tensor([[7], [8], [9]], device="cuda")
     steps = 3
