@@ -390,21 +390,23 @@ def _kept_chain(rows: list[int], out: tuple[torch.Tensor, ...], guess: bool) -> 
     """A chain's steps (`ModelRunner.chain_step`: outputs stacked [steps, R, ...]), copied
     out of its buffers once."""
     out = tuple(o.clone() for o in out)
-    guesses = out[-1] if guess else None
-    out = out[:-1] if guess else out
-    return [
-        _Step(rows, out[0][j], out[1][j] if len(out) > 1 else None,
-              out[2][j] if len(out) > 2 else None, None if guesses is None else guesses[j])
-        for j in range(out[0].shape[0])
-    ]  # fmt: skip
+    return [_kept(rows, tuple(o[j] for o in out), guess, copy=False) for j in range(len(out[0]))]
 
 
-def _kept(rows: list[int], out: tuple[torch.Tensor, ...], guess: bool = False) -> _Step:
-    guesses = out[-1].clone() if guess else None
+def _kept(
+    rows: list[int], out: tuple[torch.Tensor, ...], guess: bool = False, copy: bool = True
+) -> _Step:
+    """One step's outputs as a `_Step`, copied out of the graph's buffers unless `copy` is
+    False (already copied)."""
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        return t.clone() if copy else t
+
+    guesses = own(out[-1]) if guess else None
     out = out[:-1] if guess else out
-    probs = out[1].clone() if len(out) > 1 else None
-    support = out[2].clone() if len(out) > 2 else None
-    return _Step(rows, out[0].clone(), probs, support, guesses)
+    probs = own(out[1]) if len(out) > 1 else None
+    support = own(out[2]) if len(out) > 2 else None
+    return _Step(rows, own(out[0]), probs, support, guesses)
 
 
 def _read_drafts(

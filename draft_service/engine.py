@@ -471,6 +471,10 @@ class DraftEngine:
         guessing = (False, True) if self.config.draft_ahead and runner.can_fork else (False,)
         room = runner.config.max_seq_len - len(prompt) - 1
         chains = min(self._drafter.chain_max, self.info.max_num_draft_tokens - 1, room)
+        # (tail, k) of the blocks run: each catch-up tail with k drafts after it, then with
+        # SPECDEC_DRAFT_CHAIN_STEPS the chains of 2 .. chain_max steps after step 0
+        shapes = [(n, k) for n in range(1, longest + 1)]
+        shapes += [(1, steps + 1) for steps in range(2, chains + 1)]
         # greedy and sampled requests take different heads
         kinds = (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0))
         before = runner.graphs_captured
@@ -481,13 +485,9 @@ class DraftEngine:
                     runner.add_request(rid)
                 try:
                     runner.forward([ForwardItem(rid, prompt, 0) for rid in ids])
-                    for sampling, guess, n in product(kinds, guessing, range(1, longest + 1)):
+                    for sampling, guess, (n, ks) in product(kinds, guessing, shapes):
                         reqs = [DraftRequest(list(prompt), sampling, 0, prompt[:-n]) for _ in ids]
-                        self._drafter.drafts(ids, reqs, [k] * bs, guess, "warm-up")
-                    # the chains of 2 .. chain_max steps (SPECDEC_DRAFT_CHAIN_STEPS) after step 0
-                    for sampling, guess, ck in product(kinds, guessing, range(3, chains + 2)):
-                        reqs = [DraftRequest(list(prompt), sampling, 0, prompt[:-1]) for _ in ids]
-                        self._drafter.drafts(ids, reqs, [ck] * bs, guess, "warm-up")
+                        self._drafter.drafts(ids, reqs, [ks] * bs, guess, "warm-up")
                     if True in guessing:  # the pass ahead's forward of d_k (`_bonus_guesses`)
                         last = runner.upload(torch.zeros(bs, 1, dtype=torch.long))
                         self._drafter.bonus_step(ids, last)

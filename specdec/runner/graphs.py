@@ -9,7 +9,7 @@ draft logits stale). The returned tensors are views of these buffers: valid unti
 step with the same key.
 """
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -210,6 +210,33 @@ class StepGraphs:
         return (tokens, starts, slots, static_in), logits, body
 
 
+def fed_steps(
+    step: Callable[[int, torch.Tensor, list[torch.Tensor]], tuple[torch.Tensor, ...]],
+    token_ids: torch.Tensor,
+    head_inputs: Sequence[torch.Tensor],
+    steps: int,
+    advance: int,
+) -> Iterator[tuple[torch.Tensor, ...]]:
+    """A chain's rule, one place for the graph (`chain_body`) and the host's loop
+    (`runner.steps_in_turn`): step j (`step(j, tokens [B, 1], head inputs)`, its head's
+    outputs) takes the token the head sampled in step j - 1 (its first output; token_ids
+    for step 0) and head input `advance` (the position a counter-based sampler draws at)
+    + j. Yields each step's outputs."""
+    inputs = list(head_inputs)
+    tokens = token_ids
+    for j in range(steps):
+        if j:
+            inputs[advance] = head_inputs[advance] + j
+        made = step(j, tokens, inputs)
+        yield made
+        tokens = made[0].view(-1, 1).long()
+
+
+def stacked(outs: Sequence[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+    """Each output of the steps stacked: [steps, B, ...]."""
+    return tuple(torch.stack([o[i] for o in outs]) for i in range(len(outs[0])))
+
+
 def chain_body(
     step: StepFn,
     tokens: torch.Tensor,  # [B, 1]: the first step's input
@@ -223,26 +250,19 @@ def chain_body(
     advance: int,
     out: tuple[torch.Tensor, ...] | None = None,  # each [steps, B, ...]: written, returned
 ) -> tuple[torch.Tensor, ...]:
-    """`steps` one-token steps, each of the token the head sampled in the one before (its
-    first output), at starts + j, with head input `advance` (the position a counter-based
-    sampler draws at) + j in step j: what `steps` graph steps fed back by the host do, with no
-    host work between them. Returns the head's outputs stacked [steps, B, ...] (into `out`
-    where given). Captured whole as one graph (`StepGraphs.run_chain`); runs eagerly as
-    well."""
-    outs: list[tuple[torch.Tensor, ...]] = []
-    inputs = list(head_inputs)
-    made: tuple[torch.Tensor, ...] = ()
-    for j in range(steps):
-        if j:
-            tokens = made[0].view(-1, 1).long()
-            inputs[advance] = head_inputs[advance] + j
-        step(tokens, starts + j, slots, kv_len, out=logits)
-        made = tuple(head(logits, *inputs))
-        if out is None:
-            outs.append(made)
-        else:
-            for buf, x in zip(out, made, strict=True):
-                buf[j].copy_(x)
-    if out is not None:
-        return out
-    return tuple(torch.stack([o[i] for o in outs]) for i in range(len(outs[0])))
+    """`steps` one-token steps fed by `fed_steps`, at starts + j: what `steps` graph steps fed
+    back by the host do, with no host work between them. Returns the head's outputs stacked
+    [steps, B, ...] (into `out` where given). Captured whole as one graph
+    (`StepGraphs.run_chain`); runs eagerly as well."""
+
+    def one(j: int, t: torch.Tensor, inputs: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+        step(t, starts + j, slots, kv_len, out=logits)
+        return tuple(head(logits, *inputs))
+
+    made = fed_steps(one, tokens, head_inputs, steps, advance)
+    if out is None:
+        return stacked(list(made))
+    for j, outputs in enumerate(made):
+        for buf, x in zip(out, outputs, strict=True):
+            buf[j].copy_(x)
+    return out

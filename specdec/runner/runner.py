@@ -22,7 +22,7 @@ from specdec.runner.blocks import CacheStats
 from specdec.runner.config import CheckpointInfo, ForwardItem, RunnerConfig
 from specdec.runner.decode_attention import MAX_ROWS
 from specdec.runner.fallback import HFBackend
-from specdec.runner.graphs import Head, StepGraphs
+from specdec.runner.graphs import Head, StepGraphs, fed_steps, stacked
 from specdec.runner.kv_cache import PagedCache, SlotCache
 from specdec.runner.loader import Checkpoint, open_checkpoint, tensor_reader, tokenizer_hash
 from specdec.runner.model import (
@@ -565,15 +565,8 @@ class ModelRunner:
         bs = self._graphs.padded_size(b) if self._graphs is not None else None
         if bs is None:
             return self._chain_of_steps(request_ids, token_ids, head, head_inputs, steps, advance)
-        for rid in request_ids:
-            self._cache.check_room(rid, steps)
-        if token_ids.device.type == "cpu":  # as `_step`: on a GPU the check would sync
-            self._check_tokens(token_ids, ",".join(request_ids))
-        if len(set(request_ids)) != b:
-            raise InvalidInputError("chain_step needs one distinct request id per row.")
-        lengths = [self._cache.length(r) for r in request_ids]
         counts = [steps] * b
-        self._cache.check_fits(request_ids, lengths, counts)
+        lengths = self._checked("chain_step", request_ids, token_ids, steps, counts)
         assert self._graphs is not None
         try:
             slots, starts = self._prepared(request_ids, lengths, counts, self.config.max_seq_len)
@@ -616,21 +609,12 @@ class ModelRunner:
         host_rows: Sequence[Sequence[int]] | None,  # the rows' ids where known on the host
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         b, n = token_ids.shape
-        for rid in request_ids:
-            self._cache.check_room(rid, n)
-        if token_ids.device.type == "cpu":  # on a GPU the check would cost a host sync per step
-            self._check_tokens(token_ids, ",".join(request_ids))
-            if host_rows is None and self._cache.page is not None:
-                host_rows = token_ids.tolist()
-        if len(set(request_ids)) != b:
-            raise InvalidInputError(
-                "graph_step needs one distinct request id per row of token_ids."
-            )
-        lengths = [self._cache.length(r) for r in request_ids]
         counts = [n] * b if kept is None else list(kept)
         # a paged cache gives each row blocks for its real tokens; its padding goes past them,
         # into its last block's unused positions or the scratch block its table ends with
-        self._cache.check_fits(request_ids, lengths, counts)
+        lengths = self._checked("graph_step", request_ids, token_ids, n, counts)
+        if host_rows is None and token_ids.device.type == "cpu" and self._cache.page is not None:
+            host_rows = token_ids.tolist()
         bs = self._graphs.padded_size(b) if self._graphs is not None else None
         try:
             return self._step_prepared(
@@ -639,6 +623,28 @@ class ModelRunner:
         except BaseException:
             self._roll_back(request_ids, lengths)
             raise
+
+    def _checked(
+        self,
+        call: str,
+        request_ids: Sequence[str],
+        token_ids: torch.Tensor,
+        room: int,
+        counts: list[int],
+    ) -> list[int]:
+        """The requests' lengths, after the checks a step makes before any work: room for
+        `room` more positions each, token ids in the vocabulary (tokens on the host only: on
+        a GPU the check would cost a host sync per step), one row per request, and the KV to
+        hold each row's `counts` positions."""
+        for rid in request_ids:
+            self._cache.check_room(rid, room)
+        if token_ids.device.type == "cpu":
+            self._check_tokens(token_ids, ",".join(request_ids))
+        if len(set(request_ids)) != token_ids.shape[0]:
+            raise InvalidInputError(f"{call} needs one distinct request id per row of token_ids.")
+        lengths = [self._cache.length(r) for r in request_ids]
+        self._cache.check_fits(request_ids, lengths, counts)
+        return lengths
 
     def _step_prepared(
         self,
@@ -806,23 +812,17 @@ def steps_in_turn(
     steps: int,
     advance: int,
 ) -> tuple[torch.Tensor, ...]:
-    """`chain_step`'s steps one call of `step(tokens [B, 1], head inputs)` each, the host
-    feeding each the head's first output of the one before: the head's outputs stacked
-    [steps, B, ...] (copied: a graph's buffers are rewritten by the next step). If a step
-    fails, `undo` (the requests back to their lengths before the first), then the error."""
-    outs: list[tuple[torch.Tensor, ...]] = []
-    inputs = list(head_inputs)
-    tokens = token_ids
+    """`chain_step`'s steps one call of `step(tokens [B, 1], head inputs)` each, fed as the
+    graph feeds them (`graphs.fed_steps`): the head's outputs stacked [steps, B, ...] (copied:
+    a graph's buffers are rewritten by the next step). If a step fails, `undo` (the requests
+    back to their lengths before the first), then the error."""
     try:
-        for j in range(steps):
-            if j:
-                tokens = outs[-1][0].view(-1, 1).long()
-                inputs[advance] = head_inputs[advance] + j
-            outs.append(tuple(o.clone() for o in step(tokens, inputs)))
+        outs = list(fed_steps(lambda _, t, ins: tuple(o.clone() for o in step(t, ins)),
+                              token_ids, head_inputs, steps, advance))  # fmt: skip
     except BaseException:
         undo()
         raise
-    return tuple(torch.stack([o[i] for o in outs]) for i in range(len(outs[0])))
+    return stacked(outs)
 
 
 def _with_vocab(info: CheckpointInfo, vocab: int) -> CheckpointInfo:
