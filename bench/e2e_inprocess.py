@@ -30,7 +30,6 @@ import torch
 
 from bench import e2e_models
 from bench.runner_bench import prefill, runner_step_ms, timed
-from draft_service.drafting import chain_steps
 from specdec.runner import ForwardItem, ModelRunner, RunnerConfig
 
 
@@ -75,8 +74,6 @@ def environment() -> dict[str, Any]:
         "triton": triton_version,
         "grpcio": grpc.__version__,
         "python": platform.python_version(),
-        # the services inherit it: a draft block's last steps as one chain (experimental)
-        "draft_chain_steps": chain_steps(),
     }
 
 

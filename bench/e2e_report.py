@@ -491,14 +491,6 @@ def _side_by_side(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _chains(env: dict[str, Any]) -> str:
-    steps = env.get("draft_chain_steps", 0)
-    if not steps:
-        return ""
-    return (f" The draft ran a block's last steps, up to {steps}, as one chain "
-            f"(SPECDEC_DRAFT_CHAIN_STEPS={steps}, experimental).")  # fmt: skip
-
-
 def markdown(result: dict[str, Any]) -> str:
     env, s = result["environment"], result["settings"]
     rtt = result["empty_round_trip"]
@@ -513,7 +505,7 @@ def markdown(result: dict[str, Any]) -> str:
         f"{env['gpu']} x {max(env['gpu_count'], 1)} (draft on {s['draft_device']}, target on "
         f"{s['target_device']}{_tp(s)}), driver {env['driver']}; torch {env['torch']}, triton "
         f"{env['triton']}, grpcio {env['grpcio']}, Python {env['python']}. Command: "
-        f"`{result['command']}`.{_chains(env)}",
+        f"`{result['command']}`.",
         "",
         f"Models: {s['models']['target']} target, {s['models']['draft']} draft, {s['dtype']}, "
         f"random weights; {s['prompt_len']}-token prompts, k = {s['num_draft_tokens']}, greedy; "

@@ -9,8 +9,6 @@ graph on GPU) each sample one more. The KV then holds S + d_1 .. d_{k-1}.
 
 from __future__ import annotations
 
-import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -27,16 +25,10 @@ from specdec.sampling_params import SamplingParams
 from specdec.serving.blocks import DenseQ, DraftQ, SparseQ
 
 Head = Callable[..., tuple[torch.Tensor, ...]]
-log = logging.getLogger(__name__)
 
 # the longest catch-up step captured at start-up: one token after a rejection, two after an
 # admission or an all-accepted verdict; a longer tail (after k = 0 steps) is prefilled eagerly
 GRAPHED_TAIL = 2
-# EXPERIMENTAL, off unless set: a block's last steps, up to this many, as one chain
-# (`ModelRunner.chain_step`: one CUDA graph on a GPU, captured at start-up for 2 .. N steps)
-CHAIN_ENV = "SPECDEC_DRAFT_CHAIN_STEPS"
-CHAIN_STEPS_MAX = 15
-POSITION = 5  # the head input that is the first draft's position (`make_head`)
 
 
 def make_head(
@@ -150,12 +142,6 @@ class _Rows:
             [*(-1 for _ in n), *(r for _, _, r in branches)],
         )
 
-    def chain_from(self, end: int) -> int:
-        """The first step j >= 1 from which every step up to `end` drafts the same rows:
-        where one chain of steps can take over (`ModelRunner.chain_step`), its first input
-        step j's (`inputs`), each later one its own token of the step before."""
-        return max((j for j in (*self.first, *self.end) if 1 <= j < end), default=1)
-
     def at(self, j: int) -> list[int]:
         """The rows that draft in step j."""
         return [b for b in range(len(self.ids)) if self.first[b] <= j < self.end[b]]
@@ -189,21 +175,6 @@ class _Rows:
         return source[upload(torch.tensor(index))]
 
 
-def chain_steps() -> int:
-    """SPECDEC_DRAFT_CHAIN_STEPS: 0 (unset) or how many steps one chain may take, 2 to
-    CHAIN_STEPS_MAX."""
-    value = os.environ.get(CHAIN_ENV, "0").strip() or "0"
-    try:
-        steps = int(value)
-    except ValueError:
-        steps = -1
-    if steps != 0 and not 2 <= steps <= CHAIN_STEPS_MAX:
-        raise ValueError(
-            f"{CHAIN_ENV} must be 0 (off) or an integer in [2, {CHAIN_STEPS_MAX}], got {value!r}."
-        )
-    return steps
-
-
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     return next((i for i in range(n) if a[i] != b[i]), n)
@@ -226,11 +197,6 @@ class Drafter:
             with_guesses(self._head, vocab_size, guesses),
             with_guesses(self._greedy_head, vocab_size, guesses),
         )
-        self.chain_max = chain_steps()  # the longest chain of steps in one launch; 0: none
-        if self.chain_max and runner is not None and runner.config.tensor_parallel > 1:
-            log.warning("%s is ignored: a tensor-parallel draft runs its steps one at a time",
-                        CHAIN_ENV)  # fmt: skip
-            self.chain_max = 0
         self._trace = trace_of(runner)  # host spans of the launches and the read, where on
         if runner is not None:  # the `last` head input of one-token steps: row 0
             self._zeros = torch.zeros(
@@ -281,10 +247,7 @@ class Drafter:
         head = heads[0] if any(sampled) else heads[1]
         _, out = runner.ragged_step(ids, tails, head, (last, *inputs))
         steps = [_kept(list(range(len(ids))), out, guess)]
-        end = max(rows.end)
-        # the last steps, up to chain_max, in one chain where they draft the same rows
-        chain = max(rows.chain_from(end), end - self.chain_max) if self.chain_max else end
-        for j in range(1, end):
+        for j in range(1, max(rows.end)):
             if j == 1 and spawns:  # the branches take their row's KV, the catch-up's included
                 runner.fork([(ids[s.row], b, runner.cached_length(ids[s.row]))
                              for s in spawns for b in s.branch_ids])  # fmt: skip
@@ -296,11 +259,6 @@ class Drafter:
             step_in = [t if sel is None else t[sel] for t in inputs]
             step_in[4] = step_in[4] + j
             zero = self._zeros[: len(now)]
-            if j == chain and end - j > 1:  # the rest in one launch
-                chained = runner.chain_step([rows.ids[b] for b in now], prev[:, None], head,
-                                            (zero, *step_in), end - j, POSITION)  # fmt: skip
-                steps += _kept_chain(now, chained, guess)
-                break
             outs = runner.graph_step([rows.ids[b] for b in now], prev[:, None], head,
                                      (zero, *step_in))  # fmt: skip
             assert isinstance(outs, tuple)
@@ -386,27 +344,12 @@ class _Step:
         return self.tokens[upload(torch.tensor([where[b] for b in rows]))]
 
 
-def _kept_chain(rows: list[int], out: tuple[torch.Tensor, ...], guess: bool) -> list[_Step]:
-    """A chain's steps (`ModelRunner.chain_step`: outputs stacked [steps, R, ...]), copied
-    out of its buffers once."""
-    out = tuple(o.clone() for o in out)
-    return [_kept(rows, tuple(o[j] for o in out), guess, copy=False) for j in range(len(out[0]))]
-
-
-def _kept(
-    rows: list[int], out: tuple[torch.Tensor, ...], guess: bool = False, copy: bool = True
-) -> _Step:
-    """One step's outputs as a `_Step`, copied out of the graph's buffers unless `copy` is
-    False (already copied)."""
-
-    def own(t: torch.Tensor) -> torch.Tensor:
-        return t.clone() if copy else t
-
-    guesses = own(out[-1]) if guess else None
+def _kept(rows: list[int], out: tuple[torch.Tensor, ...], guess: bool = False) -> _Step:
+    guesses = out[-1].clone() if guess else None
     out = out[:-1] if guess else out
-    probs = own(out[1]) if len(out) > 1 else None
-    support = own(out[2]) if len(out) > 2 else None
-    return _Step(rows, own(out[0]), probs, support, guesses)
+    probs = out[1].clone() if len(out) > 1 else None
+    support = out[2].clone() if len(out) > 2 else None
+    return _Step(rows, out[0].clone(), probs, support, guesses)
 
 
 def _read_drafts(

@@ -454,8 +454,7 @@ class DraftEngine:
         request's tail after a rejection, and after an admission or an all-accepted verdict;
         longer ones are prefilled eagerly, `Drafter._catch_up_tails`) and the one-token steps,
         for greedy and for sampled requests, with draft-ahead's guessing heads and its bonus
-        forward where it is on; with SPECDEC_DRAFT_CHAIN_STEPS, the chains of steps after the
-        first (`Drafter.drafts`). Left to the first Propose of a batch size, compiling and
+        forward where it is on. Left to the first Propose of a batch size, compiling and
         capturing can take longer than the hub's deadline for the draft, and the steps until
         it is resynchronised run without drafts. Leaves the engine as it was; returns the number
         of graphs captured (0 without graphs)."""
@@ -469,12 +468,6 @@ class DraftEngine:
         if not sizes or len(prompt) + k > runner.config.max_seq_len:
             return 0
         guessing = (False, True) if self.config.draft_ahead and runner.can_fork else (False,)
-        room = runner.config.max_seq_len - len(prompt) - 1
-        chains = min(self._drafter.chain_max, self.info.max_num_draft_tokens - 1, room)
-        # (tail, k) of the blocks run: each catch-up tail with k drafts after it, then with
-        # SPECDEC_DRAFT_CHAIN_STEPS the chains of 2 .. chain_max steps after step 0
-        shapes = [(n, k) for n in range(1, longest + 1)]
-        shapes += [(1, steps + 1) for steps in range(2, chains + 1)]
         # greedy and sampled requests take different heads
         kinds = (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0))
         before = runner.graphs_captured
@@ -485,9 +478,9 @@ class DraftEngine:
                     runner.add_request(rid)
                 try:
                     runner.forward([ForwardItem(rid, prompt, 0) for rid in ids])
-                    for sampling, guess, (n, ks) in product(kinds, guessing, shapes):
+                    for sampling, guess, n in product(kinds, guessing, range(1, longest + 1)):
                         reqs = [DraftRequest(list(prompt), sampling, 0, prompt[:-n]) for _ in ids]
-                        self._drafter.drafts(ids, reqs, [ks] * bs, guess, "warm-up")
+                        self._drafter.drafts(ids, reqs, [k] * bs, guess, "warm-up")
                     if True in guessing:  # the pass ahead's forward of d_k (`_bonus_guesses`)
                         last = runner.upload(torch.zeros(bs, 1, dtype=torch.long))
                         self._drafter.bonus_step(ids, last)

@@ -34,7 +34,6 @@ from specdec.errors import InvalidInputError
 from specdec.runner import ForwardItem, ModelRunner, RunnerConfig
 from specdec.runner.config import CheckpointInfo
 from specdec.runner.kv_cache import SlotCache
-from specdec.runner.runner import steps_in_turn
 from specdec.runner.timing import StepClock
 
 Head = Callable[..., tuple[torch.Tensor, ...]]
@@ -255,28 +254,6 @@ class StandInRunner:
         rows = token_ids.tolist()
         logits, outs = self.ragged_step(request_ids, rows, head, head_inputs)
         return outs if head is not None else logits
-
-    def chain_step(
-        self,
-        request_ids: Sequence[str],
-        token_ids: torch.Tensor,
-        head: Head,
-        head_inputs: Sequence[torch.Tensor],
-        steps: int,
-        advance: int,
-    ) -> tuple[torch.Tensor, ...]:
-        """As `ModelRunner.chain_step`, one graph step after another, each in its measured
-        time: the stand-in does not emulate the chain's single launch."""
-        lengths = [self._cache.length(r) for r in request_ids]
-
-        def undo() -> None:
-            for rid, length in zip(request_ids, lengths, strict=True):
-                self._cache.truncate(rid, length)
-
-        return steps_in_turn(
-            lambda t, ins: self.ragged_step(request_ids, t.tolist(), head, ins)[1],
-            undo, token_ids, head_inputs, steps, advance,
-        )  # fmt: skip
 
     def ragged_step(
         self,

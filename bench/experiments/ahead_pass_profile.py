@@ -22,7 +22,6 @@ import torch
 from bench import e2e_models
 from bench.runner_bench import prefill, runner_step_ms
 from draft_service.config import DraftConfig
-from draft_service.drafting import chain_steps
 from draft_service.engine import DraftEngine
 from draft_service.server import model_info
 from specdec.runner import ModelRunner, RunnerConfig
@@ -150,7 +149,6 @@ def main() -> None:
     result: dict[str, object] = {
         "gpu": torch.cuda.get_device_name(0) if device != "cpu" else "cpu",
         "graph_step_ms": {},
-        "draft_chain_steps": chain_steps(),  # SPECDEC_DRAFT_CHAIN_STEPS: 0, or chains of up to N
     }
     for batch in args.batches:
         ids = prefill(runner, batch, 64, runner.device)

@@ -311,14 +311,6 @@ class ParallelRunner(ModelRunner):
     def world(self) -> int:
         return len(self._ranks) + 1
 
-    def chain_step(self, *args: Any, **kwargs: Any) -> tuple[torch.Tensor, ...]:
-        """Not mirrored: the other ranks' heads are placeholders, so they could not feed the
-        steps forward, and rank 0 alone would wait in the model's collectives."""
-        raise NotImplementedError(
-            "chain_step is not available with tensor parallelism (SPECDEC_DRAFT_CHAIN_STEPS "
-            "needs a draft on one GPU)."
-        )
-
     def _watch(self) -> None:
         sentinels = {r.process.sentinel: r for r in self._ranks}
         ended = multiprocessing.connection.wait(list(sentinels))

@@ -22,7 +22,7 @@ from specdec.runner.blocks import CacheStats
 from specdec.runner.config import CheckpointInfo, ForwardItem, RunnerConfig
 from specdec.runner.decode_attention import MAX_ROWS
 from specdec.runner.fallback import HFBackend
-from specdec.runner.graphs import Head, StepGraphs, fed_steps, stacked
+from specdec.runner.graphs import Head, StepGraphs
 from specdec.runner.kv_cache import PagedCache, SlotCache
 from specdec.runner.loader import Checkpoint, open_checkpoint, tensor_reader, tokenizer_hash
 from specdec.runner.model import (
@@ -537,68 +537,6 @@ class ModelRunner:
         logits, outs = self._step(request_ids, token_ids, head, head_inputs, None, None)
         return outs if head is not None else logits
 
-    @_on_own_device
-    @torch.inference_mode()
-    def chain_step(
-        self,
-        request_ids: Sequence[str],
-        token_ids: torch.Tensor,
-        head: Head,
-        head_inputs: Sequence[torch.Tensor],
-        steps: int,
-        advance: int,
-    ) -> tuple[torch.Tensor, ...]:
-        """`steps` one-token steps from token_ids [B, 1], each fed the token the head sampled
-        in the one before (its first output), head input `advance` (the first draft's
-        position) one more each step: what `steps` `graph_step` calls fed back that way do.
-        Returns the head's outputs stacked [steps, B, ...]. On CUDA with B <= a captured batch
-        size, one CUDA graph replay (`graphs.chain_body`): one launch and no host work between
-        the steps; the outputs are then views of static buffers, valid until the next chain of
-        the same shape, and the replay counts as one of `graph_steps`. Each (padded batch,
-        steps, head) is a graph of its own, with its outputs' buffers ([steps, B, ...]: dense q
-        rows take steps x B x V floats). Otherwise `steps` graph steps one after another."""
-        b, n = token_ids.shape
-        if n != 1 or steps < 1 or not 0 <= advance < len(head_inputs):
-            raise InvalidInputError(
-                "chain_step needs token_ids [B, 1], steps >= 1 and a head input to advance."
-            )
-        bs = self._graphs.padded_size(b) if self._graphs is not None else None
-        if bs is None:
-            return self._chain_of_steps(request_ids, token_ids, head, head_inputs, steps, advance)
-        counts = [steps] * b
-        lengths = self._checked("chain_step", request_ids, token_ids, steps, counts)
-        assert self._graphs is not None
-        try:
-            slots, starts = self._prepared(request_ids, lengths, counts, self.config.max_seq_len)
-            tokens = token_ids.to(self._device, torch.long, non_blocking=True)
-            outs = self._graphs.run_chain(
-                bs, tokens, starts, slots, head, head_inputs, steps, advance
-            )
-            self.graph_steps += 1
-            for rid, length in zip(request_ids, lengths, strict=True):
-                self._cache.commit(rid, length, steps, None)
-        except BaseException:
-            self._roll_back(request_ids, lengths)
-            raise
-        return outs
-
-    def _chain_of_steps(
-        self,
-        request_ids: Sequence[str],
-        token_ids: torch.Tensor,
-        head: Head,
-        head_inputs: Sequence[torch.Tensor],
-        steps: int,
-        advance: int,
-    ) -> tuple[torch.Tensor, ...]:
-        """`chain_step` as one step after another (eager, or graphs of one step)."""
-        lengths = [self._cache.length(r) for r in request_ids]
-        return steps_in_turn(
-            lambda t, ins: self._step(request_ids, t, head, ins, None, None)[1],
-            lambda: self._roll_back(request_ids, lengths),
-            token_ids, head_inputs, steps, advance,
-        )  # fmt: skip
-
     def _step(
         self,
         request_ids: Sequence[str],
@@ -609,12 +547,21 @@ class ModelRunner:
         host_rows: Sequence[Sequence[int]] | None,  # the rows' ids where known on the host
     ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         b, n = token_ids.shape
+        for rid in request_ids:
+            self._cache.check_room(rid, n)
+        if token_ids.device.type == "cpu":  # on a GPU the check would cost a host sync per step
+            self._check_tokens(token_ids, ",".join(request_ids))
+            if host_rows is None and self._cache.page is not None:
+                host_rows = token_ids.tolist()
+        if len(set(request_ids)) != b:
+            raise InvalidInputError(
+                "graph_step needs one distinct request id per row of token_ids."
+            )
+        lengths = [self._cache.length(r) for r in request_ids]
         counts = [n] * b if kept is None else list(kept)
         # a paged cache gives each row blocks for its real tokens; its padding goes past them,
         # into its last block's unused positions or the scratch block its table ends with
-        lengths = self._checked("graph_step", request_ids, token_ids, n, counts)
-        if host_rows is None and token_ids.device.type == "cpu" and self._cache.page is not None:
-            host_rows = token_ids.tolist()
+        self._cache.check_fits(request_ids, lengths, counts)
         bs = self._graphs.padded_size(b) if self._graphs is not None else None
         try:
             return self._step_prepared(
@@ -623,28 +570,6 @@ class ModelRunner:
         except BaseException:
             self._roll_back(request_ids, lengths)
             raise
-
-    def _checked(
-        self,
-        call: str,
-        request_ids: Sequence[str],
-        token_ids: torch.Tensor,
-        room: int,
-        counts: list[int],
-    ) -> list[int]:
-        """The requests' lengths, after the checks a step makes before any work: room for
-        `room` more positions each, token ids in the vocabulary (tokens on the host only: on
-        a GPU the check would cost a host sync per step), one row per request, and the KV to
-        hold each row's `counts` positions."""
-        for rid in request_ids:
-            self._cache.check_room(rid, room)
-        if token_ids.device.type == "cpu":
-            self._check_tokens(token_ids, ",".join(request_ids))
-        if len(set(request_ids)) != token_ids.shape[0]:
-            raise InvalidInputError(f"{call} needs one distinct request id per row of token_ids.")
-        lengths = [self._cache.length(r) for r in request_ids]
-        self._cache.check_fits(request_ids, lengths, counts)
-        return lengths
 
     def _step_prepared(
         self,
@@ -660,7 +585,12 @@ class ModelRunner:
         n = token_ids.shape[1]
         # every row's n positions, padding too; a graph's tables are as wide as it captured
         cover = self.config.max_seq_len if bs is not None else max(lengths) + n
-        slots, starts = self._prepared(request_ids, lengths, counts, cover)
+        where = self._cache.prepare(request_ids, lengths, counts, cover)
+        if self._cache.page is None:
+            slots_starts = self._to_device([where, lengths])  # type: ignore[list-item, arg-type]
+            slots, starts = slots_starts[0], slots_starts[1]  # one copy for both
+        else:
+            slots, starts = self._to_device(where), self._to_device(lengths)
         tokens = token_ids.to(self._device, torch.long, non_blocking=True)
         if self._graphs is not None and bs is not None:
             logits, outs = self._graphs.run(bs, tokens, starts, slots, head, head_inputs)
@@ -674,17 +604,6 @@ class ModelRunner:
             ids = list(host_rows[i][: counts[i]]) if known else None  # type: ignore[index]
             self._cache.commit(rid, lengths[i], counts[i], ids)
         return logits, outs
-
-    def _prepared(
-        self, request_ids: Sequence[str], lengths: list[int], counts: list[int], cover: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The slots (paged: block tables) a step of `counts` tokens after `lengths` writes
-        through, made writable (`prepare`), and the lengths, on the device."""
-        where = self._cache.prepare(request_ids, lengths, counts, cover)
-        if self._cache.page is None:
-            slots_starts = self._to_device([where, lengths])  # type: ignore[list-item, arg-type]
-            return slots_starts[0], slots_starts[1]  # one copy for both
-        return self._to_device(where), self._to_device(lengths)
 
     @_on_own_device
     @torch.inference_mode()
@@ -802,27 +721,6 @@ class ModelRunner:
         device=cuda) copies from pageable memory and waits for the stream, so the host could
         not prepare the next step while the GPU runs this one."""
         return self.upload(torch.tensor(values, dtype=torch.long))
-
-
-def steps_in_turn(
-    step: Callable[[torch.Tensor, list[torch.Tensor]], tuple[torch.Tensor, ...]],
-    undo: Callable[[], None],
-    token_ids: torch.Tensor,
-    head_inputs: Sequence[torch.Tensor],
-    steps: int,
-    advance: int,
-) -> tuple[torch.Tensor, ...]:
-    """`chain_step`'s steps one call of `step(tokens [B, 1], head inputs)` each, fed as the
-    graph feeds them (`graphs.fed_steps`): the head's outputs stacked [steps, B, ...] (copied:
-    a graph's buffers are rewritten by the next step). If a step fails, `undo` (the requests
-    back to their lengths before the first), then the error."""
-    try:
-        outs = list(fed_steps(lambda _, t, ins: tuple(o.clone() for o in step(t, ins)),
-                              token_ids, head_inputs, steps, advance))  # fmt: skip
-    except BaseException:
-        undo()
-        raise
-    return stacked(outs)
 
 
 def _with_vocab(info: CheckpointInfo, vocab: int) -> CheckpointInfo:

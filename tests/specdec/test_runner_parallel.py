@@ -88,19 +88,11 @@ def test_two_ranks_give_one_ranks_logits(
 
 
 def test_an_error_in_a_call_changes_nothing_on_any_rank(
-    checkpoints: dict[str, tuple[Any, Path]], lost: list[str], monkeypatch: pytest.MonkeyPatch
+    checkpoints: dict[str, tuple[Any, Path]], lost: list[str]
 ) -> None:
-    from draft_service.config import DraftConfig
-    from draft_service.drafting import CHAIN_ENV, Drafter
-
     model, path = checkpoints["qwen3"]
     two = _launch(path, 2, lost)
     try:
-        # a chain of steps is not mirrored: a draft on several ranks runs its steps in turn
-        monkeypatch.setenv(CHAIN_ENV, "3")
-        assert Drafter(DraftConfig(runner=two.config), two, 250).chain_max == 0
-        with pytest.raises(NotImplementedError, match="tensor parallelism"):
-            two.chain_step(["a"], torch.tensor([[1]]), lambda lg: (lg,), (), 2, 0)
         two.add_request("a")
         with pytest.raises(InvalidInputError):
             two.forward([ForwardItem("a", [1, 2, 10_000], 1)])  # out of the vocabulary
