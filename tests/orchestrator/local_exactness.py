@@ -5,16 +5,19 @@ draft options, and the PIT chi-square of sampled tokens against the target."""
 from __future__ import annotations
 
 import random
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+import draft_service.sampling
 from bench.local import local_pair
 from draft_service.config import DraftConfig
+from draft_service.sampling import DraftSample, sample_draft
 from orchestrator.config import SchedulerConfig, ServeConfig, ServiceConfig
 from orchestrator.server import Orchestrator
 from specdec.runner import RunnerConfig
@@ -40,6 +43,7 @@ class Served:
     address: str
     target_dir: Path
     pair: Any = None  # bench.local.LocalPair
+    chain_asks: Any = None  # ChainAsks, where a test records them
 
 
 @contextmanager
@@ -87,16 +91,24 @@ def serving_ahead(
 
 
 def pit_against_target(
-    served: Served, case: Case, tokens: np.ndarray, temperature: float, seed: int
+    served: Served,
+    case: Case,
+    tokens: np.ndarray,
+    temperature: float,
+    seed: int,
+    only: np.ndarray | None = None,
 ) -> float:
     """Chi-square p-value of the PIT of every token after the first of each row of `tokens`
     (continuations of case.prompt), given its prefix, against the target at `temperature`;
-    0 if a token is one the target cannot produce."""
+    0 if a token is one the target cannot produce. `only` (bool, tokens' shape): just the
+    tokens it marks."""
     prompt = tuple(case.prompt)
     rows = tokens.tolist()
     new = tokens.shape[1]
-    prefix_of = [(*prompt, *row[:t]) for row in rows for t in range(1, new)]
-    token = np.array([row[t] for row in rows for t in range(1, new)])
+    mask = np.ones(tokens.shape, dtype=bool) if only is None else only
+    at = [(i, t) for i in range(len(rows)) for t in range(1, new) if mask[i, t]]
+    prefix_of = [(*prompt, *rows[i][:t]) for i, t in at]
+    token = np.array([rows[i][t] for i, t in at])
     prefixes = sorted(set(prefix_of))
     index = {prefix: i for i, prefix in enumerate(prefixes)}
     p = distributions(served.target_dir, prefixes, case, temperature).numpy()
@@ -115,6 +127,75 @@ def assert_follows_target(served: Served, case: Case, tokens: np.ndarray, seed: 
     wrong = pit_against_target(served, case, tokens, case.temperature * 2, seed=seed)
     print(f"against the target at temperature {case.temperature * 2:g}: p-value {wrong:.3g}")
     assert wrong < REJECT_BELOW, wrong
+
+
+class ChainAsks:
+    """The (request id, step) of every ask the draft answered from a chain drafted ahead,
+    recorded in this process (`AheadPass.take_chain` of the local pair's draft engine), and
+    which output tokens the steps of those asks committed."""
+
+    def __init__(self, served: Served) -> None:
+        self.asks: set[tuple[str, int]] = set()
+        ahead = served.pair.draft_engine._ahead
+        take = ahead.take_chain
+
+        def recorded(a: Any, missed: set[str]) -> Any:
+            chain = take(a, missed)
+            if chain is not None:
+                self.asks.add((a.request_id, a.step))
+            return chain
+
+        ahead.take_chain = recorded
+
+    def mask(self, outputs: list[Any], new: int) -> np.ndarray:
+        """bool [len(outputs), new]: the tokens of each `specdec.client.GenerateOutput` that
+        steps verifying a chain's drafts committed (num_accepted + 1 each)."""
+        out = np.zeros((len(outputs), new), dtype=bool)
+        for i, o in enumerate(outputs):
+            at = 0
+            for step in o.steps:
+                n = min(step.num_accepted + 1, new - at)
+                out[i, at : at + n] = (o.request_id, step.step) in self.asks
+                at += n
+            assert at == new, (at, o.steps)
+        return out
+
+
+def patch_draft_sampling(monkeypatch: Any, sample: Callable[..., object]) -> None:
+    """Every draft_service module's `sample_draft` name (the heads look it up when they run)."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("draft_service") and getattr(module, "sample_draft", None) is (
+            sample_draft
+        ):
+            monkeypatch.setattr(module, "sample_draft", sample)
+    assert draft_service.sampling.sample_draft is sample
+
+
+def q_of_another_temperature_ahead(monkeypatch: Any, served: Served, factor: float) -> None:
+    """A mutant of the pass ahead (`AheadPass.run`: the chains drafted ahead, a backup's
+    catch-up and the chains it spawns): its drafts are drawn at the request's temperature and
+    sent with q at `factor` times it, so the target tests them against a q they were not drawn
+    from. Drafts made outside the pass are left alone."""
+    ahead = served.pair.draft_engine._ahead
+    run = ahead.run
+    inside = [False]
+
+    def flagged(request_ids: Any) -> int:
+        inside[0] = True
+        try:
+            return int(run(request_ids))
+        finally:
+            inside[0] = False
+
+    def sample(logits: Any, temperature: Any, *args: Any, **kwargs: Any) -> DraftSample:
+        drawn = sample_draft(logits, temperature, *args, **kwargs)
+        if not inside[0]:
+            return drawn
+        sent = sample_draft(logits, temperature * factor, *args, **kwargs)
+        return replace(sent, token_ids=drawn.token_ids)
+
+    monkeypatch.setattr(ahead, "run", flagged)
+    patch_draft_sampling(monkeypatch, sample)
 
 
 class Seeds:

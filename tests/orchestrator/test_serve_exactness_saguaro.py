@@ -16,17 +16,20 @@ greedy output, token for token.
 from __future__ import annotations
 
 import asyncio
-import sys
 from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import numpy as np
 import pytest
 
-import draft_service.sampling
 from draft_service.sampling import DraftSample, sample_draft
 from specdec.client import AsyncClient
-from tests.orchestrator.local_exactness import Served, pit_against_target, serving_ahead
+from tests.orchestrator.local_exactness import (
+    Served,
+    patch_draft_sampling,
+    pit_against_target,
+    serving_ahead,
+)
 from tests.orchestrator.test_serve_exactness import (
     REJECT_BELOW,
     Case,
@@ -100,16 +103,6 @@ def _mutant(draw_scaled: bool) -> Callable[..., DraftSample]:
     return sample
 
 
-def _patch_draft_sampling(monkeypatch: pytest.MonkeyPatch, sample: Callable[..., object]) -> None:
-    """Every draft_service module's `sample_draft` name (the heads look it up when they run)."""
-    for name, module in list(sys.modules.items()):
-        if name.startswith("draft_service") and getattr(module, "sample_draft", None) is (
-            sample_draft
-        ):
-            monkeypatch.setattr(module, "sample_draft", sample)
-    assert draft_service.sampling.sample_draft is sample
-
-
 def test_every_token_follows_target_with_saguaro(served: Served) -> None:
     tokens, hits, _ = _run(served, 600)
     assert hits >= 50, f"draft-ahead answered only {hits:.0f} asks from chains"
@@ -122,7 +115,7 @@ def test_every_token_follows_target_with_saguaro(served: Served) -> None:
 def test_a_q_other_than_the_one_drawn_from_is_rejected(
     served: Served, monkeypatch: pytest.MonkeyPatch, draw_scaled: bool
 ) -> None:
-    _patch_draft_sampling(monkeypatch, _mutant(draw_scaled))
+    patch_draft_sampling(monkeypatch, _mutant(draw_scaled))
     # (the mutant's every proposal pairs its draws with the wrong q, chain or not; one that
     # sends the unscaled q gets few hits, since the residual no longer falls on the guesses)
     tokens, _, _ = _run(served, 300)
