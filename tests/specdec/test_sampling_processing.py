@@ -1,13 +1,17 @@
 """One top-k / top-p rule: the draft keeps exactly the tokens the target keeps for the same
-logits and sampling parameters (top-k, top-p, both, ties at the boundary)."""
+logits and sampling parameters (top-k, top-p, both, ties at the boundary); the target's
+distribution equals a reference written apart from the rule's code, which tells a top-k or a
+top-p off by a little from it."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
 from draft_service.sampling import sample_draft
-from target_service.logits_processing import logit_thresholds
+from target_service.logits_processing import logit_thresholds, target_distribution
+from tests.specdec.reference_sampling import reference_distribution
 
 VOCAB = 64
 ROWS = 32
@@ -75,3 +79,33 @@ def test_mixed_rows_in_one_batch_match_row_by_row() -> None:
     target = _target_kept(logits, temperature, top_k, top_p)
     dense, sparse = _draft_kept(logits, temperature, top_k, top_p)
     assert torch.equal(dense, target) and torch.equal(sparse, target)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"),
+    [(1.0, 0, 1.0), (0.7, 20, 0.9), (0.8, 10, 1.0), (0.3, 0, 0.9), (0.5, 1, 1.0), (0.0, 0, 1.0)],
+)
+def test_the_target_distribution_is_the_reference(
+    temperature: float, top_k: int, top_p: float
+) -> None:
+    """The oracle the served exactness tests use (`target_distribution`) equals the reference
+    on random logits (up to float32), and a rule off by one token of top-k or by 0.02 of top-p
+    differs from it by far more."""
+    gen = torch.Generator().manual_seed(int(temperature * 10) + top_k)
+    logits = torch.randn(ROWS, 512, generator=gen) * 3
+    full = torch.full((ROWS,), 1.0)
+
+    def target(k: int, p: float) -> np.ndarray:
+        return target_distribution(
+            logits, full * temperature, torch.full((ROWS,), k, dtype=torch.int32), full * p
+        ).numpy()
+
+    reference, ambiguous = reference_distribution(logits.double().numpy(), temperature, top_k,
+                                                  top_p)  # fmt: skip
+    sure = ~ambiguous
+    assert sure.sum() >= ROWS - 1
+    assert np.abs(target(top_k, top_p)[sure] - reference[sure]).max() < 1e-6
+    if top_k > 1:
+        assert np.abs(target(top_k - 1, top_p)[sure] - reference[sure]).max() > 1e-3
+    if top_p < 1.0:
+        assert np.abs(target(top_k, top_p - 0.02)[sure] - reference[sure]).max() > 1e-3
