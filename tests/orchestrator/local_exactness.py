@@ -149,7 +149,10 @@ class ChainAsks:
 
     def mask(self, outputs: list[Any], new: int) -> np.ndarray:
         """bool [len(outputs), new]: the tokens of each `specdec.client.GenerateOutput` that
-        steps verifying a chain's drafts committed (num_accepted + 1 each)."""
+        steps whose ask was answered from a chain committed (num_accepted + 1 each). An ask
+        answered so whose step then went on without drafts (a deadline missed) is marked too:
+        which steps are marked depends only on earlier verdicts, so the PIT of the marked tokens
+        is still uniform under exactness."""
         out = np.zeros((len(outputs), new), dtype=bool)
         for i, o in enumerate(outputs):
             at = 0
@@ -175,7 +178,9 @@ def q_of_another_temperature_ahead(monkeypatch: Any, served: Served, factor: flo
     """A mutant of the pass ahead (`AheadPass.run`: the chains drafted ahead, a backup's
     catch-up and the chains it spawns): its drafts are drawn at the request's temperature and
     sent with q at `factor` times it, so the target tests them against a q they were not drawn
-    from. Drafts made outside the pass are left alone."""
+    from. Drafts made outside the pass are left alone. For requests without top-k or top-p
+    only: with them the support changes with the temperature, and a drawn token outside the
+    sent q is refused rather than tested."""
     ahead = served.pair.draft_engine._ahead
     run = ahead.run
     inside = [False]

@@ -155,10 +155,11 @@ def test_pushed_chains_verified_against_another_q_are_rejected(
     the drafts were drawn from (the whole output, whose other tokens are right, did not: p =
     0.592 over 180 requests)."""
     monkeypatch.setattr(hub_draft, "_from_push", _q_cubed(hub_draft._from_push))
-    prompts = [list(CASE.prompt)] * 400  # 180: p = 5.5e-4 over 229 tokens; 450: 3e-7 over 492
-    tokens, (_, _, pushed), from_chains = _run(served, prompts, 1, temperature=CASE.temperature,
-                                               proposer="draft")  # fmt: skip
+    prompts = [list(CASE.prompt)] * 600  # 180: p = 5.5e-4 over 229 tokens; 450: 3e-7 over 492
+    tokens, (hits, _, pushed), from_chains = _run(served, prompts, 1, temperature=CASE.temperature,
+                                                  proposer="draft")  # fmt: skip
     assert pushed >= 50, f"only {pushed:.0f} asks were answered from pushed chains"
+    assert pushed == hits, "every chain the mutant reached came from a push"
     assert from_chains is not None
     wrong = pit_against_target(served, CASE, tokens, CASE.temperature, seed=19, only=from_chains)
     print(f"mutant: PIT of the {from_chains[:, 1:].sum()} tokens from chains: p-value {wrong:.3g}")

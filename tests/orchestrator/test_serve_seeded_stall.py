@@ -1,20 +1,22 @@
 """A seeded sampled request's output does not depend on the draft's timing, through the client
 API: the same seeded requests, beside unseeded ones, through a local pair drafting ahead and
-through one in lock-step, each run once with a draft that answers on time and once with a draft
-that stalls past the hub's deadline now and then (its Propose answer held back, here in this
-process, `DraftEngine.propose_timed`), give the same tokens, with the same k at every step.
+through one in lock-step, each run once with the draft on time and once with its engine stuck
+while they run (its lock held inside a Release, here in this process: it answers no Propose and
+no probe either), give the same tokens, with the same k at every step.
 
 What the hub promises (docs/design.md, "A seeded request's k does not depend on the draft's
 timing"): during a stall the unseeded requests go on at k = 0, while a seeded one sits steps out
 and waits for its drafts up to `seeded_deadline_s`; only a draft taken as down changes its k.
-The stalls here are longer than the deadline and shorter than `seeded_deadline_s`, and the test
-checks that they took effect (the hub's deadline fallbacks moved, and unseeded requests ran at
-k = 0). CPU, float32: the tokens are equal bit for bit.
+The stall here lasts past the hub's deadline (until steps have fallen back) and ends well
+before `seeded_deadline_s`; the test checks that it took effect (steps fell back, the unseeded
+request running beside ran at k = 0, the seeded ones ended after it). CPU, float32: the tokens
+are equal bit for bit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -33,31 +35,39 @@ SHORT, SHORT_TOKENS = 2, 2  # unseeded, sent next: they end while the seeded one
 ARMED_AT = 8  # tokens every seeded request has streamed when the short ones are sent
 LONG_TOKENS = 128  # one unseeded request that runs through the stall, at k = 0
 TEMPERATURE = 0.3  # draft-ahead's guesses hold the verdict often enough for hits
-DEADLINE_S = 0.5  # the hub's deadline; a seeded request waits up to 10 of them
-STALL_S = 2.0  # past the deadline, short of the seeded requests' wait
+DEADLINE_S = 0.5  # the hub's deadline (its floor); a seeded request waits up to 10 of them
+STALL_MAX_S = 4.0  # how long the stall waits at most for steps to fall back
+STALL_AFTER_S = 0.5  # and then goes on for, while the seeded requests sit it out
 FALLBACKS = "specdec:draft_fallback_steps_total"
 
 
 class Stall:
-    """While `on`, the draft engine stuck for STALL_S in its first Release (its lock held, so
-    that it answers no Propose and no probe either): the hub's release of the first request to
-    end misses its deadline, and the draft is stalled until the engine answers again."""
+    """While `on`, the draft engine stuck in its first Release, its lock held so that it
+    answers no Propose and no probe either: the hub's release of the first request to end
+    misses its deadline and the draft is stalled. The engine answers again STALL_AFTER_S after
+    `fallen_back()` (steps went on at k = 0 past the deadline, which rises on a loaded machine)
+    or after STALL_MAX_S, well short of the seeded requests' wait."""
 
     def __init__(self, engine: Any) -> None:
         self.on = False
         self.span: tuple[float, float] | None = None
+        self.fallen_back: Callable[[], bool] = lambda: False
         self._lock = threading.Lock()
-        self._engine_lock = engine._lock  # held through the stall: the engine answers nothing
+        self._engine_lock = engine._lock
         self._release: Callable[..., Any] = engine.release
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         with self._lock:
             stall = self.on and self.span is None
-            if stall:
-                self.span = (time.monotonic(), time.monotonic() + STALL_S)
+            if stall:  # its end is set once the engine answers again
+                self.span = (time.monotonic(), math.inf)
         if stall:
             with self._engine_lock:
-                time.sleep(STALL_S)
+                start = time.monotonic()
+                while not self.fallen_back() and time.monotonic() - start < STALL_MAX_S:
+                    time.sleep(0.05)
+                time.sleep(STALL_AFTER_S)
+                self.span = (start, time.monotonic())
         return self._release(*args, **kwargs)
 
 
@@ -130,6 +140,7 @@ def _run(pair: tuple[Served, Stall], stalled: bool) -> list[Output]:
     served, stall = pair
     stall.on, stall.span = False, None
     before = _total(served.orchestrator, FALLBACKS)
+    stall.fallen_back = lambda: _total(served.orchestrator, FALLBACKS) > before
     t0 = time.monotonic()
     try:
         seeded, long = asyncio.run(_generate(served.address, stall if stalled else None))
@@ -139,7 +150,7 @@ def _run(pair: tuple[Served, Stall], stalled: bool) -> list[Output]:
     print(f"\n{'stalled' if stalled else 'on time'}: {fallbacks:.0f} steps fell back at the "
           "deadline")  # fmt: skip
     if stalled:
-        assert stall.span is not None, "no Release answer was held back"
+        assert stall.span is not None, "no Release was held up"
         start, end = stall.span
         ended = [e - t0 for _, _, e in seeded]
         print(f"stall from {start - t0:.2f} to {end - t0:.2f} s; the seeded requests ended at "
@@ -148,7 +159,8 @@ def _run(pair: tuple[Served, Stall], stalled: bool) -> list[Output]:
         assert all(start - t0 < e for e in ended), "a seeded one ended before the stall"
         assert all(end - t0 < e for e in ended), "a seeded one went on during the stall"
         assert fallbacks >= 1, "no step went on at k = 0 past the deadline"
-        assert 0 in long[1][:-1], "the long unseeded request never ran at k = 0"
+        # (its step 0 is the prefill's, at k = 0 always)
+        assert 0 in long[1][1:-1], "the long unseeded request never ran at k = 0"
     return seeded
 
 

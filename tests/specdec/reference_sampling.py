@@ -1,7 +1,8 @@
-"""The exactness tests' reference for a next-token distribution under temperature, top-k and
-top-p, written apart from `specdec.sampling` (the rule the draft and the target share, which
-their oracle `target_distribution` uses too): where the two agree, a wrong rule would have to be
-wrong the same way twice."""
+"""The exactness tests' second implementation of the next-token distribution under
+temperature, top-k and top-p, written apart from `specdec.sampling` (the code the draft, the
+target and their oracle `target_distribution` share): where the two agree, a coding error in the
+shared code would have to be made twice. It follows the same rule, so a misreading of the rule
+is not caught here (test_sampling_processing's hand-written cases check the rule)."""
 
 from __future__ import annotations
 
