@@ -174,13 +174,29 @@ def patch_draft_sampling(monkeypatch: Any, sample: Callable[..., object]) -> Non
     assert draft_service.sampling.sample_draft is sample
 
 
+def q_at_another_temperature(
+    factor: float, applies: Callable[[], bool] = lambda: True
+) -> Callable[..., DraftSample]:
+    """A mutant of the draft's sampling (for `patch_draft_sampling`): where `applies()`, it
+    draws at the request's temperature and sends q at `factor` times it, so the target tests
+    the drafts against a q they were not drawn from. For requests without top-k or top-p only:
+    with them the support changes with the temperature, and a drawn token outside the sent q
+    is refused rather than tested."""
+
+    def sample(logits: Any, temperature: Any, *args: Any, **kwargs: Any) -> DraftSample:
+        drawn = sample_draft(logits, temperature, *args, **kwargs)
+        if not applies():
+            return drawn
+        sent = sample_draft(logits, temperature * factor, *args, **kwargs)
+        return replace(sent, token_ids=drawn.token_ids)
+
+    return sample
+
+
 def q_of_another_temperature_ahead(monkeypatch: Any, served: Served, factor: float) -> None:
-    """A mutant of the pass ahead (`AheadPass.run`: the chains drafted ahead, a backup's
-    catch-up and the chains it spawns): its drafts are drawn at the request's temperature and
-    sent with q at `factor` times it, so the target tests them against a q they were not drawn
-    from. Drafts made outside the pass are left alone. For requests without top-k or top-p
-    only: with them the support changes with the temperature, and a drawn token outside the
-    sent q is refused rather than tested."""
+    """`q_at_another_temperature` in the pass ahead only (`AheadPass.run`: the chains drafted
+    ahead, a backup's catch-up and the chains it spawns); drafts made outside it are left
+    alone."""
     ahead = served.pair.draft_engine._ahead
     run = ahead.run
     inside = [False]
@@ -192,15 +208,8 @@ def q_of_another_temperature_ahead(monkeypatch: Any, served: Served, factor: flo
         finally:
             inside[0] = False
 
-    def sample(logits: Any, temperature: Any, *args: Any, **kwargs: Any) -> DraftSample:
-        drawn = sample_draft(logits, temperature, *args, **kwargs)
-        if not inside[0]:
-            return drawn
-        sent = sample_draft(logits, temperature * factor, *args, **kwargs)
-        return replace(sent, token_ids=drawn.token_ids)
-
     monkeypatch.setattr(ahead, "run", flagged)
-    patch_draft_sampling(monkeypatch, sample)
+    patch_draft_sampling(monkeypatch, q_at_another_temperature(factor, lambda: inside[0]))
 
 
 class Seeds:

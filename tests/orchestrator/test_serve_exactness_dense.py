@@ -14,19 +14,17 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from dataclasses import replace
-from typing import Any
 
 import numpy as np
 import pytest
 
-from draft_service.sampling import DraftSample, sample_draft
 from specdec.client import AsyncClient
 from tests.orchestrator.local_exactness import (
     Served,
     draw_seeds_from,
     patch_draft_sampling,
     pit_against_target,
+    q_at_another_temperature,
     serving_ahead,
 )
 from tests.orchestrator.test_serve_exactness import REJECT_BELOW, Case, K
@@ -91,12 +89,7 @@ def test_every_token_follows_target_with_dense_q(served: Served) -> None:
 def test_a_dense_q_other_than_the_one_drawn_from_is_rejected(
     served: Served, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def sample(logits: Any, temperature: Any, *args: Any, **kwargs: Any) -> DraftSample:
-        drawn = sample_draft(logits, temperature, *args, **kwargs)
-        sent = sample_draft(logits, temperature * 4, *args, **kwargs)
-        return replace(sent, token_ids=drawn.token_ids)
-
-    patch_draft_sampling(monkeypatch, sample)
+    patch_draft_sampling(monkeypatch, q_at_another_temperature(4.0))
     tokens, _, _ = _run(served, 300)
     wrong = pit_against_target(served, CASE, tokens, CASE.temperature, seed=23)
     print(f"mutant: PIT of {tokens[:, 1:].size} tokens: p-value {wrong:.3g}")

@@ -60,10 +60,10 @@ class Stall:
         with self._lock:
             stall = self.on and self.span is None
             if stall:  # its end is set once the engine answers again
-                self.span = (time.monotonic(), math.inf)
+                start = time.monotonic()
+                self.span = (start, math.inf)
         if stall:
             with self._engine_lock:
-                start = time.monotonic()
                 while not self.fallen_back() and time.monotonic() - start < STALL_MAX_S:
                     time.sleep(0.05)
                 time.sleep(STALL_AFTER_S)

@@ -38,3 +38,13 @@ def reference_distribution(
         w = np.where(z >= threshold, np.exp((z - z.max()) / temperature), 0.0)
         out[r] = w / w.sum()
     return out, ambiguous
+
+
+def reference_gap(
+    probs: np.ndarray, logits: np.ndarray, temperature: float, top_k: int, top_p: float
+) -> tuple[float, int]:
+    """The largest difference between `probs` [R, V] and the reference distribution of the
+    same `logits` (float64), over the rows not on a top-p boundary; and how many rows are."""
+    reference, ambiguous = reference_distribution(logits, temperature, top_k, top_p)
+    sure = ~ambiguous
+    return float(np.abs(probs[sure] - reference[sure]).max(initial=0.0)), int(ambiguous.sum())
